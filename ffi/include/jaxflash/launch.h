@@ -1,0 +1,73 @@
+// Entry points the handlers call. Kernels implement them; handlers never name
+// a kernel template. Free of XLA and CUDA headers (see params.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+
+#include "jaxflash/params.h"
+
+// The CUDA runtime spells its stream type exactly this way, so declaring it
+// here keeps CUDA headers out of this file without a conflicting definition.
+typedef struct CUstream_st* cudaStream_t;
+
+namespace jaxflash {
+
+// An error message, or ok. Kernels report failures through this; nothing throws
+// across the FFI boundary.
+class Status {
+ public:
+  Status() = default;
+  static Status Ok() { return Status(); }
+  static Status InvalidArgument(std::string m) { return Status(Code::kInvalidArgument, std::move(m)); }
+  static Status Unimplemented(std::string m) { return Status(Code::kUnimplemented, std::move(m)); }
+  static Status Internal(std::string m) { return Status(Code::kInternal, std::move(m)); }
+
+  enum class Code { kOk, kInvalidArgument, kUnimplemented, kInternal };
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  Status(Code c, std::string m) : code_(c), message_(std::move(m)) {}
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+// ---------------------------------------------------------------- CPU
+// Runs fn(0) ... fn(n - 1), possibly in parallel, and returns when all are done.
+class ParallelRunner {
+ public:
+  virtual ~ParallelRunner() = default;
+  virtual void For(int64_t n, const std::function<void(int64_t)>& fn) const = 0;
+};
+
+Status CpuAttentionForward(const FwdParams& params, const ParallelRunner& runner);
+// params.delta must point at batch * q_heads * q_len floats.
+Status CpuAttentionBackward(const BwdParams& params, const ParallelRunner& runner);
+
+// ---------------------------------------------------------------- CUDA
+// Built only when the CUDA part of the extension is compiled.
+struct CudaDevice {
+  int ordinal = 0;
+  int arch = 0;             // compute capability, e.g. 80, 90
+  int sm_count = 0;
+  size_t max_smem_per_block = 0;  // opt-in limit
+};
+
+// Queries (and caches) the properties of the current device.
+Status CudaCurrentDevice(CudaDevice* device);
+
+Status CudaAttentionForward(const FwdParams& params, const CudaDevice& device, cudaStream_t stream);
+// Device scratch the backward needs, params.delta included: the CUDA launcher
+// carves delta (and any dQ accumulator) out of `workspace` and ignores the
+// pointer in params.
+size_t CudaBackwardWorkspaceBytes(const BwdParams& params, const CudaDevice& device);
+// `workspace` holds CudaBackwardWorkspaceBytes bytes, 256-byte aligned.
+Status CudaAttentionBackward(const BwdParams& params, void* workspace, const CudaDevice& device,
+                             cudaStream_t stream);
+
+}  // namespace jaxflash

@@ -1,0 +1,103 @@
+// The boundary between the FFI handlers and the kernels.
+//
+// Handlers decode XLA buffers and attributes, check them, and fill these plain
+// structs; kernels (C++ on the CPU, CUDA on the GPU) read nothing else. This
+// header must stay free of XLA and CUDA headers so that nvcc and the host
+// compiler can both include it.
+//
+// Layouts (row-major, dense, as XLA hands them to a custom call):
+//   q, o, dq, do    [batch, q_len, q_heads, head_dim]
+//   k, v, dk, dv    [batch, kv_len, kv_heads, head_dim]
+//   lse, dlse       [batch, q_heads, q_len]   float32, natural-log units
+//   q_lengths,
+//   kv_lengths      [batch]                   int32, clamped to [0, q_len] / [0, kv_len]
+#pragma once
+
+#include <cstdint>
+
+namespace jaxflash {
+
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+inline const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+// Which keys a query row may see. Row i of batch element b (i < q_len_b)
+// attends key j iff
+//   j < kv_len_b
+//   and (window_left  < 0 or j >= i + offset_b - window_left)
+//   and (window_right < 0 or j <= i + offset_b + window_right)
+// where offset_b = bottom_right ? kv_len_b - q_len_b : 0 (q_len_b, kv_len_b
+// are the per-batch lengths). Causal attention is window_right = 0.
+// Rows with no visible key produce O = 0 and LSE = -inf.
+struct MaskParams {
+  int64_t window_left = -1;   // < 0: unbounded
+  int64_t window_right = -1;  // < 0: unbounded
+  bool bottom_right = false;
+};
+
+struct AttentionShape {
+  int64_t batch = 0;
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+
+  int64_t group_size() const { return q_heads / kv_heads; }
+  // Element strides of the dense layouts above.
+  int64_t q_row_stride() const { return q_heads * head_dim; }
+  int64_t q_batch_stride() const { return q_len * q_heads * head_dim; }
+  int64_t kv_row_stride() const { return kv_heads * head_dim; }
+  int64_t kv_batch_stride() const { return kv_len * kv_heads * head_dim; }
+};
+
+struct FwdParams {
+  AttentionShape shape;
+  DType dtype = DType::kFloat32;
+  MaskParams mask;
+  float scale = 1.0f;  // multiplies q·k before the softmax
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const int32_t* q_lengths = nullptr;
+  const int32_t* kv_lengths = nullptr;
+
+  void* o = nullptr;
+  float* lse = nullptr;
+};
+
+struct BwdParams {
+  AttentionShape shape;
+  DType dtype = DType::kFloat32;
+  MaskParams mask;
+  float scale = 1.0f;
+  bool deterministic = false;  // bit-identical results run to run
+
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  const void* o = nullptr;
+  const float* lse = nullptr;
+  const void* dout = nullptr;
+  const float* dlse = nullptr;  // cotangent of the LSE output
+  const int32_t* q_lengths = nullptr;
+  const int32_t* kv_lengths = nullptr;
+
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+
+  // Scratch the handler allocates: delta = rowsum(dO * O) - dLSE, one float per
+  // (batch, q_head, row). GPU kernels may ask for more (see their launchers).
+  float* delta = nullptr;
+};
+
+}  // namespace jaxflash
