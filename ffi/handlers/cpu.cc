@@ -1,0 +1,95 @@
+// CPU FFI handlers: decode, check, run the CPU kernels on XLA's intra-op
+// thread pool.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "decode.h"
+#include "handlers.h"
+
+namespace jaxflash::handlers {
+namespace {
+
+// Spreads work items over XLA's CPU thread pool. The calling thread works too,
+// and waits only for items, not for tasks: a task the pool starts late finds
+// no item left and returns, so a busy pool can delay but never deadlock a call.
+class PoolRunner final : public ParallelRunner {
+ public:
+  explicit PoolRunner(ffi::ThreadPool* pool) : pool_(pool) {}
+
+  void For(int64_t n, const std::function<void(int64_t)>& fn) const override {
+    if (n <= 0) return;
+    const int64_t helpers = std::min<int64_t>(n, pool_->num_threads()) - 1;
+    if (helpers <= 0) {
+      for (int64_t i = 0; i < n; ++i) fn(i);
+      return;
+    }
+    auto state = std::make_shared<State>(n, fn);
+    for (int64_t t = 0; t < helpers; ++t) pool_->Schedule([state] { state->Drain(); });
+    state->Drain();
+    std::unique_lock<std::mutex> lock(state->mu);
+    state->cv.wait(lock, [&] { return state->done.load() == state->n; });
+  }
+
+ private:
+  struct State {
+    State(int64_t count, const std::function<void(int64_t)>& f) : n(count), fn(f) {}
+    void Drain() {
+      int64_t finished = 0;
+      for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+        fn(i);
+        ++finished;
+      }
+      if (finished > 0 && done.fetch_add(finished) + finished == n) {
+        { std::lock_guard<std::mutex> lock(mu); }
+        cv.notify_all();
+      }
+    }
+    const int64_t n;
+    // Only called while items remain, i.e. while the handler is still waiting.
+    std::function<void(int64_t)> fn;
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  ffi::ThreadPool* pool_;
+};
+
+ffi::Error CpuForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                      int64_t window_left, int64_t window_right, bool bottom_right) {
+  FwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, o, lse, scale,
+                                         window_left, window_right, bottom_right, &p));
+  return ToFfiError(CpuAttentionForward(p, PoolRunner(&pool)));
+}
+
+ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
+                       ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                       ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                       ffi::Result<ffi::AnyBuffer> dv, float scale, int64_t window_left,
+                       int64_t window_right, bool bottom_right, bool deterministic) {
+  BwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
+                                          dk, dv, scale, window_left, window_right, bottom_right,
+                                          deterministic, &p));
+  // O(batch * heads * q_len): the only memory the backward adds.
+  std::vector<float> delta(static_cast<size_t>(p.shape.batch * p.shape.q_heads * p.shape.q_len));
+  p.delta = delta.data();
+  return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForward,
+                              BindForward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackward, CpuBackward,
+                              BindBackward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+
+}  // namespace jaxflash::handlers

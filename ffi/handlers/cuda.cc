@@ -1,0 +1,62 @@
+// CUDA FFI handlers: decode, check, launch on XLA's stream. They never
+// synchronise; workspace comes from XLA's scratch allocator, and every launch
+// error comes back as an ffi::Error.
+#include <cuda_runtime_api.h>
+
+#include "decode.h"
+#include "handlers.h"
+
+namespace jaxflash::handlers {
+namespace {
+
+ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
+                       int64_t window_left, int64_t window_right, bool bottom_right) {
+  FwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, o, lse, scale,
+                                         window_left, window_right, bottom_right, &p));
+  CudaDevice device;
+  JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  return ToFfiError(CudaAttentionForward(p, device, stream));
+}
+
+ffi::Error CudaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+                        ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
+                        ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                        bool deterministic) {
+  BwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
+                                          dk, dv, scale, window_left, window_right, bottom_right,
+                                          deterministic, &p));
+  CudaDevice device;
+  JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  const size_t bytes = CudaBackwardWorkspaceBytes(p, device);
+  void* workspace = nullptr;
+  if (bytes > 0) {
+    auto allocation = scratch.Allocate(bytes, 256);
+    if (!allocation.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "jaxflash: could not allocate " + std::to_string(bytes) +
+                            " bytes of backward workspace");
+    }
+    workspace = *allocation;
+  }
+  return ToFfiError(CudaAttentionBackward(p, workspace, device, stream));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForward,
+                              BindForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackward,
+                              BindBackward(ffi::Ffi::Bind()
+                                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                               .Ctx<ffi::ScratchAllocator>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jaxflash::handlers

@@ -1,0 +1,264 @@
+// Buffer and attribute decoding shared by the CPU and CUDA handlers.
+//
+// The Python layer validates every argument at trace time with messages aimed
+// at users; these checks run again on what XLA actually hands the handler, so
+// a malformed call returns an ffi::Error instead of reaching a kernel.
+//
+// Leading dimensions beyond the documented rank are folded into the batch:
+// that is how a vmapped call (vmap_method="broadcast_all") arrives.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "jaxflash/launch.h"
+#include "jaxflash/params.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxflash::handlers {
+
+namespace ffi = xla::ffi;
+
+// Shape limits the kernels rely on (int32 row/column indices).
+constexpr int64_t kMaxSequence = int64_t{1} << 30;
+constexpr int64_t kMaxHeadDim = 256;
+
+inline ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("jaxflash: " + what);
+}
+
+inline ffi::Error ToFfiError(const Status& s) {
+  switch (s.code()) {
+    case Status::Code::kOk: return ffi::Error::Success();
+    case Status::Code::kInvalidArgument: return ffi::Error::InvalidArgument("jaxflash: " + s.message());
+    case Status::Code::kUnimplemented:
+      return ffi::Error(ffi::ErrorCode::kUnimplemented, "jaxflash: " + s.message());
+    case Status::Code::kInternal: return ffi::Error::Internal("jaxflash: " + s.message());
+  }
+  return ffi::Error::Internal("jaxflash: unknown status");
+}
+
+inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Product of the leading `dims.size() - trailing` dimensions.
+inline int64_t LeadingProduct(ffi::AnyBuffer::Dimensions dims, size_t trailing) {
+  int64_t n = 1;
+  for (size_t i = 0; i + trailing < dims.size(); ++i) n *= dims[i];
+  return n;
+}
+
+inline bool DecodeDType(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kFloat32; return true;
+    case ffi::DataType::F16: *out = DType::kFloat16; return true;
+    case ffi::DataType::BF16: *out = DType::kBFloat16; return true;
+    default: return false;
+  }
+}
+
+// Checks `buf` is [lead..., trailing...] with the given trailing dims and a
+// leading product equal to `batch`.
+inline ffi::Error ExpectShape(const char* name, ffi::AnyBuffer::Dimensions dims,
+                              std::initializer_list<int64_t> trailing, int64_t batch) {
+  const size_t n = trailing.size();
+  bool ok = dims.size() >= n && LeadingProduct(dims, n) == batch;
+  size_t i = dims.size() >= n ? dims.size() - n : 0;
+  for (int64_t want : trailing) {
+    if (!ok) break;
+    ok = dims[i++] == want;
+  }
+  if (ok) return ffi::Error::Success();
+  std::string want = "[batch";
+  for (int64_t w : trailing) want += ", " + std::to_string(w);
+  return Invalid(std::string(name) + " has shape " + ShapeString(dims) + ", expected " + want +
+                 "] with batch " + std::to_string(batch));
+}
+
+// Fills shape and dtype from q, k, v and checks every rule the kernels assume.
+inline ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                AttentionShape* shape, DType* dtype) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() < 4 || kd.size() != qd.size()) {
+    return Invalid("query must be [batch, q_len, heads, head_dim] and key the same rank, got " +
+                   ShapeString(qd) + " and " + ShapeString(kd));
+  }
+  const size_t r = qd.size();
+  shape->batch = LeadingProduct(qd, 3);
+  shape->q_len = qd[r - 3];
+  shape->q_heads = qd[r - 2];
+  shape->head_dim = qd[r - 1];
+  shape->kv_len = kd[r - 3];
+  shape->kv_heads = kd[r - 2];
+  if (auto e = ExpectShape("key", kd, {shape->kv_len, shape->kv_heads, shape->head_dim},
+                           shape->batch);
+      e.failure()) {
+    return e;
+  }
+  if (auto e = ExpectShape("value", v.dimensions(),
+                           {shape->kv_len, shape->kv_heads, shape->head_dim}, shape->batch);
+      e.failure()) {
+    return e;
+  }
+  if (!DecodeDType(q.element_type(), dtype)) {
+    return Invalid("query dtype must be float32, float16 or bfloat16");
+  }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
+    return Invalid("query, key and value must share one dtype");
+  }
+  if (shape->head_dim < 1 || shape->head_dim > kMaxHeadDim) {
+    return Invalid("head_dim must be in [1, 256], got " + std::to_string(shape->head_dim));
+  }
+  if (shape->kv_heads < 1 || shape->q_heads % shape->kv_heads != 0) {
+    return Invalid("query heads (" + std::to_string(shape->q_heads) +
+                   ") must be a positive multiple of key/value heads (" +
+                   std::to_string(shape->kv_heads) + ")");
+  }
+  if (shape->q_len >= kMaxSequence || shape->kv_len >= kMaxSequence) {
+    return Invalid("sequence lengths must be below 2^30");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckRowStats(const char* name, ffi::AnyBuffer buf, const AttentionShape& s) {
+  if (buf.element_type() != ffi::DataType::F32) return Invalid(std::string(name) + " must be float32");
+  return ExpectShape(name, buf.dimensions(), {s.q_heads, s.q_len}, s.batch);
+}
+
+inline ffi::Error CheckLengths(const char* name, ffi::AnyBuffer buf, const AttentionShape& s) {
+  if (buf.element_type() != ffi::DataType::S32) return Invalid(std::string(name) + " must be int32");
+  return ExpectShape(name, buf.dimensions(), {}, s.batch);
+}
+
+inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer like) {
+  if (buf.element_type() != like.element_type()) {
+    return Invalid(std::string(name) + " dtype differs from its primal");
+  }
+  const auto a = buf.dimensions();
+  const auto b = like.dimensions();
+  bool same = a.size() == b.size();
+  for (size_t i = 0; same && i < a.size(); ++i) same = a[i] == b[i];
+  if (!same) return Invalid(std::string(name) + " has shape " + ShapeString(a) + ", expected " + ShapeString(b));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_right,
+                             bool bottom_right, MaskParams* mask) {
+  if (!std::isfinite(scale)) return Invalid("scale must be finite");
+  mask->window_left = window_left < 0 ? -1 : window_left;
+  mask->window_right = window_right < 0 ? -1 : window_right;
+  mask->bottom_right = bottom_right;
+  return ffi::Error::Success();
+}
+
+#define JAXFLASH_RETURN_IF_ERROR(expr)     \
+  do {                                     \
+    if (auto _e = (expr); _e.failure()) {  \
+      return _e;                           \
+    }                                      \
+  } while (0)
+
+// Everything both platforms decode for the forward call.
+inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                                float scale, int64_t window_left, int64_t window_right,
+                                bool bottom_right, FwdParams* p) {
+  JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", q_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", kv_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  p->scale = scale;
+  p->q = q.untyped_data();
+  p->k = k.untyped_data();
+  p->v = v.untyped_data();
+  p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
+  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->o = o->untyped_data();
+  p->lse = static_cast<float*>(lse->untyped_data());
+  return ffi::Error::Success();
+}
+
+struct BackwardBuffers {
+  ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths;
+};
+
+inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
+                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                                 float scale, int64_t window_left, int64_t window_right,
+                                 bool bottom_right, bool deterministic, BwdParams* p) {
+  JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", in.lse, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse cotangent", in.dlse, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", in.q_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", in.kv_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
+  JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  p->scale = scale;
+  p->deterministic = deterministic;
+  p->q = in.q.untyped_data();
+  p->k = in.k.untyped_data();
+  p->v = in.v.untyped_data();
+  p->o = in.o.untyped_data();
+  p->lse = static_cast<const float*>(in.lse.untyped_data());
+  p->dout = in.dout.untyped_data();
+  p->dlse = static_cast<const float*>(in.dlse.untyped_data());
+  p->q_lengths = static_cast<const int32_t*>(in.q_lengths.untyped_data());
+  p->kv_lengths = static_cast<const int32_t*>(in.kv_lengths.untyped_data());
+  p->dq = dq->untyped_data();
+  p->dk = dk->untyped_data();
+  p->dv = dv->untyped_data();
+  return ffi::Error::Success();
+}
+
+// The argument lists of the two FFI targets, shared by both platforms so the
+// Python side calls one signature; each platform prepends its context.
+template <typename Binding>
+auto BindForward(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()            // k
+      .template Arg<ffi::AnyBuffer>()            // v
+      .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
+      .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
+      .template Ret<ffi::AnyBuffer>()            // o
+      .template Ret<ffi::AnyBuffer>()            // lse
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right");
+}
+
+template <typename Binding>
+auto BindBackward(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+      .template Arg<ffi::AnyBuffer>()            // k
+      .template Arg<ffi::AnyBuffer>()            // v
+      .template Arg<ffi::AnyBuffer>()            // o
+      .template Arg<ffi::AnyBuffer>()            // lse
+      .template Arg<ffi::AnyBuffer>()            // dout
+      .template Arg<ffi::AnyBuffer>()            // dlse
+      .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
+      .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
+      .template Ret<ffi::AnyBuffer>()            // dq
+      .template Ret<ffi::AnyBuffer>()            // dk
+      .template Ret<ffi::AnyBuffer>()            // dv
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<bool>("deterministic");
+}
+
+}  // namespace jaxflash::handlers

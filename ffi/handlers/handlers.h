@@ -1,0 +1,13 @@
+// The FFI handler symbols the extension module exports as capsules.
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuBackward(XLA_FFI_CallFrame* call_frame);
+#ifdef JAXFLASH_WITH_CUDA
+XLA_FFI_Error* JaxflashCudaForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBackward(XLA_FFI_CallFrame* call_frame);
+#endif
+}

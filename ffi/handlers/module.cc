@@ -1,0 +1,41 @@
+// The extension module: hands the FFI handlers to Python as capsules, and says
+// how it was built so Python can refuse a build that would not load.
+#include <nanobind/nanobind.h>
+
+#include "handlers.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule Capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_jaxflash, m) {
+  m.doc() = "jaxflash FFI handlers";
+  m.def("cpu_targets", [] {
+    nb::dict d;
+    d["jaxflash_fwd"] = Capsule(JaxflashCpuForward);
+    d["jaxflash_bwd"] = Capsule(JaxflashCpuBackward);
+    return d;
+  });
+  m.def("cuda_targets", [] {
+    nb::dict d;
+#ifdef JAXFLASH_WITH_CUDA
+    d["jaxflash_fwd"] = Capsule(JaxflashCudaForward);
+    d["jaxflash_bwd"] = Capsule(JaxflashCudaBackward);
+#endif
+    return d;
+  });
+  m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+#ifdef JAXFLASH_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}

@@ -1,0 +1,226 @@
+// CPU backward, in three parallel passes with no atomics and no shared
+// accumulators, so results are identical run to run whatever the thread count:
+//
+//   1. delta = rowsum(dO * O) - dLSE          items: (batch, q head, row tile)
+//   2. dK, dV for one key tile                items: (batch, kv head, key tile)
+//      walks every query tile (and every query head of the GQA group) that
+//      sees the key tile, accumulating in fp32 tiles.
+//   3. dQ for one query tile                  items: (batch, q head, row tile)
+//      walks the key tiles the rows see, recomputing P.
+//
+// Pass 3 recomputes QK^T and dO V^T once more than a fused dQ would (seven
+// tile products instead of five), which buys determinism and O(T * H) extra
+// memory: only delta.
+#include <algorithm>
+#include <vector>
+
+#include "jaxflash/launch.h"
+#include "common/mask.h"
+#include "cpu/tile.h"
+
+namespace jaxflash {
+namespace {
+
+using namespace cpu;
+
+struct Geometry {
+  const BwdParams& p;
+  int dim;
+  int64_t row_tiles;
+  int64_t key_tiles;
+
+  explicit Geometry(const BwdParams& params)
+      : p(params),
+        dim(static_cast<int>(params.shape.head_dim)),
+        row_tiles((params.shape.q_len + kRowsPerTile - 1) / kRowsPerTile),
+        key_tiles((params.shape.kv_len + kKeysPerTile - 1) / kKeysPerTile) {}
+
+  MaskPolicy Mask(int64_t b) const {
+    return MaskPolicy::For(p.mask, static_cast<int>(p.shape.q_len),
+                           static_cast<int>(p.shape.kv_len), p.q_lengths, p.kv_lengths,
+                           static_cast<int>(b));
+  }
+  int64_t QOffset(int64_t b, int64_t h, int row) const {
+    return b * p.shape.q_batch_stride() + row * p.shape.q_row_stride() + h * dim;
+  }
+  int64_t KvOffset(int64_t b, int64_t kv_head, int col) const {
+    return b * p.shape.kv_batch_stride() + col * p.shape.kv_row_stride() + kv_head * dim;
+  }
+  int64_t RowStatsOffset(int64_t b, int64_t h, int row) const {
+    return (b * p.shape.q_heads + h) * p.shape.q_len + row;
+  }
+};
+
+// Scratch for one work item of pass 2 or 3.
+struct BackwardTile {
+  float q[kRowsPerTile * kMaxHeadDim];
+  float dout[kRowsPerTile * kMaxHeadDim];
+  float kt[kMaxHeadDim * kKeysPerTile];   // K tile transposed
+  float vt[kMaxHeadDim * kKeysPerTile];   // V tile transposed
+  float k[kKeysPerTile * kMaxHeadDim];    // K tile (pass 3)
+  float s[kRowsPerTile * kKeysPerTile];   // probabilities P
+  float ds[kRowsPerTile * kKeysPerTile];  // dP, then dS
+  float lse2[kRowsPerTile];               // LSE in base 2
+  float delta[kRowsPerTile];
+  float acc_a[kKeysPerTile * kMaxHeadDim];  // dK (pass 2) or dQ (pass 3)
+  float acc_b[kKeysPerTile * kMaxHeadDim];  // dV (pass 2)
+};
+
+BackwardTile& Scratch() {
+  thread_local std::vector<BackwardTile> tile(1);
+  return tile[0];
+}
+
+void DeltaItem(const Geometry& g, int64_t item) {
+  const BwdParams& p = g.p;
+  const int64_t b = item / (p.shape.q_heads * g.row_tiles);
+  const int64_t h = (item / g.row_tiles) % p.shape.q_heads;
+  const int r0 = static_cast<int>((item % g.row_tiles) * kRowsPerTile);
+  const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, p.shape.q_len - r0));
+  for (int r = 0; r < rows; ++r) {
+    const int64_t off = g.QOffset(b, h, r0 + r);
+    float sum = 0.f;
+    for (int d = 0; d < g.dim; ++d) {
+      sum += LoadElement(p.dout, off + d, p.dtype) * LoadElement(p.o, off + d, p.dtype);
+    }
+    const int64_t stat = g.RowStatsOffset(b, h, r0 + r);
+    p.delta[stat] = sum - p.dlse[stat];
+  }
+}
+
+// Loads the per-row statistics of rows [r0, r0 + rows) and fills t.s with the
+// probabilities and t.ds with dS for the tile [r0, +rows) x [c0, +cols).
+// Expects t.q, t.dout, t.kt, t.vt loaded.
+void ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64_t b, int64_t h,
+                                int r0, int rows, int c0, int cols, BackwardTile& t) {
+  const BwdParams& p = g.p;
+  const int64_t stat = g.RowStatsOffset(b, h, r0);
+  for (int r = 0; r < rows; ++r) {
+    t.lse2[r] = p.lse[stat + r] * kLog2e;
+    t.delta[r] = p.delta[stat + r];
+  }
+  // t.q holds q * scale * log2(e), so s - lse2 is the base-2 exponent of P.
+  RowsTimesTransposed(t.q, rows, g.dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
+  RowsTimesTransposed(t.dout, rows, g.dim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
+  const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
+  for (int r = 0; r < rows; ++r) {
+    float* s = t.s + r * kKeysPerTile;
+    float* ds = t.ds + r * kKeysPerTile;
+    for (int c = 0; c < cols; ++c) {
+      const bool visible = full || mask.Visible(r0 + r, c0 + c);
+      const float prob = visible ? std::exp2(s[c] - t.lse2[r]) : 0.f;
+      s[c] = prob;
+      ds[c] = prob * (ds[c] - t.delta[r]);
+    }
+  }
+}
+
+void KeyValueGradItem(const Geometry& g, int64_t item) {
+  const BwdParams& p = g.p;
+  const AttentionShape& sh = p.shape;
+  const int dim = g.dim;
+  const int64_t b = item / (sh.kv_heads * g.key_tiles);
+  const int64_t kv_head = (item / g.key_tiles) % sh.kv_heads;
+  const int c0 = static_cast<int>((item % g.key_tiles) * kKeysPerTile);
+  const int cols = static_cast<int>(std::min<int64_t>(kKeysPerTile, sh.kv_len - c0));
+  const MaskPolicy mask = g.Mask(b);
+  BackwardTile& t = Scratch();
+
+  std::fill(t.acc_a, t.acc_a + cols * dim, 0.f);
+  std::fill(t.acc_b, t.acc_b + cols * dim, 0.f);
+  const int valid_cols = std::min(cols, std::max(0, mask.kv_valid - c0));
+  const int row_begin = valid_cols > 0 ? mask.RowBegin(c0) : 0;
+  const int row_end = valid_cols > 0 ? mask.RowEnd(c0 + valid_cols - 1) : 0;
+  if (row_begin < row_end) {
+    const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+    LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.kt);
+    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.vt);
+  }
+  const float q_multiplier = p.scale * kLog2e;
+  for (int64_t h = kv_head * sh.group_size(); h < (kv_head + 1) * sh.group_size(); ++h) {
+    for (int r0 = row_begin; r0 < row_end; r0 += kRowsPerTile) {
+      const int rows = std::min(kRowsPerTile, row_end - r0);
+      const int64_t q_off = g.QOffset(b, h, r0);
+      LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
+      LoadRows(p.dout, q_off, sh.q_row_stride(), rows, dim, p.dtype, 1.f, t.dout);
+      ProbabilitiesAndScoreGrads(g, mask, b, h, r0, rows, c0, valid_cols, t);
+      for (int r = 0; r < rows; ++r) {
+        const float* pr = t.s + r * kKeysPerTile;
+        const float* dsr = t.ds + r * kKeysPerTile;
+        const float* dor = t.dout + r * dim;
+        const float* qr = t.q + r * dim;  // carries scale * log2(e)
+        for (int c = 0; c < valid_cols; ++c) {
+          float* dv = t.acc_b + c * dim;
+          float* dk = t.acc_a + c * dim;
+          const float pc = pr[c];
+          const float dsc = dsr[c] * kLn2;  // undo log2(e): dK = scale * dS^T Q
+          for (int d = 0; d < dim; ++d) dv[d] += pc * dor[d];
+          for (int d = 0; d < dim; ++d) dk[d] += dsc * qr[d];
+        }
+      }
+    }
+  }
+  const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+  StoreRows(p.dk, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_a);
+  StoreRows(p.dv, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_b);
+}
+
+void QueryGradItem(const Geometry& g, int64_t item) {
+  const BwdParams& p = g.p;
+  const AttentionShape& sh = p.shape;
+  const int dim = g.dim;
+  const int64_t b = item / (sh.q_heads * g.row_tiles);
+  const int64_t h = (item / g.row_tiles) % sh.q_heads;
+  const int r0 = static_cast<int>((item % g.row_tiles) * kRowsPerTile);
+  const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
+  const int64_t kv_head = h / sh.group_size();
+  const MaskPolicy mask = g.Mask(b);
+  BackwardTile& t = Scratch();
+
+  std::fill(t.acc_a, t.acc_a + rows * dim, 0.f);
+  const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
+  const int key_begin = valid_rows > 0 ? mask.KeyBegin(r0) : 0;
+  const int key_end = valid_rows > 0 ? mask.KeyEnd(r0 + valid_rows - 1) : 0;
+  const int64_t q_off = g.QOffset(b, h, r0);
+  if (key_begin < key_end) {
+    LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, p.scale * kLog2e, t.q);
+    LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, 1.f, t.dout);
+  }
+  for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
+    const int cols = std::min(kKeysPerTile, key_end - c0);
+    const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+    LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
+    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
+    LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
+    ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
+    for (int r = 0; r < valid_rows; ++r) {
+      float* dq = t.acc_a + r * dim;
+      const float* dsr = t.ds + r * kKeysPerTile;
+      for (int c = 0; c < cols; ++c) {
+        const float dsc = dsr[c];
+        const float* kr = t.k + c * dim;
+        for (int d = 0; d < dim; ++d) dq[d] += dsc * kr[d];
+      }
+    }
+  }
+  for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
+  StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);
+}
+
+}  // namespace
+
+Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
+  if (p.shape.head_dim > kMaxHeadDim) {
+    return Status::Unimplemented("CPU kernels support head_dim <= 256");
+  }
+  if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");
+  const Geometry g(p);
+  const int64_t row_items = p.shape.batch * p.shape.q_heads * g.row_tiles;
+  runner.For(row_items, [&g](int64_t item) { DeltaItem(g, item); });
+  runner.For(p.shape.batch * p.shape.kv_heads * g.key_tiles,
+             [&g](int64_t item) { KeyValueGradItem(g, item); });
+  runner.For(row_items, [&g](int64_t item) { QueryGradItem(g, item); });
+  return Status::Ok();
+}
+
+}  // namespace jaxflash

@@ -1,0 +1,137 @@
+// Building blocks of the CPU kernels: element conversion and fp32 tile loads.
+//
+// The kernels compute in fp32 whatever the storage type. Loops are written so
+// the innermost one runs over contiguous memory without a reduction, which the
+// compiler vectorises without needing reassociation (-ffast-math).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "jaxflash/params.h"
+
+namespace jaxflash::cpu {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Query rows and keys per tile. Small enough that a tile of each operand stays
+// in L1/L2 for head_dim <= 256, large enough to amortise the loads.
+constexpr int kRowsPerTile = 32;
+constexpr int kKeysPerTile = 64;
+constexpr int kMaxHeadDim = 256;
+
+inline float Bits2Float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline uint32_t Float2Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// IEEE half <-> float, round to nearest even.
+inline float HalfToFloat(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1f) return Bits2Float(sign | 0x7f800000u | (mant << 13));  // inf / nan
+  if (exp != 0) return Bits2Float(sign | ((exp + 112) << 23) | (mant << 13));
+  // Subnormal (or zero): mant * 2^-24.
+  const float magnitude = static_cast<float>(mant) * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
+inline uint16_t FloatToHalf(float f) {
+  const uint32_t x = Float2Bits(f);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf or nan
+    return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+  }
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds past the largest half
+  if (abs < 0x38800000u) {                         // half subnormal or zero
+    // Scale so the half's subnormal unit is 1, and let fp32 rounding (nearest
+    // even) do the work.
+    const float scaled = Bits2Float(abs) * 16777216.0f;  // 2^24
+    return sign | static_cast<uint16_t>(std::nearbyint(scaled));
+  }
+  const uint32_t mant_lsb = (abs >> 13) & 1u;
+  const uint32_t rounded = abs + 0xfffu + mant_lsb;
+  return sign | static_cast<uint16_t>((rounded - 0x38000000u) >> 13);
+}
+
+inline float BFloat16ToFloat(uint16_t b) { return Bits2Float(static_cast<uint32_t>(b) << 16); }
+
+inline uint16_t FloatToBFloat16(float f) {
+  const uint32_t x = Float2Bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);  // quiet nan
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+inline float LoadElement(const void* base, int64_t index, DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(base)[index];
+    case DType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(base)[index]);
+    case DType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(base)[index]);
+  }
+  return 0.f;
+}
+
+inline void StoreElement(void* base, int64_t index, DType dtype, float value) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(base)[index] = value; return;
+    case DType::kFloat16: static_cast<uint16_t*>(base)[index] = FloatToHalf(value); return;
+    case DType::kBFloat16: static_cast<uint16_t*>(base)[index] = FloatToBFloat16(value); return;
+  }
+}
+
+// Copies `rows` rows of `dim` elements, `row_stride` apart in `base` starting
+// at element `offset`, into dst[rows][dim] as fp32 times `multiplier`.
+inline void LoadRows(const void* base, int64_t offset, int64_t row_stride, int rows, int dim,
+                     DType dtype, float multiplier, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t src = offset + r * row_stride;
+    for (int d = 0; d < dim; ++d) dst[r * dim + d] = LoadElement(base, src + d, dtype) * multiplier;
+  }
+}
+
+// The same rows stored transposed: dst[dim][rows_capacity], column r = row r.
+inline void LoadRowsTransposed(const void* base, int64_t offset, int64_t row_stride, int rows,
+                               int dim, DType dtype, int rows_capacity, float* dst) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t src = offset + r * row_stride;
+    for (int d = 0; d < dim; ++d) dst[d * rows_capacity + r] = LoadElement(base, src + d, dtype);
+  }
+}
+
+inline void StoreRows(void* base, int64_t offset, int64_t row_stride, int rows, int dim,
+                      DType dtype, const float* src) {
+  for (int r = 0; r < rows; ++r) {
+    const int64_t dst = offset + r * row_stride;
+    for (int d = 0; d < dim; ++d) StoreElement(base, dst + d, dtype, src[r * dim + d]);
+  }
+}
+
+// scores[r][0..cols) = sum_d a[r][d] * bt[d][c] (bt is a transposed tile with
+// `bt_stride` columns).
+inline void RowsTimesTransposed(const float* a, int rows, int dim, const float* bt, int bt_stride,
+                                int cols, float* scores, int scores_stride) {
+  for (int r = 0; r < rows; ++r) {
+    float* out = scores + r * scores_stride;
+    for (int c = 0; c < cols; ++c) out[c] = 0.f;
+    const float* ar = a + r * dim;
+    for (int d = 0; d < dim; ++d) {
+      const float x = ar[d];
+      const float* b = bt + d * bt_stride;
+      for (int c = 0; c < cols; ++c) out[c] += x * b[c];
+    }
+  }
+}
+
+}  // namespace jaxflash::cpu

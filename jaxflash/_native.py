@@ -1,0 +1,68 @@
+"""Loads the compiled extension and registers its FFI targets with XLA."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+
+import jax
+
+FORWARD_TARGET = "jaxflash_fwd"
+BACKWARD_TARGET = "jaxflash_bwd"
+
+
+class NativeUnavailableError(RuntimeError):
+  """The compiled extension is missing or cannot serve this jaxlib."""
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+  parts = []
+  for p in v.split(".")[:3]:
+    digits = "".join(ch for ch in p if ch.isdigit())
+    parts.append(int(digits) if digits else 0)
+  return tuple(parts)
+
+
+@functools.cache
+def _load():
+  try:
+    from jaxflash import _jaxflash, _build_config
+  except ImportError as e:  # source checkout without a build, or a broken build
+    return None, f"the jaxflash extension is not built ({e}); run `pip install --no-build-isolation .`"
+  built = _build_config.FFI_HEADERS_JAXLIB_VERSION
+  runtime = importlib.metadata.version("jaxlib")
+  if _version_tuple(runtime) < _version_tuple(built):
+    # XLA would refuse the handlers with "No FFI handler registered"; say why.
+    return None, (
+        f"jaxflash was built against the XLA FFI headers of jaxlib {built}, newer than the "
+        f"installed jaxlib {runtime}. Rebuild with `pip install --no-build-isolation .` in "
+        "this environment.")
+  for name, capsule in _jaxflash.cpu_targets().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  for name, capsule in _jaxflash.cuda_targets().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  for name in (FORWARD_TARGET, BACKWARD_TARGET):
+    # Every operand's leading axis is the batch: XLA may shard the call over it.
+    jax.ffi.register_ffi_target_as_batch_partitionable(name)
+  return _jaxflash, None
+
+
+def unavailable_reason(platform: str) -> str | None:
+  """Why the native path cannot run on `platform` ("cpu", "gpu", ...), or None."""
+  ext, err = _load()
+  if err:
+    return err
+  if platform == "cpu":
+    return None
+  if platform in ("gpu", "cuda"):
+    if not ext.with_cuda:
+      return ("this jaxflash build has no CUDA kernels (no CUDA compiler was found at build "
+              "time); rebuild on a machine with nvcc")
+    return None
+  return f"no native jaxflash kernels for platform {platform!r}"
+
+
+def require(platform: str) -> None:
+  reason = unavailable_reason(platform)
+  if reason:
+    raise NativeUnavailableError(reason)

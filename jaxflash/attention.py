@@ -1,0 +1,370 @@
+"""The public API: a drop-in for `jax.nn.dot_product_attention`.
+
+`dot_product_attention` validates and normalises its arguments (every bad input
+raises here, at trace time, before any kernel can see it), picks an
+implementation, and for the fused ones (`native`, `pallas`) runs them inside one
+`custom_vjp` whose forward saves (q, k, v, o, lse) and whose backward calls the
+implementation's backward kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import _native, reference
+
+Implementation = Literal["native", "pallas", "xla", "cudnn"]
+_IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
+_FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+MAX_FUSED_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of a call: scale and the mask rule (see reference.py).
+
+  window_left / window_right are -1 for an unbounded side.
+  """
+  scale: float
+  window_left: int = -1
+  window_right: int = -1
+  bottom_right: bool = False
+  deterministic: bool = False
+
+
+# ------------------------------------------------------------------ kernels
+
+class _NativeKernels:
+  """The XLA FFI targets: CUDA on GPU, C++ on CPU."""
+
+  name = "native"
+
+  @staticmethod
+  def _attrs(spec: MaskSpec) -> dict[str, Any]:
+    return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
+
+  @classmethod
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
+    B, T, N, _ = q.shape
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    # broadcast_all: under vmap every operand gains the same leading axes, which
+    # the handlers fold into the batch.
+    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
+    return call(q, k, v, q_lengths, kv_lengths, **cls._attrs(spec))
+
+  @classmethod
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype))
+    call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    return call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
+                deterministic=bool(spec.deterministic))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+
+
+def _fused_fwd(q, k, v, q_lengths, kv_lengths, kernels, spec):
+  o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+  return (o, lse), (q, k, v, o, lse, q_lengths, kv_lengths)
+
+
+def _fused_bwd(kernels, spec, residuals, cotangents):
+  q, k, v, o, lse, q_lengths, kv_lengths = residuals
+  do, dlse = cotangents
+  dq, dk, dv = kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
+                                q_lengths, kv_lengths, spec)
+  return dq, dk, dv, None, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def _kernels(name: str):
+  if name == "native":
+    return _NativeKernels
+  raise AssertionError(name)
+
+
+# ------------------------------------------------------------------ validation
+
+def _as_array(x, name: str) -> jax.Array:
+  try:
+    return jnp.asarray(x)
+  except TypeError as e:
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def _ensure_4d(x: jax.Array, name: str) -> jax.Array:
+  if x.ndim not in (3, 4):
+    raise ValueError(
+        f"{name} must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
+        f"head_dim]; got shape {x.shape}")
+  return x if x.ndim == 4 else x[None]
+
+
+def _lengths(x, name: str, batch: int) -> jax.Array | None:
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+  if x.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+    local_window_size = (local_window_size, local_window_size)
+  if (not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2 or
+      not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+              for w in local_window_size)):
+    raise TypeError("local_window_size must be an int or a (left, right) pair of ints, got "
+                    f"{local_window_size!r}")
+  left, right = (int(w) for w in local_window_size)
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {(left, right)}")
+  return left, right
+
+
+def _scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, jax.core.Tracer):
+    raise TypeError("scale must be a static Python number, not a traced value")
+  try:
+    value = float(scale)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"scale must be a number, got {scale!r}") from e
+  if not math.isfinite(value):
+    raise ValueError(f"scale must be finite, got {value}")
+  return value
+
+
+def _dense_term(x, name: str, shape4: tuple[int, ...]) -> jax.Array | None:
+  """bias or mask: rank <= 4, broadcastable to [B, N, T, S]."""
+  if x is None:
+    return None
+  x = _as_array(x, name)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 (broadcastable to [B, N, T, S]), got {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  try:
+    np.broadcast_shapes(x.shape, shape4)
+  except ValueError:
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {shape4}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
+                    "masks as bias")
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """A validated call, in [B, T, N, H] form."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  q_lengths: jax.Array | None
+  kv_lengths: jax.Array | None
+  is_causal: bool
+  window: tuple[int, int] | None
+  bottom_right: bool
+  spec: MaskSpec
+  output_shape: tuple[int, ...]
+
+
+def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+              key_value_seq_lengths, local_window_size, causal_alignment, deterministic) -> _Call:
+  q = _as_array(query, "query")
+  k = _as_array(key, "key")
+  v = _as_array(value, "value")
+  output_shape = q.shape
+  q, k, v = _ensure_4d(q, "query"), _ensure_4d(k, "key"), _ensure_4d(v, "value")
+  if k.shape != v.shape:
+    raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
+  B, T, N, H = q.shape
+  _, S, K, Hk = k.shape
+  if k.shape[0] != B:
+    raise ValueError(f"query and key must have the same batch size, got {B} and {k.shape[0]}")
+  if Hk != H:
+    raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
+  if H < 1:
+    raise ValueError("head_dim must be at least 1")
+  if K < 1 or N % K != 0:
+    raise ValueError(f"the number of query heads ({N}) must be a positive multiple of the number "
+                     f"of key/value heads ({K})")
+  for name, x in (("query", q), ("key", k), ("value", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+  if not q.dtype == k.dtype == v.dtype:
+    raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, "
+                    f"{v.dtype}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if causal_alignment not in ("top_left", "bottom_right"):
+    raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got "
+                     f"{causal_alignment!r}")
+  window = _window(local_window_size)
+  left, right = reference.window_bounds(bool(is_causal), window)
+  spec = MaskSpec(scale=_scale(scale, H), window_left=-1 if left is None else left,
+                  window_right=-1 if right is None else right,
+                  bottom_right=causal_alignment == "bottom_right",
+                  deterministic=bool(deterministic))
+  return _Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", (B, N, T, S)),
+               mask=_dense_term(mask, "mask", (B, N, T, S)),
+               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", B),
+               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", B),
+               is_causal=bool(is_causal), window=window, bottom_right=spec.bottom_right,
+               spec=spec, output_shape=output_shape)
+
+
+# ------------------------------------------------------------------ selection
+
+def _platform() -> str:
+  return jax.default_backend()
+
+
+def _fused_unsupported(call: _Call, name: str) -> str | None:
+  """Why implementation `name` cannot serve `call` here, or None."""
+  if call.bias is not None or call.mask is not None:
+    return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
+  if call.q.dtype not in _FUSED_DTYPES:
+    return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
+            f"{call.q.dtype}")
+  if call.q.shape[-1] > MAX_FUSED_HEAD_DIM:
+    return (f"implementation={name!r} supports head_dim <= {MAX_FUSED_HEAD_DIM}, got "
+            f"{call.q.shape[-1]}")
+  if name == "native":
+    return _native.unavailable_reason(_platform())
+  if name == "pallas":
+    return "implementation='pallas' is not available yet"
+  return None
+
+
+def _choose(call: _Call, implementation) -> str:
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation in ("native", "pallas"):
+    reason = _fused_unsupported(call, implementation)
+    if reason:
+      raise ValueError(reason)
+    return implementation
+  if implementation is not None:
+    return implementation
+  for name in ("native", "pallas"):
+    if _fused_unsupported(call, name) is None:
+      return name
+  return "xla"
+
+
+# ------------------------------------------------------------------ entry point
+
+def dot_product_attention(
+    query, key, value, bias=None, mask=None, *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    implementation: Implementation | None = None,
+    return_residual: bool = False,
+    causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
+    residual_dtype=None,
+    deterministic: bool = False,
+):
+  r"""Scaled dot-product attention that never materialises the score matrix.
+
+  A drop-in for :func:`jax.nn.dot_product_attention`: same arguments, layouts
+  (``[batch, seq, heads, head_dim]`` or without the batch axis), GQA rule,
+  top-left ``is_causal``, ``(left, right)`` ``local_window_size`` and sequence
+  lengths. ``implementation``:
+
+  * ``None`` — the fastest implementation that supports the call here
+    (``native``, else ``pallas``, else ``xla``).
+  * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
+  * ``"pallas"`` — the jaxflash Pallas kernels.
+  * ``"xla"`` — plain ``jax.numpy`` (materialises the scores; supports
+    ``bias``, ``mask`` and float64).
+  * ``"cudnn"`` — forwarded to ``jax.nn.dot_product_attention``.
+
+  Naming an implementation that cannot serve the call raises ``ValueError``; it
+  never silently falls back.
+
+  Differences from ``jax.nn``: a query row that can see no key (all masked, or
+  beyond ``query_seq_lengths``) returns zeros with zero gradients and a
+  residual of ``-inf``; ``jax.nn`` averages the values of such a row (except
+  for padded query rows, which it also zeroes). The residual is differentiable.
+
+  Keyword-only extras:
+    causal_alignment: ``"top_left"`` (``jax.nn``'s) or ``"bottom_right"``: put
+      the diagonal used by ``is_causal`` and ``local_window_size`` at
+      ``kv_len - q_len`` (per batch element, from the sequence lengths), as a
+      KV-cache decode step needs.
+    residual_dtype: dtype of the returned log-sum-exp; ``None`` keeps
+      ``jax.nn``'s (the input dtype). ``jnp.float32`` returns the exact value
+      the kernels keep.
+    deterministic: ask GPU kernels for a bit-reproducible backward (the CPU
+      kernels always are).
+
+  Returns:
+    The output, shaped like ``query``; with ``return_residual=True`` a tuple
+    ``(output, lse)`` where ``lse`` is ``[batch, q_len, heads]``: the natural
+    log-sum-exp of each row's scaled logits.
+  """
+  call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+                   key_value_seq_lengths, local_window_size, causal_alignment, deterministic)
+  chosen = _choose(call, implementation)
+  q = call.q
+  B, T, N, _ = q.shape
+  S = call.k.shape[1]
+
+  if chosen == "cudnn":
+    if call.bottom_right or residual_dtype is not None or deterministic:
+      raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
+                       "takes none of jaxflash's extra keywords")
+    return jax.nn.dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, implementation="cudnn",
+        return_residual=return_residual)
+
+  if B * T * N == 0 or S == 0:
+    # Nothing to attend to (or nothing asks): zeros, and -inf row statistics.
+    out = jnp.zeros_like(q)
+    lse = jnp.full((B, N, T), -jnp.inf, jnp.float32)
+  elif chosen == "xla":
+    out, lse = reference.attention(
+        q, call.k, call.v, scale=call.spec.scale, bias=call.bias, mask=call.mask,
+        is_causal=call.is_causal,
+        causal_alignment="bottom_right" if call.bottom_right else "top_left",
+        local_window_size=call.window, query_seq_lengths=call.q_lengths,
+        key_value_seq_lengths=call.kv_lengths)
+    lse = lse.astype(jnp.float32)
+  else:
+    q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
+    kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
+    out, lse = _fused(q, call.k, call.v, q_lengths, kv_lengths, _kernels(chosen), call.spec)
+
+  out = out.reshape(call.output_shape)
+  if not return_residual:
+    return out
+  lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
+  return out, lse.astype(residual_dtype if residual_dtype is not None else q.dtype)

@@ -1,0 +1,102 @@
+"""The `xla` implementation: plain `jax.numpy`, the semantic source of truth.
+
+It materialises the [batch, heads, q_len, kv_len] score matrix, so it is for
+checking the other implementations and for calls they cannot serve (dense
+`bias`/`mask`, float64, head dims above 256), not for long sequences.
+
+Semantics (shared by every implementation, see `ffi/include/jaxflash/params.h`):
+row i of batch b attends key j iff i < q_len_b, j < kv_len_b, and j lies in the
+window [i + off - left, i + off + right] (an unbounded side when that bound is
+None), where off = kv_len_b - q_len_b for bottom-right alignment and 0 for
+top-left (jax.nn's). `is_causal` sets right = 0. A row that sees no key returns
+zeros and LSE = -inf, with zero gradients.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
+                 window_left: int | None = None, window_right: int | None = None,
+                 bottom_right: bool = False, batch: int = 1) -> jax.Array:
+  """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends."""
+  qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
+        else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
+  kv = (jnp.full((batch,), kv_len, jnp.int32) if key_value_seq_lengths is None
+        else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, kv_len))
+  i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
+  j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+  qv3, kv3 = qv[:, None, None], kv[:, None, None]
+  diag = i + (kv3 - qv3 if bottom_right else 0)
+  visible = (i < qv3) & (j < kv3)
+  if window_left is not None:
+    visible &= j >= diag - window_left
+  if window_right is not None:
+    visible &= j <= diag + window_right
+  return visible[:, None]
+
+
+def window_bounds(is_causal: bool, local_window_size) -> tuple[int | None, int | None]:
+  """(left, right) key bounds relative to the diagonal; None is unbounded."""
+  left = right = None
+  if local_window_size is not None:
+    left, right = local_window_size
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
+              causal_alignment: str = "top_left", local_window_size=None,
+              query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None):
+  """Attention over [B, T, N, H] / [B, S, K, H] inputs; returns (out, lse).
+
+  `out` has the query's dtype (or `compute_dtype`), `lse` is [B, N, T] in
+  `compute_dtype` (default: the query dtype promoted to float32), in natural-log
+  units. `compute_dtype` sets the precision of every step, so the same call can
+  give a float64 ground truth or a bfloat16 baseline for error budgets.
+  """
+  if compute_dtype is None:
+    compute_dtype = jnp.promote_types(query.dtype, jnp.float32)
+  out_dtype = query.dtype
+  q = query.astype(compute_dtype)
+  k = key.astype(compute_dtype)
+  v = value.astype(compute_dtype)
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+
+  logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k,
+                      preferred_element_type=compute_dtype)
+  logits = logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype)
+  if bias is not None:
+    logits = logits + jnp.asarray(bias).astype(compute_dtype)
+
+  left, right = window_bounds(is_causal, local_window_size)
+  visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths, window_left=left,
+                         window_right=right, bottom_right=causal_alignment == "bottom_right",
+                         batch=B)
+  if mask is not None:
+    visible = visible & jnp.asarray(mask, bool)
+  visible = jnp.broadcast_to(visible, logits.shape)
+
+  neg_inf = jnp.asarray(-jnp.inf, compute_dtype)
+  logits = jnp.where(visible, logits, neg_inf)
+  row_max = jnp.max(logits, axis=-1, keepdims=True)
+  # The result does not depend on the shift, so its gradient is dropped; rows
+  # with no visible key shift by 0 so that exp() sees -inf, not NaN.
+  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
+  probs = jnp.exp(logits - row_max)
+  row_sum = jnp.sum(probs, axis=-1, keepdims=True)
+  has_keys = row_sum > 0
+  safe_sum = jnp.where(has_keys, row_sum, 1)
+  probs = (probs / safe_sum).astype(compute_dtype)
+
+  out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(B, K, G, T, S), v,
+                   preferred_element_type=compute_dtype)
+  out = out.reshape(B, T, N, H)
+  lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), neg_inf)[..., 0]
+  return out.astype(out_dtype), lse
