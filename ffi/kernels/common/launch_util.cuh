@@ -1,0 +1,50 @@
+// Host-side helpers shared by the kernel launchers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "jaxflash/launch.h"
+
+namespace jaxflash {
+
+// Raises a kernel's dynamic shared-memory limit to `bytes`, once per
+// (instantiation, device): the attribute is per device, and setting it on
+// every launch would cost a driver call each time. A race between threads only
+// repeats an idempotent call.
+template <typename Kernel>
+Status EnsureDynamicSmem(Kernel kernel, size_t bytes, const CudaDevice& device) {
+  static std::atomic<uint64_t> done{0};
+  const uint64_t bit = device.ordinal < 64 ? (uint64_t{1} << device.ordinal) : 0;
+  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return Status::Ok();
+  if (bytes > device.max_smem_per_block) {
+    return Status::Unimplemented("kernel needs " + std::to_string(bytes) +
+                                 " bytes of shared memory; the device allows " +
+                                 std::to_string(device.max_smem_per_block));
+  }
+  if (bytes > 48 * 1024) {
+    cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+    if (err != cudaSuccess) {
+      return Status::Internal(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
+    }
+  }
+  done.fetch_or(bit, std::memory_order_acq_rel);
+  return Status::Ok();
+}
+
+// Turns the error state left by the last launch into a Status.
+inline Status CheckLaunch(const char* what) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return Status::Internal(std::string(what) + " launch failed: " + cudaGetErrorString(err));
+  }
+  return Status::Ok();
+}
+
+inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace jaxflash

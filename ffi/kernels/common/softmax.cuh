@@ -1,0 +1,99 @@
+// Online softmax over K/V tiles for rows held in mma.sync accumulators.
+//
+// A warp owns kMT m16 row tiles; each lane owns two rows per tile (g and
+// g + 8, see mma.cuh), so a lane tracks 2 * kMT rows. Scores arrive already
+// multiplied by scale * log2(e) ("log2 units") with masked entries at -inf,
+// so every exponent is a single exp2 and the scale sign needs no special case.
+//
+// Per row we keep the running max m (log2 units) and the lane-partial running
+// sum l of exp2(s - m); the four lanes of a quad hold disjoint columns of the
+// same row, so l is reduced across the quad only once, in Finalize.
+#pragma once
+
+#include <cmath>
+
+#include "common/mma.cuh"
+
+namespace jaxflash {
+namespace tc {
+
+template <int kMT>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMT;
+  float m[kRows];
+  float l[kRows];
+
+  __device__ __forceinline__ void Init() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = -INFINITY;
+      l[r] = 0.f;
+    }
+  }
+
+  // Folds one tile of scores s[mt][nt][i] into the state: turns s into the
+  // unnormalised probabilities exp2(s - m_new) and rescales the output
+  // accumulator o by exp2(m_old - m_new).
+  template <int kNT, int kDT>
+  __device__ __forceinline__ void Update(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 2 + half;
+        float mx = m[r];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        mx = QuadMax(mx);
+        // A row that has seen only masked scores keeps m = -inf; subtracting 0
+        // instead keeps exp2(-inf - ...) at 0 rather than NaN.
+        const float ref = mx == -INFINITY ? 0.f : mx;
+        const float alpha = Exp2(m[r] - ref);
+        m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const float p0 = Exp2(s[mt][nt][2 * half] - ref);
+          const float p1 = Exp2(s[mt][nt][2 * half + 1] - ref);
+          s[mt][nt][2 * half] = p0;
+          s[mt][nt][2 * half + 1] = p1;
+          sum += p0 + p1;
+        }
+        l[r] = l[r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          o[mt][dt][2 * half] *= alpha;
+          o[mt][dt][2 * half + 1] *= alpha;
+        }
+      }
+    }
+  }
+
+  // Normalises o by the row sums and returns the natural-log LSE per row
+  // (-inf, with o = 0, for rows that saw no visible key).
+  template <int kDT>
+  __device__ __forceinline__ void Finalize(float (&o)[kMT][kDT][4], float (&lse)[kRows]) {
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 2 + half;
+        const float sum = QuadSum(l[r]);
+        const bool empty = m[r] == -INFINITY || !(sum > 0.f);
+        const float inv = empty ? 0.f : 1.f / sum;
+        lse[r] = empty ? -INFINITY : (m[r] + __log2f(sum)) * kLn2;
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) {
+          o[mt][dt][2 * half] *= inv;
+          o[mt][dt][2 * half + 1] *= inv;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace tc
+}  // namespace jaxflash

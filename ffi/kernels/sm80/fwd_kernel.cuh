@@ -1,0 +1,257 @@
+// FlashAttention-2 forward for sm80 and later (mma.sync; also the Hopper
+// fallback).
+//
+// One CTA computes kM query rows of one (batch, head); warps split the rows
+// (each owns kMT m16 tiles) and share every K/V tile, so no cross-warp
+// reduction is ever needed. K/V tiles of kN keys stream through shared memory:
+// the V load overlaps Q·Kᵀ and the softmax, the next K load overlaps P·V.
+// Scores stay in registers and are re-packed as the A operand of P·V.
+//
+// Tiles the mask policy excludes are never visited; tiles it fully includes
+// skip per-element masking. Head dims are compiled in buckets kD; columns past
+// the real head_dim are zero-filled on load (so they add nothing to Q·Kᵀ or
+// P·V) and never stored.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "common/mma.cuh"
+#include "common/softmax.cuh"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace sm80 {
+
+template <int kD_, int kWarps_, int kMT_, int kN_>
+struct FwdTile {
+  static constexpr int kD = kD_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kMT = kMT_;  // m16 tiles per warp
+  static constexpr int kN = kN_;    // keys per K/V tile
+  static constexpr int kM = kWarps * 16 * kMT;
+  static constexpr int kThreads = kWarps * 32;
+  // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
+  // different 16-byte bank groups, so ldmatrix is conflict-free.
+  static constexpr int kStride = kD + 8;
+  static constexpr int kNT = kN / 8;  // n8 tiles of scores per m-tile
+  static constexpr int kDT = kD / 8;  // n8 tiles of output per m-tile
+  template <typename T>
+  static constexpr size_t SmemBytes() {
+    return size_t(kM + 2 * kN) * kStride * sizeof(T);
+  }
+  static_assert(kD % 16 == 0 && kN % 16 == 0, "tiles are built from 16x16 mma steps");
+};
+
+// The tile table, per head-dim bucket. 8 warps of 16 query rows each: with
+// 32 rows per warp the O and S accumulators (kMT*kD/2 + kMT*kN/2 floats per
+// lane) spill at kD >= 96 (ptxas -v), so one m16 tile per warp is the
+// default. kN is the starting point the tuning sweep measures against.
+template <int kD>
+struct FwdTileFor {
+  using type = FwdTile<kD, 8, 1, (kD <= 64 ? 128 : 64)>;
+};
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p) {
+  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
+  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kStride = Tile::kStride;
+  constexpr int kThreads = Tile::kThreads;
+  using Elem = tc::ElemTraits<T>;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kM * kStride;
+  T* sV = sK + kN * kStride;
+
+  const AttentionShape& sh = p.shape;
+  const int m_block = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / static_cast<int>(sh.q_heads / sh.kv_heads);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int head_dim = static_cast<int>(sh.head_dim);
+
+  const MaskPolicy pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
+                                         p.q_lengths, p.kv_lengths, batch);
+  const int r0 = m_block * kM;
+  const int r_end = MinInt(r0 + kM, pol.q_valid);  // real query rows of this CTA: [r0, r_end)
+  int n_begin = 0, n_end = 0;                       // key tiles to visit
+  if (r_end > r0) {
+    const int key_begin = pol.KeyBegin(r0);
+    const int key_end = pol.KeyEnd(r_end - 1);
+    if (key_end > key_begin) {
+      n_begin = key_begin / kN;
+      n_end = (key_end + kN - 1) / kN;
+    }
+  }
+
+  // (AttentionShape's stride helpers are host-only; same formulas.)
+  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
+  const int64_t kv_row_stride = sh.kv_heads * sh.head_dim;
+  const int64_t q_batch_stride = sh.q_len * q_row_stride;
+  const int64_t kv_batch_stride = sh.kv_len * kv_row_stride;
+  const T* gQ = static_cast<const T*>(p.q) + batch * q_batch_stride + r0 * q_row_stride + head * sh.head_dim;
+  const T* gK = static_cast<const T*>(p.k) + batch * kv_batch_stride + kv_head * sh.head_dim;
+  const T* gV = static_cast<const T*>(p.v) + batch * kv_batch_stride + kv_head * sh.head_dim;
+
+  // Rows this warp owns: [warp_row0, warp_row0 + 16 * kMT) within the CTA.
+  const int warp_row0 = warp * 16 * kMT;
+  const int g = lane >> 2, t = lane & 3;
+
+  float o[kMT][kDT][4];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[mt][dt][i] = 0.f;
+  tc::OnlineSoftmax<kMT> softmax;
+  softmax.Init();
+
+  if (n_begin < n_end) {
+    // Keys at or past kv_valid are zero-filled: masked scores multiply V rows
+    // by exactly 0, and 0 * (garbage in padding) could be NaN.
+    tc::LoadTile<kM, kD, kThreads>(sQ, kStride, gQ, q_row_stride, r_end - r0, head_dim, tid);
+    tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(n_begin) * kN * kv_row_stride, kv_row_stride,
+                                   pol.kv_valid - n_begin * kN, head_dim, tid);
+    tc::CpAsyncCommit();
+  }
+
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int c0 = nb * kN;
+    tc::CpAsyncWait<0>();
+    __syncthreads();  // K[nb] visible to all; everyone is done reading V[nb-1]
+    tc::LoadTile<kN, kD, kThreads>(sV, kStride, gV + int64_t(c0) * kv_row_stride, kv_row_stride,
+                                   pol.kv_valid - c0, head_dim, tid);
+    tc::CpAsyncCommit();
+
+    // ---- S = Q Kᵀ
+    float s[kMT][kNT][4];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        tc::Ldmatrix4(a[mt], tc::AFragAddr(sQ, kStride, warp_row0 + mt * 16, kk * 16, lane));
+      }
+#pragma unroll
+      for (int np = 0; np < kN / 16; ++np) {
+        uint32_t b[4];
+        tc::Ldmatrix4(b, tc::BFragAddrNK(sK, kStride, np * 16, kk * 16, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          tc::Mma<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+          tc::Mma<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+
+    // ---- scale into log2 units; mask only tiles the policy does not fully admit
+    const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float x = s[mt][nt][i] * scale_log2;
+          if (!full) {
+            const int row = r0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
+            const int col = c0 + nt * 8 + 2 * t + (i & 1);
+            if (!pol.Visible(row, col)) x = -INFINITY;
+          }
+          s[mt][nt][i] = x;
+        }
+
+    softmax.Update(s, o);
+
+    tc::CpAsyncWait<0>();
+    __syncthreads();  // V[nb] visible; everyone is done reading K[nb]
+    if (nb + 1 < n_end) {
+      tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
+                                     pol.kv_valid - (c0 + kN), head_dim, tid);
+      tc::CpAsyncCommit();
+    }
+
+    // ---- O += P V, P straight from the score registers
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        a[mt][0] = Elem::Pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        a[mt][1] = Elem::Pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        a[mt][2] = Elem::Pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        a[mt][3] = Elem::Pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t b[4];
+        tc::Ldmatrix4Trans(b, tc::BFragAddrKN(sV, kStride, kk * 16, dp * 16, lane));
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          tc::Mma<T>(o[mt][2 * dp], a[mt], b[0], b[1]);
+          tc::Mma<T>(o[mt][2 * dp + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, write O (zeros for empty rows) and LSE
+  float lse[2 * kMT];
+  softmax.Finalize(o, lse);
+  T* gO = static_cast<T*>(p.o) + batch * q_batch_stride + r0 * q_row_stride + head * sh.head_dim;
+  float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
+      if (r0 + row >= sh.q_len) continue;
+      // Rows past q_valid (padding queries) were not masked inside tiles the
+      // policy found full for the real rows, so force them to the empty-row
+      // result here.
+      const bool real = r0 + row < pol.q_valid;
+      T* dst = gO + row * q_row_stride;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < head_dim) {
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              real ? Elem::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
+        }
+      }
+      if (t == 0) gLse[r0 + row] = real ? lse[mt * 2 + half] : -INFINITY;
+    }
+  }
+}
+
+// Launches the forward for one (dtype, head-dim bucket); defined per bucket in
+// fwd_d*.cu so each translation unit stays small.
+template <typename T, int kD>
+Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using Tile = typename FwdTileFor<kD>::type;
+  auto kernel = FwdKernel<T, Tile>;
+  const size_t smem = Tile::template SmemBytes<T>();
+  Status st = EnsureDynamicSmem(kernel, smem, device);
+  if (!st.ok()) return st;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)), static_cast<unsigned>(p.shape.q_heads),
+                  static_cast<unsigned>(p.shape.batch));
+  kernel<<<grid, Tile::kThreads, smem, stream>>>(p);
+  return CheckLaunch("attention forward");
+}
+
+}  // namespace sm80
+}  // namespace jaxflash
