@@ -15,6 +15,13 @@
 
 #include <cstdint>
 
+// Lets the small helpers below (and the mask policy) run in kernels too.
+#if defined(__CUDACC__)
+#define JAXFLASH_HD __host__ __device__ __forceinline__
+#else
+#define JAXFLASH_HD inline
+#endif
+
 namespace jaxflash {
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
@@ -50,12 +57,12 @@ struct AttentionShape {
   int64_t kv_heads = 0;
   int64_t head_dim = 0;
 
-  int64_t group_size() const { return q_heads / kv_heads; }
+  JAXFLASH_HD int64_t group_size() const { return q_heads / kv_heads; }
   // Element strides of the dense layouts above.
-  int64_t q_row_stride() const { return q_heads * head_dim; }
-  int64_t q_batch_stride() const { return q_len * q_heads * head_dim; }
-  int64_t kv_row_stride() const { return kv_heads * head_dim; }
-  int64_t kv_batch_stride() const { return kv_len * kv_heads * head_dim; }
+  JAXFLASH_HD int64_t q_row_stride() const { return q_heads * head_dim; }
+  JAXFLASH_HD int64_t q_batch_stride() const { return q_len * q_heads * head_dim; }
+  JAXFLASH_HD int64_t kv_row_stride() const { return kv_heads * head_dim; }
+  JAXFLASH_HD int64_t kv_batch_stride() const { return kv_len * kv_heads * head_dim; }
 };
 
 struct FwdParams {

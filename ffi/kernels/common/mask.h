@@ -8,12 +8,6 @@
 
 #include "jaxflash/params.h"
 
-#if defined(__CUDACC__)
-#define JAXFLASH_HD __host__ __device__ __forceinline__
-#else
-#define JAXFLASH_HD inline
-#endif
-
 namespace jaxflash {
 
 JAXFLASH_HD int MinInt(int a, int b) { return a < b ? a : b; }
