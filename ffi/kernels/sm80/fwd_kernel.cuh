@@ -20,6 +20,7 @@
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
 #include "jaxflash/params.h"
+#include "sm80/launch_sm80.h"
 
 namespace jaxflash {
 namespace sm80 {
@@ -247,6 +248,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   const size_t smem = Tile::template SmemBytes<T>();
   Status st = EnsureDynamicSmem(kernel, smem, device);
   if (!st.ok()) return st;
+  if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)), static_cast<unsigned>(p.shape.q_heads),
                   static_cast<unsigned>(p.shape.batch));
   kernel<<<grid, Tile::kThreads, smem, stream>>>(p);

@@ -1,0 +1,131 @@
+// The one dispatch switch of the CUDA path: (arch, dtype, head-dim bucket)
+// -> compiled variant. Masks are runtime policies inside every variant
+// (MaskPolicy), so they add no instantiations here.
+//
+//   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
+//       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
+//          head dim >= head_dim; the kernels zero-pad the rest.
+//   everything else (float32 in particular)
+//       -> SIMT kernels (fp32 arithmetic, every dtype and head dim).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <string>
+
+#include "common/launch_util.cuh"
+#include "jaxflash/launch.h"
+#include "jaxflash/params.h"
+#include "sm80/launch_sm80.h"
+#include "simt/simt.h"
+
+namespace jaxflash {
+
+namespace {
+
+// 0 when no compiled bucket covers head_dim.
+int HeadDimBucket(int64_t head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0) return 0;
+  for (int b : sm80::kHeadDimBuckets) {
+    if (head_dim <= b) return b;
+  }
+  return 0;
+}
+
+// Why the tensor-core kernels cannot take this call (empty when they can).
+std::string TensorCoreRefusal(DType dtype, const AttentionShape& sh, const CudaDevice& device) {
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) {
+    return std::string("dtype ") + DTypeName(dtype) + " runs on the SIMT kernels";
+  }
+  if (device.arch < 80) return "tensor-core kernels need compute capability 8.0 or newer";
+  if (HeadDimBucket(sh.head_dim) == 0) {
+    return "head_dim " + std::to_string(sh.head_dim) + " is not a multiple of 8 in [8, 256]";
+  }
+  if (sh.q_len >= (int64_t{1} << 31) || sh.kv_len >= (int64_t{1} << 31)) {
+    return "sequence lengths must be below 2^31";
+  }
+  if (sh.q_heads > 65535 || sh.kv_heads > 65535 || sh.batch * 2 > 65535) {
+    return "batch and head counts must be at most 65535 (batch at most 32767)";
+  }
+  return std::string();
+}
+
+template <typename T>
+Status ForwardBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  switch (HeadDimBucket(p.shape.head_dim)) {
+    case 32: return sm80::LaunchForward<T, 32>(p, device, stream);
+    case 64: return sm80::LaunchForward<T, 64>(p, device, stream);
+    case 96: return sm80::LaunchForward<T, 96>(p, device, stream);
+    case 128: return sm80::LaunchForward<T, 128>(p, device, stream);
+    case 192: return sm80::LaunchForward<T, 192>(p, device, stream);
+    case 256: return sm80::LaunchForward<T, 256>(p, device, stream);
+  }
+  return Status::Unimplemented("no tensor-core forward for head_dim " + std::to_string(p.shape.head_dim));
+}
+
+template <typename T>
+Status BackwardBucket(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+  switch (HeadDimBucket(p.shape.head_dim)) {
+    case 32: return sm80::LaunchBackward<T, 32>(p, workspace, device, stream);
+    case 64: return sm80::LaunchBackward<T, 64>(p, workspace, device, stream);
+    case 96: return sm80::LaunchBackward<T, 96>(p, workspace, device, stream);
+    case 128: return sm80::LaunchBackward<T, 128>(p, workspace, device, stream);
+    case 192: return sm80::LaunchBackward<T, 192>(p, workspace, device, stream);
+    case 256: return sm80::LaunchBackward<T, 256>(p, workspace, device, stream);
+  }
+  return Status::Unimplemented("no tensor-core backward for head_dim " + std::to_string(p.shape.head_dim));
+}
+
+}  // namespace
+
+Status CudaCurrentDevice(CudaDevice* device) {
+  int ordinal = 0;
+  cudaError_t err = cudaGetDevice(&ordinal);
+  if (err != cudaSuccess) return Status::Internal(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
+  // Properties never change for a device; query them once per ordinal.
+  constexpr int kMaxDevices = 64;
+  static CudaDevice cache[kMaxDevices];
+  static std::atomic<bool> cached[kMaxDevices];
+  if (ordinal < kMaxDevices && cached[ordinal].load(std::memory_order_acquire)) {
+    *device = cache[ordinal];
+    return Status::Ok();
+  }
+  int major = 0, minor = 0, sms = 0, smem = 0;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, ordinal)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, ordinal)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal)) != cudaSuccess) {
+    return Status::Internal(std::string("cudaDeviceGetAttribute: ") + cudaGetErrorString(err));
+  }
+  CudaDevice d;
+  d.ordinal = ordinal;
+  d.arch = major * 10 + minor;
+  d.sm_count = sms;
+  d.max_smem_per_block = static_cast<size_t>(smem);
+  if (ordinal < kMaxDevices) {
+    cache[ordinal] = d;  // identical values if two threads race here
+    cached[ordinal].store(true, std::memory_order_release);
+  }
+  *device = d;
+  return Status::Ok();
+}
+
+Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionForward(p, stream);
+  if (p.dtype == DType::kFloat16) return ForwardBucket<__half>(p, device, stream);
+  return ForwardBucket<__nv_bfloat16>(p, device, stream);
+}
+
+size_t CudaBackwardWorkspaceBytes(const BwdParams& p, const CudaDevice& device) {
+  if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtBackwardWorkspaceBytes(p);
+  return sm80::BackwardWorkspaceBytes(p);
+}
+
+Status CudaAttentionBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+  if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionBackward(p, workspace, stream);
+  if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, workspace, device, stream);
+  return BackwardBucket<__nv_bfloat16>(p, workspace, device, stream);
+}
+
+}  // namespace jaxflash

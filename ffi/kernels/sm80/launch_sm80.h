@@ -1,0 +1,32 @@
+// Declarations of the sm80 launchers, for the dispatch switch. Their
+// definitions live in fwd_kernel.cuh / bwd_kernel.cuh and are instantiated
+// once per (dtype, head-dim bucket) in fwd_d*.cu / bwd_d*.cu, so including
+// this header never instantiates a kernel.
+#pragma once
+
+#include <cstddef>
+
+#include "jaxflash/launch.h"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace sm80 {
+
+// Head-dim buckets with compiled kernels (each has a fwd_d*.cu and bwd_d*.cu).
+constexpr int kHeadDimBuckets[] = {32, 64, 96, 128, 192, 256};
+
+template <typename T, int kD>
+Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
+
+template <typename T, int kD>
+Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream);
+
+// Backward scratch: delta (one float per batch, head, query row), 256-byte
+// aligned size. Nothing else: dQ is written directly (see bwd_kernel.cuh).
+inline size_t BackwardWorkspaceBytes(const BwdParams& p) {
+  const size_t bytes = size_t(p.shape.batch * p.shape.q_heads * p.shape.q_len) * sizeof(float);
+  return (bytes + 255) / 256 * 256;
+}
+
+}  // namespace sm80
+}  // namespace jaxflash
