@@ -1,0 +1,191 @@
+"""Attention throughput: jaxflash native vs its peers, forward and forward+backward.
+
+    python benchmarks/bench_attention.py                  # DESIGN.md §6 grid
+    python benchmarks/bench_attention.py --quick          # one shape per head dim
+    python benchmarks/bench_attention.py --csv out.csv --png out.png
+
+Grid: bf16, B*S = 16384 tokens, H*D = 2048, D in {64, 128, 256}, S in {1k..16k},
+causal on/off, plus the latency shape B=1, H=8, S=512, D=64. FLOPs:
+forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
+
+Peers in the same process and harness: jax.nn.dot_product_attention with
+implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
+when torch is importable. Device time is measured by timing `reps` back-to-back
+calls of a jitted function and blocking once; the median of `repeats` such
+runs is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+
+
+def flops(B, H, T, S, D, causal, backward):
+  f = 4.0 * B * H * T * S * D
+  if causal:
+    f /= 2
+  return f * (3.5 if backward else 1.0)
+
+
+def time_fn(fn, args, reps, repeats):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / reps)
+  return statistics.median(times)
+
+
+def jax_impl(name, causal, backward):
+  if name == "native":
+    attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
+                                                           implementation="native")
+  else:
+    attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation=name)
+  if not backward:
+    return jax.jit(attn)
+
+  def loss(q, k, v, do):
+    return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def torch_impl(backend_name, causal, backward):
+  import torch
+  from torch.nn.attention import SDPBackend, sdpa_kernel
+  backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend_name]
+
+  def run(q, k, v, do):
+    with sdpa_kernel(backend):
+      o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+      if backward:
+        return torch.autograd.grad(o, (q, k, v), do)
+      return o
+  return run
+
+
+def time_torch(fn, args, reps, repeats):
+  import torch
+  fn(*args)
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+      fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / reps)
+  return statistics.median(times)
+
+
+def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats):
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(4))
+  rows = {}
+  for name in peers:
+    try:
+      if name.startswith("torch_"):
+        import torch
+        tq, tk, tv, tdo = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
+                                       requires_grad=backward) for _ in range(4))
+        t = time_torch(torch_impl(name[6:], causal, backward), (tq, tk, tv, tdo), reps, repeats)
+      else:
+        if name == "xla" and S > 4096:
+          continue  # materialises B*H*S*S scores
+        fn = jax_impl(name, causal, backward)
+        args = (q, k, v, do) if backward else (q, k, v)
+        t = time_fn(fn, args, reps, repeats)
+      rows[name] = flops(B, H, S, S, D, causal, backward) / t / 1e12
+    except Exception as e:  # a peer that cannot run this shape is reported, not fatal
+      print(f"  {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
+  return rows
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="S=16k only, one shape per head dim")
+  ap.add_argument("--heads-dims", default="64,128,256")
+  ap.add_argument("--seqs", default="1024,2048,4096,8192,16384")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--no-backward", action="store_true")
+  ap.add_argument("--csv", default=None)
+  ap.add_argument("--png", default=None)
+  args = ap.parse_args()
+
+  peers = ["native", "cudnn", "xla"]
+  try:
+    import torch  # noqa: F401
+    if torch.cuda.is_available():
+      peers += ["torch_flash", "torch_cudnn"]
+  except ImportError:
+    pass
+
+  dims = [int(x) for x in args.heads_dims.split(",")]
+  seqs = [16384] if args.quick else [int(x) for x in args.seqs.split(",")]
+  shapes = [(16384 // S, 2048 // D, S, D) for D in dims for S in seqs]
+  if not args.quick:
+    shapes.append((1, 8, 512, 64))
+  results = []
+  print(f"device: {jax.devices()[0].device_kind}")
+  for backward in ([False] if args.no_backward else [False, True]):
+    for causal in (False, True):
+      for B, H, S, D in shapes:
+        rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats)
+        ref = rows.get("torch_flash") or rows.get("cudnn")
+        line = "  ".join(f"{n}={tf:6.1f}" for n, tf in rows.items())
+        ratio = f"  native/{'torch_flash' if 'torch_flash' in rows else 'cudnn'}={rows['native'] / ref:.2f}" \
+            if ref and "native" in rows else ""
+        print(f"{'fwd+bwd' if backward else 'fwd':7s} causal={int(causal)} B={B:2d} H={H:2d} S={S:5d} "
+              f"D={D:3d}  TFLOP/s: {line}{ratio}", flush=True)
+        results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H, S=S,
+                            D=D, **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
+
+  if args.csv:
+    keys = sorted({k for r in results for k in r}, key=lambda k: (k.startswith("tflops"), k))
+    with open(args.csv, "w", newline="") as f:
+      w = csv.DictWriter(f, fieldnames=keys)
+      w.writeheader()
+      w.writerows(results)
+  if args.png:
+    try:
+      import matplotlib
+      matplotlib.use("Agg")
+      import matplotlib.pyplot as plt
+    except ImportError:
+      print("matplotlib not importable; no plot")
+      return
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, direction in zip(axes, ("fwd", "fwd+bwd")):
+      sel = [r for r in results if r["direction"] == direction]
+      labels = [f"{'c' if r['causal'] else 'n'} S{r['S']} D{r['D']}" for r in sel]
+      x = np.arange(len(sel))
+      names = sorted({k for r in sel for k in r if k.startswith("tflops_")})
+      for i, n in enumerate(names):
+        ax.bar(x + i * 0.8 / len(names), [r.get(n, 0) for r in sel], 0.8 / len(names), label=n[7:])
+      ax.set_xticks(x + 0.4, labels, rotation=90, fontsize=6)
+      ax.set_title(direction)
+      ax.set_ylabel("TFLOP/s")
+      ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+  main()
