@@ -1,0 +1,137 @@
+"""The native path against float64 truth, with the DESIGN.md §5 error budget.
+
+Runs on the default backend: the C++ kernels on a CPU-only machine (CI), the
+CUDA kernels when a GPU is present.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import jaxflash
+from cases import MASKS, SHAPES, mask_kwargs, numpy_mask
+from conftest import assert_within_budget, numpy_reference, random_inputs
+
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def attention(q, k, v, implementation="native", **kw):
+  return jaxflash.dot_product_attention(q, k, v, implementation=implementation,
+                                        return_residual=True, residual_dtype=jnp.float32, **kw)
+
+
+def baseline(q, k, v, **kw):
+  """The `xla` implementation computed in the input dtype: the error yardstick."""
+  scale = 1.0 / np.sqrt(q.shape[-1])
+  left, right = jaxflash.reference.window_bounds(kw.get("is_causal", False),
+                                                 kw.get("local_window_size"))
+  return jaxflash.reference.attention(
+      q, k, v, scale=scale, is_causal=kw.get("is_causal", False),
+      causal_alignment=kw.get("causal_alignment", "top_left"),
+      local_window_size=kw.get("local_window_size"),
+      query_seq_lengths=kw.get("query_seq_lengths"),
+      key_value_seq_lengths=kw.get("key_value_seq_lengths"), compute_dtype=q.dtype)
+
+
+def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native"):
+  B, T, S, N, K, D = shape
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
+  kw = mask_kwargs(mask_name, rng, B, T, S)
+  out, lse = attention(q, k, v, implementation=implementation, **kw)
+  scale = 1.0 / np.sqrt(D)
+  truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
+  base_o, base_lse = baseline(q, k, v, **kw)
+  assert out.dtype == q.dtype and out.shape == q.shape
+  assert_within_budget(out, truth_o, base_o, "output")
+  lse = np.asarray(lse).transpose(0, 2, 1)  # [B, T, N] -> [B, N, T]
+  empty = np.isinf(truth_lse)
+  assert np.array_equal(np.isneginf(lse), empty), "LSE is -inf exactly on rows with no key"
+  assert np.all(np.asarray(out, np.float64)[np.transpose(empty, (0, 2, 1))] == 0)
+  assert_within_budget(np.where(empty, 0, lse), np.where(empty, 0, truth_lse),
+                       np.where(empty, 0, np.asarray(base_lse, np.float64)), "lse")
+
+
+def check_gradients(rng, shape, mask_name, dtype, implementation="native"):
+  B, T, S, N, K, D = shape
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
+  kw = mask_kwargs(mask_name, rng, B, T, S)
+  do = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  dlse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
+
+  def loss(fn, q, k, v):
+    o, lse = fn(q, k, v)
+    lse = jnp.where(jnp.isinf(lse), 0, lse)  # -inf rows carry no gradient
+    return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) +
+            jnp.sum(lse.astype(jnp.float32) * dlse))
+
+  native = functools.partial(attention, implementation=implementation, **kw)
+  grads = jax.grad(functools.partial(loss, native), argnums=(0, 1, 2))(q, k, v)
+
+  def base_fn(q, k, v):
+    o, lse = baseline(q, k, v, **kw)
+    return o, jnp.transpose(lse, (0, 2, 1))
+  base = jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
+  truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
+                                   scale=1.0 / np.sqrt(D), **numpy_mask(kw))
+  for name, g, b, t in zip(("dq", "dk", "dv"), grads, base, truth):
+    assert g.dtype == dtype
+    assert_within_budget(g, t, b, name)
+
+
+# A curated cross product: every mask on three shapes in every dtype, every
+# shape with two masks in float32 and bfloat16.
+FORWARD_CASES = (
+    [(s, m, d) for s in SHAPES[:3] for m in MASKS for d in DTYPES] +
+    [(s, m, d) for s in SHAPES[3:] for m in ("causal_bottom_right", "lengths")
+     for d in (jnp.float32, jnp.bfloat16)])
+
+
+@pytest.mark.parametrize("shape,mask_name,dtype", FORWARD_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_forward(rng, shape, mask_name, dtype):
+  check_forward(rng, shape, mask_name, dtype)
+
+
+@pytest.mark.parametrize("shape,mask_name,dtype", FORWARD_CASES,
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+def test_gradients(rng, shape, mask_name, dtype):
+  check_gradients(rng, shape, mask_name, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
+def test_large_logits_stay_finite_and_exact(rng, dtype):
+  # Logits of magnitude ~1e3: a kernel without the running max overflows.
+  check_forward(rng, (1, 127, 127, 2, 2, 64), "causal", dtype, magnitude=6.0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(B=st.integers(1, 2), T=st.integers(1, 70), S=st.integers(1, 70), K=st.integers(1, 2),
+       G=st.sampled_from([1, 2, 3]), D=st.integers(1, 80), mask_name=st.sampled_from(list(MASKS)),
+       seed=st.integers(0, 2**31 - 1))
+def test_random_shapes(B, T, S, K, G, D, mask_name, seed):
+  rng = np.random.default_rng(seed)
+  check_forward(rng, (B, T, S, K * G, K, D), mask_name, jnp.float32)
+  check_gradients(rng, (B, T, S, K * G, K, D), mask_name, jnp.float32)
+
+
+def test_long_sequence_rows_match(rng):
+  """S = 16k: the kernel's rows agree with a float64 computation of a sample."""
+  B, T, S, N, K, D = 1, 16384, 16384, 1, 1, 32
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, jnp.float32)
+  out, lse = attention(q, k, v, is_causal=True)
+  rows = np.sort(rng.choice(T, size=48, replace=False))
+  rows[-1] = T - 1
+  qs = np.asarray(q, np.float64)[:, rows]
+  s = np.einsum("bnd,bsd->bns", qs[:, :, 0], np.asarray(k, np.float64)[:, :, 0]) / np.sqrt(D)
+  s = np.where(np.arange(S)[None, None, :] <= rows[None, :, None], s, -np.inf)
+  m = s.max(-1, keepdims=True)
+  p = np.exp(s - m)
+  expect = np.einsum("bns,bsd->bnd", p / p.sum(-1, keepdims=True), np.asarray(v, np.float64)[:, :, 0])
+  np.testing.assert_allclose(np.asarray(out)[:, rows, 0], expect, atol=2e-5, rtol=0)
+  np.testing.assert_allclose(np.asarray(lse)[:, rows, 0], (m[..., 0] + np.log(p.sum(-1))), atol=2e-5)
