@@ -1,0 +1,252 @@
+"""The public API: drop-in behaviour, argument checking, transformations.
+
+Bad inputs tested (each must raise at trace time, naming the argument):
+  query rank not 3/4; key/value shape mismatch; batch mismatch; head_dim
+  mismatch; query heads not a multiple of kv heads; non-float dtype; mixed
+  dtypes; lengths of the wrong shape; non-integer lengths; negative window;
+  malformed window; non-bool is_causal; unknown causal_alignment; non-finite
+  scale; traced scale; bias that does not broadcast; non-boolean mask; unknown
+  implementation; native with bias; native with float64; native head_dim > 256;
+  cudnn with jaxflash-only keywords.
+The FFI handlers re-validate: a malformed direct ffi_call returns an error.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from conftest import max_abs, random_inputs
+
+
+def _inputs(rng, B=2, T=33, S=29, N=4, K=2, D=16, dtype=jnp.float32):
+  return random_inputs(rng, B, T, S, N, K, D, dtype)
+
+
+# ------------------------------------------------------------------ drop-in
+
+DROP_IN_CASES = {
+    "plain": {},
+    "causal": dict(is_causal=True),
+    "window": dict(local_window_size=(4, 2)),
+    "window_int": dict(local_window_size=3),
+    "causal_window": dict(is_causal=True, local_window_size=(6, 0)),
+    "lengths": dict(query_seq_lengths=np.array([33, 10], np.int32),
+                    key_value_seq_lengths=np.array([5, 29], np.int32)),
+    "scale": dict(scale=0.37),
+}
+
+
+@pytest.mark.parametrize("name", list(DROP_IN_CASES))
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_matches_jax_nn(rng, name, implementation):
+  """Same outputs and residuals as jax.nn wherever every row sees a key."""
+  q, k, v = _inputs(rng, T=29)
+  kw = DROP_IN_CASES[name]
+  ours, our_lse = jaxflash.dot_product_attention(q, k, v, implementation=implementation,
+                                                 return_residual=True, **kw)
+  theirs, their_lse = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                   return_residual=True, **kw)
+  assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+  assert our_lse.shape == their_lse.shape and our_lse.dtype == their_lse.dtype
+  assert max_abs(ours, theirs) < 2e-5
+  rows = np.ones(our_lse.shape, bool)
+  if "query_seq_lengths" in kw:  # jax.nn's LSE of padded query rows is meaningless
+    rows = np.arange(q.shape[1])[None, :, None] < kw["query_seq_lengths"][:, None, None]
+    rows = np.broadcast_to(rows, our_lse.shape)
+  assert max_abs(np.asarray(our_lse)[rows], np.asarray(their_lse)[rows]) < 2e-5
+
+
+def test_dense_bias_and_mask_match_jax_nn(rng):
+  q, k, v = _inputs(rng)
+  bias = jnp.asarray(rng.standard_normal((2, 4, 33, 29)), jnp.float32)
+  mask = jnp.asarray(rng.random((1, 1, 33, 29)) < 0.8).at[..., 0].set(True)
+  ours = jaxflash.dot_product_attention(q, k, v, bias, mask)
+  theirs = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla")
+  assert max_abs(ours, theirs) < 2e-5
+
+
+def test_rank3_inputs(rng):
+  q, k, v = _inputs(rng, B=1)
+  out = jaxflash.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+  assert out.shape == q.shape[1:]
+  assert max_abs(out, jaxflash.dot_product_attention(q, k, v, is_causal=True)[0]) == 0
+
+
+def test_fully_masked_rows_are_zero_with_zero_grads(rng):
+  q, k, v = _inputs(rng)
+  kv_lengths = jnp.array([0, 29], jnp.int32)
+
+  def loss(q, k, v):
+    return jnp.sum(jaxflash.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths) ** 2)
+  out = jaxflash.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths)
+  assert np.all(np.asarray(out[0]) == 0)
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for g in grads:
+    assert np.all(np.isfinite(np.asarray(g)))
+    assert np.all(np.asarray(g[0]) == 0)
+
+
+def test_empty_problems(rng):
+  q, k, v = _inputs(rng, T=0)
+  assert jaxflash.dot_product_attention(q, k, v).shape == q.shape
+  q, k, v = _inputs(rng, S=0)
+  out, lse = jaxflash.dot_product_attention(q, k, v, return_residual=True)
+  assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_bottom_right_alignment_is_a_kv_cache_step(rng):
+  """The last query row of a bottom-right causal call sees every key."""
+  q, k, v = _inputs(rng, T=4, S=29)
+  out = jaxflash.dot_product_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+  full = jaxflash.dot_product_attention(q[:, -1:], k, v)
+  assert max_abs(out[:, -1:], full) < 1e-6
+
+
+# ------------------------------------------------------------------ selection
+
+def test_native_is_the_default_and_really_runs():
+  q = k = v = jnp.zeros((1, 8, 2, 16), jnp.float32)
+  f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=True)
+  hlo = jax.jit(f).lower(q, k, v).as_text()
+  assert "jaxflash_fwd" in hlo
+  grad_hlo = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))).lower(
+      q, k, v).as_text()
+  assert "jaxflash_fwd" in grad_hlo and "jaxflash_bwd" in grad_hlo
+
+
+def test_unsupported_calls_fall_back_only_when_not_named(rng):
+  q, k, v = _inputs(rng)
+  bias = jnp.zeros((1, 1, 33, 29))
+  hlo = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, bias)).lower(
+      q, k, v).as_text()
+  assert "jaxflash_fwd" not in hlo
+  with pytest.raises(ValueError, match="bias"):
+    jaxflash.dot_product_attention(q, k, v, bias, implementation="native")
+
+
+def test_float64_uses_xla_and_native_refuses(rng):
+  with jax.enable_x64(True):
+    q, k, v = _inputs(rng, dtype=jnp.float64)
+    out = jaxflash.dot_product_attention(q, k, v)
+    assert out.dtype == jnp.float64
+    with pytest.raises(ValueError, match="float64"):
+      jaxflash.dot_product_attention(q, k, v, implementation="native")
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def _bad_cases(rng):
+  q, k, v = _inputs(rng)
+  i32 = np.int32
+  return [
+      ("rank", lambda: jaxflash.dot_product_attention(q[0, 0], k, v), ValueError, "rank"),
+      ("kv shape", lambda: jaxflash.dot_product_attention(q, k, v[:, :5]), ValueError, "same shape"),
+      ("batch", lambda: jaxflash.dot_product_attention(q[:1], k, v), ValueError, "batch"),
+      ("head_dim", lambda: jaxflash.dot_product_attention(q[..., :8], k, v), ValueError, "head_dim"),
+      ("gqa", lambda: jaxflash.dot_product_attention(q[:, :, :3], k, v), ValueError, "multiple"),
+      ("int dtype", lambda: jaxflash.dot_product_attention(q.astype(jnp.int32), k.astype(jnp.int32),
+                                                           v.astype(jnp.int32)), TypeError, "floating"),
+      ("mixed dtype", lambda: jaxflash.dot_product_attention(q.astype(jnp.bfloat16), k, v), TypeError,
+       "dtype"),
+      ("lengths shape", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_seq_lengths=np.ones((3,), i32)), ValueError, "query_seq_lengths"),
+      ("lengths dtype", lambda: jaxflash.dot_product_attention(
+          q, k, v, key_value_seq_lengths=np.ones((2,), np.float32)), TypeError, "key_value_seq_lengths"),
+      ("window negative", lambda: jaxflash.dot_product_attention(q, k, v, local_window_size=(-1, 2)),
+       ValueError, "non-negative"),
+      ("window malformed", lambda: jaxflash.dot_product_attention(q, k, v, local_window_size=(1, 2, 3)),
+       TypeError, "local_window_size"),
+      ("is_causal", lambda: jaxflash.dot_product_attention(q, k, v, is_causal="yes"), TypeError,
+       "is_causal"),
+      ("alignment", lambda: jaxflash.dot_product_attention(q, k, v, causal_alignment="left"),
+       ValueError, "causal_alignment"),
+      ("scale", lambda: jaxflash.dot_product_attention(q, k, v, scale=float("nan")), ValueError,
+       "scale"),
+      ("traced scale", lambda: jax.jit(lambda s: jaxflash.dot_product_attention(q, k, v, scale=s))(0.5),
+       TypeError, "scale"),
+      ("bias shape", lambda: jaxflash.dot_product_attention(q, k, v, jnp.zeros((3, 33, 29))),
+       ValueError, "bias"),
+      ("mask dtype", lambda: jaxflash.dot_product_attention(q, k, v, mask=jnp.zeros((33, 29))),
+       TypeError, "mask"),
+      ("implementation", lambda: jaxflash.dot_product_attention(q, k, v, implementation="fast"),
+       ValueError, "implementation"),
+      ("native head_dim", lambda: jaxflash.dot_product_attention(
+          *_inputs(rng, D=264), implementation="native"), ValueError, "head_dim"),
+      ("cudnn extras", lambda: jaxflash.dot_product_attention(
+          q, k, v, implementation="cudnn", causal_alignment="bottom_right"), ValueError, "cudnn"),
+  ]
+
+
+def test_bad_inputs_raise_clear_errors(rng):
+  for name, call, exc, fragment in _bad_cases(rng):
+    with pytest.raises(exc, match=fragment):
+      call()
+      pytest.fail(f"{name}: no error")
+
+
+def test_handlers_revalidate_what_reaches_them(rng):
+  """A malformed direct call to the FFI target is refused, not run."""
+  q, k, v = _inputs(rng)
+  lengths = jnp.full((2,), 29, jnp.int32)
+  wrong_lse = jax.ShapeDtypeStruct((2, 4, 5), jnp.float32)  # should be (2, 4, 33)
+  call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), wrong_lse))
+  with pytest.raises(Exception, match="jaxflash: lse"):
+    jax.block_until_ready(call(q, k, v, lengths, lengths, scale=np.float32(1), window_left=np.int64(-1),
+                               window_right=np.int64(-1), bottom_right=False))
+  call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                                           jax.ShapeDtypeStruct((2, 4, 33), jnp.float32)))
+  with pytest.raises(Exception, match="jaxflash: scale"):
+    jax.block_until_ready(call(q, k, v, lengths, lengths, scale=np.float32(np.inf),
+                               window_left=np.int64(-1), window_right=np.int64(-1),
+                               bottom_right=False))
+
+
+# ------------------------------------------------------------------ transformations
+
+def _loss(q, k, v):
+  return jnp.sum(jaxflash.dot_product_attention(q, k, v, is_causal=True) ** 2)
+
+
+def test_jit_grad_value_and_grad(rng):
+  q, k, v = _inputs(rng)
+  eager = jax.grad(_loss, argnums=(0, 1, 2))(q, k, v)
+  val, jitted = jax.jit(jax.value_and_grad(_loss, argnums=(0, 1, 2)))(q, k, v)
+  assert np.isclose(float(val), float(_loss(q, k, v)), rtol=1e-6)
+  for a, b in zip(eager, jitted):
+    assert max_abs(a, b) < 1e-6
+
+
+def test_vmap_matches_a_loop(rng):
+  q, k, v = _inputs(rng)
+  qs, ks, vs = (jnp.stack([x, x * 0.5 + 1]) for x in (q, k, v))
+  f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=True)
+  batched = jax.vmap(f)(qs, ks, vs)
+  for i in range(2):
+    assert max_abs(batched[i], f(qs[i], ks[i], vs[i])) < 1e-6
+  # vmap over q only (k, v shared), and a vmapped gradient.
+  assert max_abs(jax.vmap(f, in_axes=(0, None, None))(qs, k, v)[1], f(qs[1], k, v)) < 1e-6
+  g = jax.vmap(jax.grad(_loss))(qs, ks, vs)
+  assert max_abs(g[1], jax.grad(_loss)(qs[1], ks[1], vs[1])) < 1e-6
+
+
+def test_remat_and_donation(rng):
+  q, k, v = _inputs(rng)
+  expect = jax.grad(_loss, argnums=(0, 1, 2))(q, k, v)
+  remat = jax.grad(jax.checkpoint(_loss), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(expect, remat):
+    assert max_abs(a, b) < 1e-6
+  step = jax.jit(lambda q, k, v: q - 0.1 * jax.grad(_loss)(q, k, v), donate_argnums=(0,))
+  out = step(jnp.array(q), k, v)
+  assert max_abs(out, q - 0.1 * expect[0]) < 1e-6
+
+
+def test_lse_residual_is_differentiable(rng):
+  q, k, v = _inputs(rng)
+  def lse_sum(impl):
+    return lambda q: jnp.sum(jaxflash.dot_product_attention(
+        q, k, v, implementation=impl, return_residual=True, residual_dtype=jnp.float32)[1])
+  assert max_abs(jax.grad(lse_sum("native"))(q), jax.grad(lse_sum("xla"))(q)) < 1e-5
