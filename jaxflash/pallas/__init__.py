@@ -1,0 +1,17 @@
+"""The project's Pallas attention kernels (GPU via Triton, CPU via the interpreter)."""
+
+from jaxflash.pallas.attention import MAX_HEAD_DIM
+from jaxflash.pallas.attention import PallasConfig
+from jaxflash.pallas.attention import default_config
+from jaxflash.pallas.attention import pallas_backward
+from jaxflash.pallas.attention import pallas_forward
+from jaxflash.pallas.attention import pallas_supported
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "PallasConfig",
+    "default_config",
+    "pallas_backward",
+    "pallas_forward",
+    "pallas_supported",
+]

@@ -1,0 +1,731 @@
+"""FlashAttention forward and backward kernels written with Pallas.
+
+This is the project's second, independent implementation of the attention
+contract (the first is the native FFI path, the third the plain-jnp
+reference). It runs on NVIDIA GPUs through the Pallas Triton lowering and on
+the CPU through the Pallas interpreter (``interpret=True``), which CI uses.
+
+Layouts and semantics are the project's:
+
+* ``q``/``o``/``do``/``dq``: ``[B, T, Hq, D]``; ``k``/``v``/``dk``/``dv``:
+  ``[B, S, Hkv, D]``; ``Hq`` a multiple of ``Hkv`` (grouped-query attention is
+  index arithmetic in the block index maps, K/V are never repeated).
+* ``lse``/``dlse``: float32 ``[B, Hq, T]``, natural-log units.
+* Row ``i < q_len_b`` of batch ``b`` sees key ``j`` iff ``j < kv_len_b`` and
+  ``(left < 0 or j >= i + off - left)`` and ``(right < 0 or j <= i + off + right)``
+  with ``off = kv_len_b - q_len_b`` when ``bottom_right`` else ``0``. Causal
+  attention is ``window_right = 0``. Rows with nothing visible produce zeros,
+  ``lse = -inf`` and zero gradients.
+
+Kernels
+-------
+forward   grid (q blocks, B, Hq). Online softmax in base 2 (``log2(e)`` folded
+          into the scale) over the K/V blocks the mask lets the query block
+          see; fp32 accumulators; writes O and LSE.
+dK/dV     grid (kv blocks, B, Hkv). For one K/V block, walks the query heads
+          of its group and the query blocks that can see it, recomputing P
+          from the LSE; the group sum of dK/dV happens in the fp32 accumulator.
+dQ        grid (q blocks, B, Hq). Same walk as the forward, accumulates dS K.
+
+Every kernel splits its walk into three ranges of blocks: a masked range at
+each end and an unmasked interior of tiles that are entirely visible, so the
+per-element mask is evaluated only on boundary tiles. Blocks the mask
+excludes entirely are never visited. T, S are padded to the block size and the
+head dim to a power of two (at least 16) in the wrapper; the padding is
+masked (rows/keys) or zero (head dim) and sliced off again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:  # The Triton-specific module; present on every jax this package supports.
+  from jax.experimental.pallas import triton as _plgpu
+except ImportError:  # pragma: no cover
+  _plgpu = None
+
+__all__ = [
+    "PallasConfig",
+    "default_config",
+    "pallas_backward",
+    "pallas_forward",
+    "pallas_supported",
+]
+
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+MAX_HEAD_DIM = 256
+_MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
+
+
+# ---------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+  """Tuning knobs of the Pallas attention kernels.
+
+  Every field left as ``None`` is filled by :func:`default_config` from the
+  head dim and the platform. Block sizes must be powers of two and at least
+  16; a block larger than the (padded) sequence is shrunk to it, so short
+  sequences (decoding) do not pay for padding.
+
+  Attributes:
+    block_q: query rows per program in the forward and dQ kernels.
+    block_k: keys per inner-loop step in the forward and dQ kernels.
+    block_q_bwd: query rows per inner-loop step in the dK/dV kernel.
+    block_k_bwd: keys per program in the dK/dV kernel.
+    num_warps: warps per program of the forward kernel (GPU only).
+    num_stages: software-pipelining depth of the forward kernel (GPU only).
+    num_warps_bwd: warps per program of the backward kernels (GPU only).
+    num_stages_bwd: pipelining depth of the backward kernels (GPU only).
+    interpret: run the kernels in the Pallas interpreter. ``None`` chooses it
+      automatically when the default backend is the CPU.
+  """
+
+  block_q: int | None = None
+  block_k: int | None = None
+  block_q_bwd: int | None = None
+  block_k_bwd: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+  num_warps_bwd: int | None = None
+  num_stages_bwd: int | None = None
+  interpret: bool | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if not isinstance(value, (int, np.integer)) or value < _MIN_BLOCK or (
+          value & (value - 1)):
+        raise ValueError(
+            f"PallasConfig.{name} must be a power of two >= {_MIN_BLOCK}, "
+            f"got {value!r}")
+    for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, (int, np.integer))
+                                or value < 1):
+        raise ValueError(
+            f"PallasConfig.{name} must be a positive int, got {value!r}")
+
+
+def _next_pow2(n: int) -> int:
+  return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _padded_head_dim(head_dim: int) -> int:
+  return max(_MIN_BLOCK, _next_pow2(head_dim))
+
+
+def default_config(head_dim: int, *, interpret: bool | None = None
+                   ) -> PallasConfig:
+  """The configuration used for fields a caller leaves as ``None``.
+
+  GPU choices keep the forward's Q tile plus double-buffered K/V tiles within
+  the shared memory of an A100 at every head dim up to 256.
+  """
+  if interpret is None:
+    interpret = _default_interpret()
+  dp = _padded_head_dim(head_dim)
+  if interpret:
+    # The interpreter's cost is per grid step and per loop iteration, so
+    # larger blocks are faster; numerics do not depend on the block size.
+    return PallasConfig(64, 64, 64, 64, None, None, None, None, True)
+  if dp <= 64:
+    return PallasConfig(128, 64, 64, 64, 4, 3, 4, 2, False)
+  if dp <= 128:
+    return PallasConfig(128, 64, 64, 64, 8, 3, 8, 2, False)
+  return PallasConfig(64, 32, 32, 32, 4, 2, 4, 1, False)
+
+
+def _default_interpret() -> bool:
+  return jax.default_backend() == "cpu"
+
+
+def _resolve_config(config: PallasConfig | None, head_dim: int) -> PallasConfig:
+  if config is None:
+    config = PallasConfig()
+  if not isinstance(config, PallasConfig):
+    raise TypeError(
+        f"config must be a jaxflash.pallas.PallasConfig or None, got "
+        f"{type(config).__name__}")
+  interpret = config.interpret
+  if interpret is None:
+    interpret = _default_interpret()
+  base = default_config(head_dim, interpret=interpret)
+  fields = {
+      f.name: (getattr(config, f.name) if getattr(config, f.name) is not None
+               else getattr(base, f.name))
+      for f in dataclasses.fields(PallasConfig)
+  }
+  fields["interpret"] = bool(interpret)
+  return PallasConfig(**fields)
+
+
+def _compiler_params(num_warps, num_stages):
+  """Triton compiler parameters, spelled as the installed jax spells them."""
+  if _plgpu is None:
+    return None
+  cls = getattr(_plgpu, "CompilerParams", None)
+  if cls is None:  # Older spelling.
+    cls = getattr(_plgpu, "TritonCompilerParams", None)
+  if cls is None:
+    return None
+  return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+# ---------------------------------------------------------------------------
+# Support check
+# ---------------------------------------------------------------------------
+
+
+def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
+                     platform: str | None = None, *, k_dtype=None,
+                     v_dtype=None, has_bias: bool = False,
+                     has_mask: bool = False, has_segment_ids: bool = False,
+                     logits_soft_cap=None) -> str | None:
+  """Why the Pallas kernels cannot serve a call, or ``None`` when they can.
+
+  Args:
+    q_shape, k_shape, v_shape: shapes ``[B, T, Hq, D]``, ``[B, S, Hkv, D]``,
+      ``[B, S, Hkv, D]`` (``v_shape`` defaults to ``k_shape``).
+    dtype: dtype of ``q`` (``k_dtype``/``v_dtype`` default to it).
+    platform: ``"cpu"``, ``"gpu"``/``"cuda"``, ... ; ``None`` means the
+      default backend.
+    has_bias, has_mask, has_segment_ids, logits_soft_cap: features of the
+      public API the kernels do not implement; any of them makes the call
+      unsupported.
+  """
+  if has_bias:
+    return "the pallas implementation does not support `bias`"
+  if has_mask:
+    return "the pallas implementation does not support a boolean `mask`"
+  if has_segment_ids:
+    return "the pallas implementation does not support segment ids"
+  if logits_soft_cap is not None:
+    return "the pallas implementation does not support a logits soft-cap"
+  v_shape = k_shape if v_shape is None else v_shape
+  shapes = {"query": tuple(q_shape), "key": tuple(k_shape),
+            "value": tuple(v_shape)}
+  for name, shape in shapes.items():
+    if len(shape) != 4:
+      return f"`{name}` must have rank 4 [batch, seq, heads, head_dim]"
+  (b, _, hq, d), (bk, s, hkv, dk), (bv, sv, hv, dv) = (
+      shapes["query"], shapes["key"], shapes["value"])
+  if not (b == bk == bv):
+    return "query, key and value must have the same batch size"
+  if s != sv or hkv != hv:
+    return "key and value must have the same sequence length and heads"
+  if not (d == dk == dv):
+    return "the pallas implementation needs one head dim for q, k and v"
+  if d < 1 or d > MAX_HEAD_DIM:
+    return f"the pallas implementation supports head dims 1..{MAX_HEAD_DIM}"
+  if hkv < 1 or hq % hkv:
+    return "query heads must be a multiple of key/value heads"
+  dtypes = [jnp.dtype(dtype), jnp.dtype(k_dtype or dtype),
+            jnp.dtype(v_dtype or dtype)]
+  if any(t != dtypes[0] for t in dtypes):
+    return "the pallas implementation needs one dtype for q, k and v"
+  if dtypes[0] not in [jnp.dtype(t) for t in _SUPPORTED_DTYPES]:
+    return (f"the pallas implementation supports float32, float16 and "
+            f"bfloat16, got {dtypes[0]}")
+  platform = (platform or jax.default_backend()).lower()
+  if platform == "cpu":
+    return None
+  if platform not in ("gpu", "cuda"):
+    return f"the pallas implementation does not run on platform {platform!r}"
+  if _plgpu is None:
+    return "this jax has no Pallas Triton backend"
+  try:
+    devices = jax.devices(platform)
+  except RuntimeError:
+    devices = []
+  for device in devices[:1]:
+    cc = getattr(device, "compute_capability", None)
+    if cc is None:
+      return "the pallas implementation needs an NVIDIA GPU"
+    try:
+      major = int(str(cc).split(".")[0])
+    except ValueError:
+      return f"unrecognised GPU compute capability {cc!r}"
+    if major < 8:
+      return ("the pallas implementation needs an NVIDIA GPU of compute "
+              f"capability 8.0 or newer, got {cc}")
+  return None
+
+
+# ---------------------------------------------------------------------------
+# Mask arithmetic (scalars and vectors of int32; left/right are static ints)
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mask:
+  """The mask rule for one batch element, evaluated inside a kernel."""
+
+  q_valid: jax.Array    # rows [0, q_valid) are real queries
+  kv_valid: jax.Array   # keys [0, kv_valid) exist
+  offset: jax.Array     # diagonal position of row 0
+  left: int             # static; < 0 unbounded
+  right: int            # static; < 0 unbounded
+
+  @classmethod
+  def make(cls, q_valid, kv_valid, left, right, bottom_right):
+    offset = kv_valid - q_valid if bottom_right else jnp.int32(0)
+    return cls(q_valid, kv_valid, offset, left, right)
+
+  # Keys visible to row r: [key_begin(r), key_end(r)); both non-decreasing.
+  def key_begin(self, row):
+    if self.left < 0:
+      return jnp.zeros_like(row)
+    return jnp.maximum(row + self.offset - self.left, 0)
+
+  def key_end(self, row):
+    if self.right < 0:
+      return jnp.broadcast_to(self.kv_valid, jnp.shape(row))
+    return jnp.clip(row + self.offset + (self.right + 1), 0, self.kv_valid)
+
+  # Rows that see key c: [row_begin(c), row_end(c)) for c < kv_valid.
+  def row_begin(self, col):
+    if self.right < 0:
+      return jnp.zeros_like(col)
+    return jnp.clip(col - self.offset - self.right, 0, self.q_valid)
+
+  def row_end(self, col):
+    if self.left < 0:
+      return jnp.broadcast_to(self.q_valid, jnp.shape(col))
+    return jnp.clip(col - self.offset + (self.left + 1), 0, self.q_valid)
+
+  def visible(self, rows, cols):
+    """Element mask for rows [bq, 1] x cols [1, bk]."""
+    vis = (rows < self.q_valid) & (cols < self.kv_valid)
+    if self.left >= 0:
+      vis &= cols >= rows + self.offset - self.left
+    if self.right >= 0:
+      vis &= cols <= rows + self.offset + self.right
+    return vis
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def _three_ranges(lo_elem, hi_elem, full_lo_elem, full_hi_elem, all_full,
+                  block: int):
+  """Splits the element range [lo_elem, hi_elem) into block ranges.
+
+  Returns (lo, a, b, hi): blocks [lo, a) and [b, hi) need the element mask,
+  blocks [a, b) are entirely visible. ``full_lo_elem``/``full_hi_elem`` bound
+  the elements that every row/column of the tile sees; ``all_full`` is a
+  scalar bool saying whether full tiles can exist at all.
+  """
+  nonempty = hi_elem > lo_elem
+  lo = lax.div(lo_elem, jnp.int32(block))
+  hi = jnp.where(nonempty, _cdiv(hi_elem, block), lo)
+  a = jnp.clip(_cdiv(full_lo_elem, block), lo, hi)
+  b = jnp.clip(lax.div(full_hi_elem, jnp.int32(block)), a, hi)
+  b = jnp.where(all_full, b, a)
+  return lo, a, b, hi
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+  return lax.dot_general(
+      a, b, (((contract_a,), (contract_b,)), ((), ())),
+      preferred_element_type=jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Forward kernel
+# ---------------------------------------------------------------------------
+
+
+def _fwd_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                qk_scale: float, left: int, right: int, bottom_right: bool,
+                block_q: int, block_k: int, num_q_blocks: int):
+  qi = num_q_blocks - 1 - pl.program_id(0)  # heaviest (causal) blocks first
+  b = pl.program_id(1)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  r0 = qi * block_q
+  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
+  rows_exist = last_row >= r0
+  lo_elem = mask.key_begin(r0)
+  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
+  all_rows = r0 + block_q <= mask.q_valid
+  lo, a, bb, hi = _three_ranges(
+      lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
+      all_rows, block_k)
+
+  q = q_ref[...]
+  dp = q.shape[-1]
+  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+
+  def step(masked, kb, carry):
+    acc, m, l = carry
+    start = pl.multiple_of(kb * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = _dot(q, k, 1, 1) * qk_scale
+    if masked:
+      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+      s = jnp.where(mask.visible(rows, cols), s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    if masked:  # a row may still have seen nothing
+      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    else:
+      m_ref = m_new
+    alpha = jnp.exp2(m - m_ref)
+    p = jnp.exp2(s - m_ref[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 1, 0)
+    return acc, m_new, l
+
+  carry = (jnp.zeros((block_q, dp), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  carry = lax.fori_loop(lo, a, functools.partial(step, True), carry)
+  carry = lax.fori_loop(a, bb, functools.partial(step, False), carry)
+  acc, m, l = lax.fori_loop(bb, hi, functools.partial(step, True), carry)
+
+  seen = l > 0.0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None],
+                         0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+
+
+# ---------------------------------------------------------------------------
+# Backward kernels
+# ---------------------------------------------------------------------------
+
+
+def _dq_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, *, scale: float, qk_scale: float, left: int,
+               right: int, bottom_right: bool, block_q: int, block_k: int,
+               num_q_blocks: int):
+  qi = num_q_blocks - 1 - pl.program_id(0)
+  b = pl.program_id(1)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  r0 = qi * block_q
+  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
+  rows_exist = last_row >= r0
+  lo_elem = mask.key_begin(r0)
+  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
+  all_rows = r0 + block_q <= mask.q_valid
+  lo, a, bb, hi = _three_ranges(
+      lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
+      all_rows, block_k)
+
+  q = q_ref[...]
+  do = do_ref[...]
+  lse = lse_ref[...]
+  # Base-2 LSE; rows that saw nothing get +inf so that P underflows to 0.
+  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+  delta = delta_ref[...]
+  dp = q.shape[-1]
+  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+
+  def step(masked, kb, dq):
+    start = pl.multiple_of(kb * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = _dot(q, k, 1, 1) * qk_scale
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+      p = jnp.where(mask.visible(rows, cols), p, 0.0)
+    dpv = _dot(do, v, 1, 1)
+    ds = p * (dpv - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k, 1, 0)
+
+  dq = jnp.zeros((block_q, dp), jnp.float32)
+  dq = lax.fori_loop(lo, a, functools.partial(step, True), dq)
+  dq = lax.fori_loop(a, bb, functools.partial(step, False), dq)
+  dq = lax.fori_loop(bb, hi, functools.partial(step, True), dq)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                 delta_ref, dk_ref, dv_ref, *, scale: float, qk_scale: float,
+                 left: int, right: int, bottom_right: bool, block_q: int,
+                 block_k: int, group: int):
+  kj = pl.program_id(0)
+  b = pl.program_id(1)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  c0 = kj * block_k
+  last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
+  cols_exist = last_col >= c0
+  lo_elem = jnp.where(cols_exist, mask.row_begin(c0), 0)
+  hi_elem = jnp.where(cols_exist, mask.row_end(jnp.maximum(last_col, 0)), 0)
+  all_cols = c0 + block_k <= mask.kv_valid
+  lo, a, bb, hi = _three_ranges(
+      lo_elem, hi_elem, mask.row_begin(c0 + block_k - 1), mask.row_end(c0),
+      all_cols, block_q)
+
+  k = k_ref[...]
+  v = v_ref[...]
+  dp = k.shape[-1]
+  cols = c0 + jnp.arange(block_k, dtype=jnp.int32)[:, None]  # [bk, 1]
+
+  def step(g, masked, qb, carry):
+    dk, dv = carry
+    start = pl.multiple_of(qb * block_q, block_q)
+    q = q_ref[pl.ds(start, block_q), g, :]
+    do = do_ref[pl.ds(start, block_q), g, :]
+    lse = lse_ref[g, pl.ds(start, block_q)]
+    delta = delta_ref[g, pl.ds(start, block_q)]
+    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+    # Transposed tiles [bk, bq], so that no P^T is ever formed.
+    st = _dot(k, q, 1, 1) * qk_scale
+    pt = jnp.exp2(st - lse2[None, :])
+    if masked:
+      rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+      pt = jnp.where(mask.visible(rows, cols), pt, 0.0)
+    dv = dv + _dot(pt.astype(do.dtype), do, 1, 0)
+    dpt = _dot(v, do, 1, 1)
+    dst = pt * (dpt - delta[None, :])
+    dk = dk + _dot(dst.astype(q.dtype), q, 1, 0)
+    return dk, dv
+
+  def head(g, carry):
+    carry = lax.fori_loop(lo, a, functools.partial(step, g, True), carry)
+    carry = lax.fori_loop(a, bb, functools.partial(step, g, False), carry)
+    return lax.fori_loop(bb, hi, functools.partial(step, g, True), carry)
+
+  carry = (jnp.zeros((block_k, dp), jnp.float32),
+           jnp.zeros((block_k, dp), jnp.float32))
+  if group == 1:
+    dk, dv = head(0, carry)
+  else:
+    dk, dv = lax.fori_loop(0, group, head, carry)
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Wrappers
+# ---------------------------------------------------------------------------
+
+
+def _check_static_args(q, k, v, scale, window_left, window_right):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError("q, k, v must have rank 4")
+  reason = pallas_supported(q.shape, k.shape, v.shape, q.dtype, platform="cpu",
+                            k_dtype=k.dtype, v_dtype=v.dtype)
+  if reason is not None:
+    raise ValueError(reason)
+  if not isinstance(window_left, (int, np.integer)) or not isinstance(
+      window_right, (int, np.integer)):
+    raise TypeError("window_left and window_right must be Python ints")
+  if not np.isfinite(float(scale)):
+    raise ValueError(f"scale must be finite, got {scale!r}")
+
+
+def _block_sizes(length: int, block: int) -> tuple[int, int]:
+  """(block, padded length): the block shrinks for short sequences."""
+  block = min(block, max(_MIN_BLOCK, _next_pow2(length)))
+  return block, max(block, -(-length // block) * block)
+
+
+def _pad_to(x, axis_sizes: dict[int, int], value=0):
+  pads = [(0, 0)] * x.ndim
+  need = False
+  for axis, size in axis_sizes.items():
+    if x.shape[axis] != size:
+      pads[axis] = (0, size - x.shape[axis])
+      need = True
+  return jnp.pad(x, pads, constant_values=value) if need else x
+
+
+def _clamped_lengths(lengths, batch: int, limit: int):
+  if lengths is None:
+    return jnp.full((batch,), limit, jnp.int32)
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(
+        f"sequence lengths must have shape ({batch},), got {lengths.shape}")
+  return jnp.clip(lengths.astype(jnp.int32), 0, limit)
+
+
+def _length_spec(batch: int):
+  return pl.BlockSpec((batch,), lambda *_: (0,))
+
+
+def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
+                   window_left: int, window_right: int, bottom_right: bool,
+                   config: PallasConfig | None = None):
+  """Attention forward with the Pallas kernel.
+
+  Args:
+    q: ``[B, T, Hq, D]``; k, v: ``[B, S, Hkv, D]``; one dtype out of float32,
+      float16, bfloat16.
+    q_lengths, kv_lengths: int32 ``[B]`` (clamped to ``[0, T]``/``[0, S]``).
+    scale: multiplier of ``q . k``.
+    window_left, window_right: ints, ``-1`` unbounded; causal is
+      ``window_right = 0``.
+    bottom_right: align the diagonal to the end of the sequences.
+    config: optional :class:`PallasConfig`.
+
+  Returns:
+    ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
+    ``[B, Hq, T]`` in natural-log units (``-inf`` for rows that see nothing).
+  """
+  _check_static_args(q, k, v, scale, window_left, window_right)
+  batch, t, hq, d = q.shape
+  _, s, hkv, _ = k.shape
+  group = hq // hkv
+  cfg = _resolve_config(config, d)
+  dp = _padded_head_dim(d)
+  bq, t_pad = _block_sizes(t, cfg.block_q)
+  bk, s_pad = _block_sizes(s, cfg.block_k)
+  nq = t_pad // bq
+  q_len = _clamped_lengths(q_lengths, batch, t)
+  kv_len = _clamped_lengths(kv_lengths, batch, s)
+
+  qp = _pad_to(q, {1: t_pad, 3: dp})
+  kp = _pad_to(k, {1: s_pad, 3: dp})
+  vp = _pad_to(v, {1: s_pad, 3: dp})
+
+  kernel = functools.partial(
+      _fwd_kernel, qk_scale=float(scale) * _LOG2E, left=int(window_left),
+      right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
+      block_k=bk, num_q_blocks=nq)
+  q_spec = pl.BlockSpec((None, bq, None, dp),
+                        lambda i, b, h: (b, nq - 1 - i, h, 0))
+  kv_spec = pl.BlockSpec((None, s_pad, None, dp),
+                         lambda i, b, h: (b, 0, h // group, 0))
+  lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=(nq, batch, hq),
+      in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec,
+                kv_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), q.dtype),
+                 jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
+      interpret=cfg.interpret,
+      compiler_params=(None if cfg.interpret else
+                       _compiler_params(cfg.num_warps, cfg.num_stages)),
+      name="jaxflash_pallas_fwd",
+  )(q_len, kv_len, qp, kp, vp)
+  if t_pad != t or dp != d:
+    o = o[:, :t, :, :d]
+  if t_pad != t:
+    lse = lse[:, :, :t]
+  return o, lse
+
+
+def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
+                    scale: float, window_left: int, window_right: int,
+                    bottom_right: bool, config: PallasConfig | None = None):
+  """Attention backward with the Pallas kernels.
+
+  Args:
+    q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
+    bottom_right, config: as for :func:`pallas_forward`.
+    o, lse: the outputs of :func:`pallas_forward` (or of any implementation
+      of the same contract).
+    do: cotangent of ``o``, ``[B, T, Hq, D]``.
+    dlse: cotangent of ``lse``, float32 ``[B, Hq, T]``, or ``None`` for zero.
+
+  Returns:
+    ``(dq, dk, dv)`` in the dtypes of ``q``, ``k``, ``v``; the dK/dV of a
+    key/value head is summed over its group of query heads.
+  """
+  _check_static_args(q, k, v, scale, window_left, window_right)
+  batch, t, hq, d = q.shape
+  _, s, hkv, _ = k.shape
+  group = hq // hkv
+  cfg = _resolve_config(config, d)
+  dp = _padded_head_dim(d)
+  q_len = _clamped_lengths(q_lengths, batch, t)
+  kv_len = _clamped_lengths(kv_lengths, batch, s)
+
+  # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T].
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
+                     o.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  lse = lse.astype(jnp.float32)
+
+  common = dict(scale=float(scale), qk_scale=float(scale) * _LOG2E,
+                left=int(window_left), right=int(window_right),
+                bottom_right=bool(bottom_right))
+  compiler_params = (None if cfg.interpret else
+                     _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd))
+
+  # dQ: same walk as the forward.
+  bq, t_pad = _block_sizes(t, cfg.block_q)
+  bk, s_pad = _block_sizes(s, cfg.block_k)
+  # dK/dV: K/V blocks per program, Q blocks per step.
+  bq2, t_pad2 = _block_sizes(t, cfg.block_q_bwd)
+  bk2, s_pad2 = _block_sizes(s, cfg.block_k_bwd)
+  t_all, s_all = max(t_pad, t_pad2), max(s_pad, s_pad2)
+  # Both are multiples of both blocks (powers of two), so one padding serves.
+  t_all = -(-t_all // max(bq, bq2)) * max(bq, bq2)
+  s_all = -(-s_all // max(bk, bk2)) * max(bk, bk2)
+
+  qp = _pad_to(q, {1: t_all, 3: dp})
+  dop = _pad_to(do, {1: t_all, 3: dp})
+  kp = _pad_to(k, {1: s_all, 3: dp})
+  vp = _pad_to(v, {1: s_all, 3: dp})
+  lsep = _pad_to(lse, {2: t_all}, value=-np.inf)
+  deltap = _pad_to(delta, {2: t_all})
+
+  nq = t_all // bq
+  q_spec = pl.BlockSpec((None, bq, None, dp),
+                        lambda i, b, h: (b, nq - 1 - i, h, 0))
+  kv_spec = pl.BlockSpec((None, s_all, None, dp),
+                         lambda i, b, h: (b, 0, h // group, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_q_blocks=nq,
+                        **common),
+      grid=(nq, batch, hq),
+      in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec,
+                kv_spec, q_spec, row_spec, row_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct((batch, t_all, hq, dp), q.dtype),
+      interpret=cfg.interpret,
+      compiler_params=compiler_params,
+      name="jaxflash_pallas_bwd_dq",
+  )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
+
+  nk = s_all // bk2
+  qg_spec = pl.BlockSpec((None, t_all, group, dp),
+                         lambda j, b, h: (b, 0, h, 0))
+  rowg_spec = pl.BlockSpec((None, group, t_all), lambda j, b, h: (b, h, 0))
+  kblk_spec = pl.BlockSpec((None, bk2, None, dp), lambda j, b, h: (b, j, h, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq2, block_k=bk2, group=group,
+                        **common),
+      grid=(nk, batch, hkv),
+      in_specs=[_length_spec(batch), _length_spec(batch), qg_spec, kblk_spec,
+                kblk_spec, qg_spec, rowg_spec, rowg_spec],
+      out_specs=[kblk_spec, kblk_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, s_all, hkv, dp), k.dtype),
+                 jax.ShapeDtypeStruct((batch, s_all, hkv, dp), v.dtype)],
+      interpret=cfg.interpret,
+      compiler_params=compiler_params,
+      name="jaxflash_pallas_bwd_dkdv",
+  )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
+
+  if t_all != t or dp != d:
+    dq = dq[:, :t, :, :d]
+  if s_all != s or dp != d:
+    dk = dk[:, :s, :, :d]
+    dv = dv[:, :s, :, :d]
+  return dq, dk, dv
