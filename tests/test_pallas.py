@@ -32,8 +32,10 @@ _ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 gpu = pytest.mark.gpu
 requires_gpu = pytest.mark.skipif(not _ON_GPU, reason="needs a GPU")
 
-SMALL = PallasConfig(block_q=16, block_k=16, block_q_bwd=16, block_k_bwd=16)
-MIXED = PallasConfig(block_q=32, block_k=16, block_q_bwd=16, block_k_bwd=32)
+SMALL = PallasConfig(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                     block_q_dq=16, block_k_dq=16)
+MIXED = PallasConfig(block_q=32, block_k=16, block_q_dkv=16, block_k_dkv=32,
+                     block_q_dq=32, block_k_dq=16)
 
 # Absolute slack added to 2x the baseline error, relative to max|reference|.
 _ATOL = {jnp.float32: 2e-5, jnp.float16: 1e-3, jnp.bfloat16: 4e-3}
@@ -531,18 +533,24 @@ def test_unsupported_call_raises():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("block_q", 24), ("block_k", 8), ("block_q_bwd", 0), ("num_warps", 0)])
+    ("block_q", 24), ("block_k", 8), ("block_q_dkv", 0), ("block_k_dq", 48),
+    ("num_warps", 0), ("num_stages_bwd", -1), ("interpret", 1)])
 def test_config_rejects_bad_values(field, value):
   with pytest.raises(ValueError, match=field):
     PallasConfig(**{field: value})
 
 
 def test_default_config_is_complete():
-  for d in (16, 64, 128, 256):
-    for interpret in (True, False):
-      cfg = default_config(d, interpret=interpret)
-      assert cfg.block_q and cfg.block_k and cfg.block_q_bwd and cfg.block_k_bwd
-      assert cfg.interpret == interpret
+  for d in (8, 16, 64, 100, 128, 256):
+    for dtype in (F32, F16, BF16):
+      for interpret in (True, False):
+        cfg = default_config(d, dtype, interpret=interpret)
+        assert cfg.interpret == interpret
+        for f in dataclasses.fields(cfg):
+          if f.name.startswith("block_"):
+            assert getattr(cfg, f.name) >= 16, (d, dtype, f.name)
+          elif not interpret:
+            assert getattr(cfg, f.name) is not None, (d, dtype, f.name)
 
 
 # ---------------------------------------------------------------------------

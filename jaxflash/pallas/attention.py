@@ -72,20 +72,28 @@ _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 # ---------------------------------------------------------------------------
 
 
+_BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv",
+                 "block_q_dq", "block_k_dq")
+_INT_FIELDS = ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd")
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasConfig:
   """Tuning knobs of the Pallas attention kernels.
 
   Every field left as ``None`` is filled by :func:`default_config` from the
-  head dim and the platform. Block sizes must be powers of two and at least
-  16; a block larger than the (padded) sequence is shrunk to it, so short
-  sequences (decoding) do not pay for padding.
+  head dim, the dtype and the platform. Block sizes must be powers of two and
+  at least 16; a block larger than the (padded) sequence is shrunk to it, so
+  short sequences (decoding) do not pay for padding. Results do not depend on
+  the block sizes beyond floating-point summation order.
 
   Attributes:
-    block_q: query rows per program in the forward and dQ kernels.
-    block_k: keys per inner-loop step in the forward and dQ kernels.
-    block_q_bwd: query rows per inner-loop step in the dK/dV kernel.
-    block_k_bwd: keys per program in the dK/dV kernel.
+    block_q: query rows per program of the forward kernel.
+    block_k: keys per inner-loop step of the forward kernel.
+    block_q_dkv: query rows per inner-loop step of the dK/dV kernel.
+    block_k_dkv: keys per program of the dK/dV kernel.
+    block_q_dq: query rows per program of the dQ kernel.
+    block_k_dq: keys per inner-loop step of the dQ kernel.
     num_warps: warps per program of the forward kernel (GPU only).
     num_stages: software-pipelining depth of the forward kernel (GPU only).
     num_warps_bwd: warps per program of the backward kernels (GPU only).
@@ -96,8 +104,10 @@ class PallasConfig:
 
   block_q: int | None = None
   block_k: int | None = None
-  block_q_bwd: int | None = None
-  block_k_bwd: int | None = None
+  block_q_dkv: int | None = None
+  block_k_dkv: int | None = None
+  block_q_dq: int | None = None
+  block_k_dq: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
   num_warps_bwd: int | None = None
@@ -105,21 +115,26 @@ class PallasConfig:
   interpret: bool | None = None
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
+    for name in _BLOCK_FIELDS:
       value = getattr(self, name)
       if value is None:
         continue
-      if not isinstance(value, (int, np.integer)) or value < _MIN_BLOCK or (
-          value & (value - 1)):
+      if (isinstance(value, bool) or not isinstance(value, (int, np.integer))
+          or value < _MIN_BLOCK or (value & (value - 1))):
         raise ValueError(
             f"PallasConfig.{name} must be a power of two >= {_MIN_BLOCK}, "
             f"got {value!r}")
-    for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
+    for name in _INT_FIELDS:
       value = getattr(self, name)
-      if value is not None and (not isinstance(value, (int, np.integer))
+      if value is not None and (isinstance(value, bool)
+                                or not isinstance(value, (int, np.integer))
                                 or value < 1):
         raise ValueError(
             f"PallasConfig.{name} must be a positive int, got {value!r}")
+    if self.interpret is not None and not isinstance(self.interpret, bool):
+      raise ValueError(
+          f"PallasConfig.interpret must be a bool or None, got "
+          f"{self.interpret!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -130,32 +145,69 @@ def _padded_head_dim(head_dim: int) -> int:
   return max(_MIN_BLOCK, _next_pow2(head_dim))
 
 
-def default_config(head_dim: int, *, interpret: bool | None = None
-                   ) -> PallasConfig:
-  """The configuration used for fields a caller leaves as ``None``.
+# Shared memory the estimates below may use per program: below the 163 KiB an
+# A100 grants one block, leaving room for Triton's own layout conversions.
+_SMEM_BUDGET = 128 * 1024
 
-  GPU choices keep the forward's Q tile plus double-buffered K/V tiles within
-  the shared memory of an A100 at every head dim up to 256.
+
+def _fit_smem(itemsize: int, dp: int, major: int, minor: int, stages: int,
+              resident: int) -> tuple[int, int, int]:
+  """Shrinks (stages, minor block, major block) until the tiles fit.
+
+  ``resident`` tiles of ``major x dp`` stay for the whole program and two
+  streamed tiles of ``minor x dp`` are buffered ``stages`` deep.
+  """
+  def smem(major, minor, stages):
+    return itemsize * dp * (resident * major + 2 * minor * stages)
+
+  while smem(major, minor, stages) > _SMEM_BUDGET:
+    if stages > 1:
+      stages -= 1
+    elif minor > _MIN_BLOCK:
+      minor //= 2
+    elif major > _MIN_BLOCK:
+      major //= 2
+    else:
+      break
+  return major, minor, stages
+
+
+def default_config(head_dim: int, dtype=jnp.bfloat16, *,
+                   interpret: bool | None = None) -> PallasConfig:
+  """The configuration used for the fields a caller leaves as ``None``.
+
+  GPU choices: the program's resident tiles plus the pipelined K/V (or Q/dO)
+  tiles are kept within an A100's shared memory at every head dim and dtype;
+  the backward kernels use a long resident block and a short streamed one.
   """
   if interpret is None:
     interpret = _default_interpret()
   dp = _padded_head_dim(head_dim)
   if interpret:
     # The interpreter's cost is per grid step and per loop iteration, so
-    # larger blocks are faster; numerics do not depend on the block size.
-    return PallasConfig(64, 64, 64, 64, None, None, None, None, True)
+    # larger blocks are faster; the numerics do not depend on them.
+    return PallasConfig(64, 64, 64, 64, 64, 64, None, None, None, None, True)
+  itemsize = jnp.dtype(dtype).itemsize
   if dp <= 64:
-    return PallasConfig(128, 64, 64, 64, 4, 3, 4, 2, False)
-  if dp <= 128:
-    return PallasConfig(128, 64, 64, 64, 8, 3, 8, 2, False)
-  return PallasConfig(64, 32, 32, 32, 4, 2, 4, 1, False)
+    fwd, bwd, warps, warps_bwd = (128, 64, 3), (128, 32, 3), 4, 4
+  elif dp <= 128:
+    fwd, bwd, warps, warps_bwd = (128, 64, 3), (128, 32, 2), 8, 8
+  else:
+    fwd, bwd, warps, warps_bwd = (64, 32, 2), (64, 32, 2), 8, 8
+  bq, bk, stages = _fit_smem(itemsize, dp, *fwd, resident=1)
+  major, minor, stages_bwd = _fit_smem(itemsize, dp, *bwd, resident=2)
+  return PallasConfig(
+      block_q=bq, block_k=bk, block_q_dkv=minor, block_k_dkv=major,
+      block_q_dq=major, block_k_dq=minor, num_warps=warps, num_stages=stages,
+      num_warps_bwd=warps_bwd, num_stages_bwd=stages_bwd, interpret=False)
 
 
 def _default_interpret() -> bool:
   return jax.default_backend() == "cpu"
 
 
-def _resolve_config(config: PallasConfig | None, head_dim: int) -> PallasConfig:
+def _resolve_config(config: PallasConfig | None, head_dim: int,
+                    dtype) -> PallasConfig:
   if config is None:
     config = PallasConfig()
   if not isinstance(config, PallasConfig):
@@ -165,7 +217,7 @@ def _resolve_config(config: PallasConfig | None, head_dim: int) -> PallasConfig:
   interpret = config.interpret
   if interpret is None:
     interpret = _default_interpret()
-  base = default_config(head_dim, interpret=interpret)
+  base = default_config(head_dim, dtype, interpret=interpret)
   fields = {
       f.name: (getattr(config, f.name) if getattr(config, f.name) is not None
                else getattr(base, f.name))
@@ -533,10 +585,14 @@ def _check_static_args(q, k, v, scale, window_left, window_right):
     raise ValueError(f"scale must be finite, got {scale!r}")
 
 
+def _round_up(n: int, block: int) -> int:
+  return max(block, -(-n // block) * block)
+
+
 def _block_sizes(length: int, block: int) -> tuple[int, int]:
   """(block, padded length): the block shrinks for short sequences."""
   block = min(block, max(_MIN_BLOCK, _next_pow2(length)))
-  return block, max(block, -(-length // block) * block)
+  return block, _round_up(length, block)
 
 
 def _pad_to(x, axis_sizes: dict[int, int], value=0):
@@ -586,7 +642,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
-  cfg = _resolve_config(config, d)
+  cfg = _resolve_config(config, d, q.dtype)
   dp = _padded_head_dim(d)
   bq, t_pad = _block_sizes(t, cfg.block_q)
   bk, s_pad = _block_sizes(s, cfg.block_k)
@@ -648,7 +704,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
-  cfg = _resolve_config(config, d)
+  cfg = _resolve_config(config, d, q.dtype)
   dp = _padded_head_dim(d)
   q_len = _clamped_lengths(q_lengths, batch, t)
   kv_len = _clamped_lengths(kv_lengths, batch, s)
@@ -667,16 +723,13 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   compiler_params = (None if cfg.interpret else
                      _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd))
 
-  # dQ: same walk as the forward.
-  bq, t_pad = _block_sizes(t, cfg.block_q)
-  bk, s_pad = _block_sizes(s, cfg.block_k)
-  # dK/dV: K/V blocks per program, Q blocks per step.
-  bq2, t_pad2 = _block_sizes(t, cfg.block_q_bwd)
-  bk2, s_pad2 = _block_sizes(s, cfg.block_k_bwd)
-  t_all, s_all = max(t_pad, t_pad2), max(s_pad, s_pad2)
-  # Both are multiples of both blocks (powers of two), so one padding serves.
-  t_all = -(-t_all // max(bq, bq2)) * max(bq, bq2)
-  s_all = -(-s_all // max(bk, bk2)) * max(bk, bk2)
+  bq_dq, _ = _block_sizes(t, cfg.block_q_dq)
+  bk_dq, _ = _block_sizes(s, cfg.block_k_dq)
+  bq_dkv, _ = _block_sizes(t, cfg.block_q_dkv)
+  bk_dkv, _ = _block_sizes(s, cfg.block_k_dkv)
+  # Blocks are powers of two, so padding to the larger serves both kernels.
+  t_all = _round_up(t, max(bq_dq, bq_dkv))
+  s_all = _round_up(s, max(bk_dq, bk_dkv))
 
   qp = _pad_to(q, {1: t_all, 3: dp})
   dop = _pad_to(do, {1: t_all, 3: dp})
@@ -685,14 +738,16 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   lsep = _pad_to(lse, {2: t_all}, value=-np.inf)
   deltap = _pad_to(delta, {2: t_all})
 
-  nq = t_all // bq
-  q_spec = pl.BlockSpec((None, bq, None, dp),
+  nq = t_all // bq_dq
+  q_spec = pl.BlockSpec((None, bq_dq, None, dp),
                         lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_all, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  row_spec = pl.BlockSpec((None, None, bq_dq),
+                          lambda i, b, h: (b, h, nq - 1 - i))
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, block_q=bq, block_k=bk, num_q_blocks=nq,
+      functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
+                        num_q_blocks=nq,
                         **common),
       grid=(nq, batch, hq),
       in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec,
@@ -704,13 +759,15 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
       name="jaxflash_pallas_bwd_dq",
   )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
 
-  nk = s_all // bk2
+  nk = s_all // bk_dkv
   qg_spec = pl.BlockSpec((None, t_all, group, dp),
                          lambda j, b, h: (b, 0, h, 0))
   rowg_spec = pl.BlockSpec((None, group, t_all), lambda j, b, h: (b, h, 0))
-  kblk_spec = pl.BlockSpec((None, bk2, None, dp), lambda j, b, h: (b, j, h, 0))
+  kblk_spec = pl.BlockSpec((None, bk_dkv, None, dp),
+                           lambda j, b, h: (b, j, h, 0))
   dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, block_q=bq2, block_k=bk2, group=group,
+      functools.partial(_dkdv_kernel, block_q=bq_dkv, block_k=bk_dkv,
+                        group=group,
                         **common),
       grid=(nk, batch, hkv),
       in_specs=[_length_spec(batch), _length_spec(batch), qg_spec, kblk_spec,
