@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
+#
+#   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main]    (default: all)
+#
+# Logs go to $OUT (or ./gpu_out); the last lines printed are a summary.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench main)
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+
+if has build; then
+  start=$SECONDS
+  if JAXFLASH_CUDA=ON pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
+    spills=$(grep -c "bytes spill stores" "$OUT/build.log" | tr -d ' ')
+    nonzero=$(grep "spill stores" "$OUT/build.log" | grep -vc " 0 bytes spill stores")
+    note "build ok in $((SECONDS - start)) s ($nonzero kernels with spills)"
+  else
+    tail -n 40 "$OUT/build.log"; note "build FAILED"; printf '%s\n' "${summary[@]}"; exit 1
+  fi
+fi
+
+# Run from outside the checkout so the installed package, not the source tree, is imported.
+run_py() { (cd /tmp && "$@"); }
+repo=$PWD
+
+if has tests; then
+  start=$SECONDS
+  # The GPU-marked tests (CUDA kernels, Pallas on Triton) and the API tests,
+  # spread over processes: most of their time is compiling references.
+  run_py timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu "$repo/tests" \
+      --durations=10 > "$OUT/tests.log" 2>&1
+  note "gpu tests: $(tail -n 1 "$OUT/tests.log") [$((SECONDS - start)) s]"
+  run_py timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 "$repo/tests/test_api.py" \
+      >> "$OUT/tests.log" 2>&1
+  note "api tests on gpu: $(tail -n 1 "$OUT/tests.log")"
+fi
+
+if has sanitize; then
+  start=$SECONDS
+  : > "$OUT/sanitizer.log"
+  for tool in memcheck racecheck synccheck; do
+    XLA_PYTHON_CLIENT_ALLOCATOR=platform run_py compute-sanitizer --tool "$tool" \
+        --kernel-name kns=jaxflash --error-exitcode 99 python3 "$repo/tools/sanitizer_sweep.py" \
+        >> "$OUT/sanitizer.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool: exit $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tail -n 1)"
+  done
+  note "sanitizer sweep took $((SECONDS - start)) s"
+fi
+
+if has bench; then
+  start=$SECONDS
+  run_py python3 "$repo/benchmarks/bench_attention.py" --csv "$OUT/bench.csv" --png "$OUT/bench.png" \
+      > "$OUT/bench.log" 2>&1
+  note "benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/bench.log"
+fi
+
+if has main; then
+  run_py python3 -m jaxflash > "$OUT/main.log" 2>&1
+  note "python -m jaxflash exit $?"
+  cat "$OUT/main.log"
+fi
+
+printf '%s\n' "${summary[@]}"
