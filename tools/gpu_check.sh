@@ -20,7 +20,7 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "
 
 if has build; then
   start=$SECONDS
-  if JAXFLASH_CUDA=ON pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
+  if JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
     spills=$(grep -c "bytes spill stores" "$OUT/build.log" | tr -d ' ')
     nonzero=$(grep "spill stores" "$OUT/build.log" | grep -vc " 0 bytes spill stores")
     note "build ok in $((SECONDS - start)) s ($nonzero kernels with spills)"
