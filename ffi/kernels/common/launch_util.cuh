@@ -11,12 +11,14 @@
 
 namespace jaxflash {
 
-// Raises a kernel's dynamic shared-memory limit to `bytes`, once per
+// Raises kernel Kernel's dynamic shared-memory limit to `bytes`, once per
 // (instantiation, device): the attribute is per device, and setting it on
-// every launch would cost a driver call each time. A race between threads only
-// repeats an idempotent call.
-template <typename Kernel>
-Status EnsureDynamicSmem(Kernel kernel, size_t bytes, const CudaDevice& device) {
+// every launch would cost a driver call each time. The flag must be keyed on
+// the kernel itself (a template argument), not on its type: every
+// instantiation of a kernel template has the same function-pointer type. A
+// race between threads only repeats an idempotent call.
+template <auto Kernel>
+Status EnsureDynamicSmem(size_t bytes, const CudaDevice& device) {
   static std::atomic<uint64_t> done{0};
   const uint64_t bit = device.ordinal < 64 ? (uint64_t{1} << device.ordinal) : 0;
   if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return Status::Ok();
@@ -27,7 +29,7 @@ Status EnsureDynamicSmem(Kernel kernel, size_t bytes, const CudaDevice& device) 
   }
   if (bytes > 48 * 1024) {
     cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+        cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     if (err != cudaSuccess) {
       return Status::Internal(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
     }

@@ -8,6 +8,12 @@
 //   3. DqKernel      one CTA per (query tile, head, batch); walks the key
 //                    tiles its rows see, like the forward.
 //
+// delta needs no workspace: each row's float is parked in the first 4 bytes of
+// that row's own dQ slot (a row of dQ holds head_dim >= 8 elements of 2
+// bytes). DkDvKernel reads it from there; DqKernel reads its rows' values
+// before it overwrites the same rows with the real dQ, and no other kernel
+// writes dQ. So the handler allocates nothing for the backward.
+//
 // Splitting dQ into its own kernel recomputes S = QKᵀ and dP = dO·Vᵀ (7 GEMMs
 // instead of 5), but needs no fp32 accumulator in memory and no atomics, so
 // the backward is deterministic (bit-identical run to run) by construction.
@@ -47,8 +53,14 @@ struct Strides {
 };
 
 // ------------------------------------------------------------ 1. delta
+// Where row (batch, t, head)'s delta lives: the start of its dQ row.
 template <typename T>
-__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p, float* __restrict__ delta) {
+__device__ __forceinline__ float* DeltaSlot(const BwdParams& p, int64_t dq_row_offset) {
+  return reinterpret_cast<float*>(static_cast<T*>(p.dq) + dq_row_offset);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
   const int64_t rows = sh.batch * sh.q_len * sh.q_heads;  // in [b][t][h] order, like O
   const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -74,7 +86,7 @@ __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p, float* __r
     const int64_t t = (row / sh.q_heads) % sh.q_len;
     const int64_t b = row / (sh.q_heads * sh.q_len);
     const int64_t idx = (b * sh.q_heads + h) * sh.q_len + t;
-    delta[idx] = acc - (p.dlse ? p.dlse[idx] : 0.f);
+    *DeltaSlot<T>(p, row * sh.head_dim) = acc - (p.dlse ? p.dlse[idx] : 0.f);
   }
 }
 
@@ -97,7 +109,7 @@ struct DkDvTile {
 };
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams p, const float* __restrict__ delta) {
+__global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams p) {
   constexpr int kD = Tile::kD, kDOut = Tile::kDOut, kN = Tile::kN, kM = Tile::kM;
   constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
   constexpr int kQT = kM / 8;       // n8 tiles of Sᵀ per warp (queries)
@@ -156,7 +168,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
     for (int i = tid; i < kM; i += kThreads) {
       const bool ok = r0 + i < q_len;
       tc::CpAsync4(tc::SmemAddr(sLse + buf * kM + i), ok ? p.lse + v_off + i : p.lse, ok);
-      tc::CpAsync4(tc::SmemAddr(sDelta + buf * kM + i), ok ? delta + v_off + i : delta, ok);
+      tc::CpAsync4(tc::SmemAddr(sDelta + buf * kM + i), DeltaSlot<T>(p, ok ? q_off + i * st.q_row : 0), ok);
     }
   };
 
@@ -294,7 +306,7 @@ struct DqTile {
 };
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p, const float* __restrict__ delta) {
+__global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p) {
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
   constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
   constexpr int kNT = kN / 8, kDT = kD / 8;
@@ -349,7 +361,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p,
     const int64_t idx = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
     const bool ok = row < r_end;
     lse_log2[half] = ok ? p.lse[idx] * kLog2e : 0.f;
-    dlt[half] = ok ? delta[idx] : 0.f;
+    dlt[half] = ok ? *DeltaSlot<T>(p, q_off + (row - r0) * st.q_row) : 0.f;
   }
 
   float dq[kDT][4];
@@ -436,6 +448,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p,
     __syncthreads();
   }
   tc::CpAsyncWait<0>();
+  // Every lane has read its rows' delta (stored in these dQ rows) before any
+  // lane overwrites them.
+  __syncthreads();
 
   T* gdQ = static_cast<T*>(p.dq) + q_off;
 #pragma unroll
@@ -468,16 +483,16 @@ Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& dev
   using Tiles = BwdTilesFor<kD>;
   using DkDv = typename Tiles::DkDv;
   using Dq = typename Tiles::Dq;
-  float* delta = static_cast<float*>(workspace);
+  (void)workspace;  // BackwardWorkspaceBytes is 0: delta lives in dQ (see the top of this file)
   const AttentionShape& sh = p.shape;
 
-  auto dkdv = DkDvKernel<T, DkDv>;
-  auto dq = DqKernel<T, Dq>;
+  constexpr auto dkdv = DkDvKernel<T, DkDv>;
+  constexpr auto dq = DqKernel<T, Dq>;
   const size_t dkdv_smem = DkDv::template SmemBytes<T>();
   const size_t dq_smem = Dq::template SmemBytes<T>();
-  Status st = EnsureDynamicSmem(dkdv, dkdv_smem, device);
+  Status st = EnsureDynamicSmem<dkdv>(dkdv_smem, device);
   if (!st.ok()) return st;
-  st = EnsureDynamicSmem(dq, dq_smem, device);
+  st = EnsureDynamicSmem<dq>(dq_smem, device);
   if (!st.ok()) return st;
 
   if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
@@ -486,7 +501,7 @@ Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& dev
   // writes its zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
   const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
   if (rows > 0) {
-    DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p, delta);
+    DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p);
     st = CheckLaunch("attention backward (delta)");
     if (!st.ok()) return st;
   }
@@ -494,7 +509,7 @@ Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& dev
   if (sh.kv_len > 0) {
     const dim3 grid_kv(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
                        static_cast<unsigned>(sh.batch * DkDv::kSplits));
-    dkdv<<<grid_kv, DkDv::kThreads, dkdv_smem, stream>>>(p, delta);
+    dkdv<<<grid_kv, DkDv::kThreads, dkdv_smem, stream>>>(p);
     st = CheckLaunch("attention backward (dK, dV)");
     if (!st.ok()) return st;
   }
@@ -502,7 +517,7 @@ Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& dev
   if (sh.q_len > 0) {
     const dim3 grid_q(static_cast<unsigned>(CeilDiv(sh.q_len, Dq::kM)), static_cast<unsigned>(sh.q_heads),
                       static_cast<unsigned>(sh.batch));
-    dq<<<grid_q, Dq::kThreads, dq_smem, stream>>>(p, delta);
+    dq<<<grid_q, Dq::kThreads, dq_smem, stream>>>(p);
     st = CheckLaunch("attention backward (dQ)");
   }
   return st;

@@ -244,9 +244,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Tile = typename FwdTileFor<kD>::type;
-  auto kernel = FwdKernel<T, Tile>;
+  constexpr auto kernel = FwdKernel<T, Tile>;
   const size_t smem = Tile::template SmemBytes<T>();
-  Status st = EnsureDynamicSmem(kernel, smem, device);
+  Status st = EnsureDynamicSmem<kernel>(smem, device);
   if (!st.ok()) return st;
   if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
   const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)), static_cast<unsigned>(p.shape.q_heads),

@@ -21,12 +21,9 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream);
 
-// Backward scratch: delta (one float per batch, head, query row), 256-byte
-// aligned size. Nothing else: dQ is written directly (see bwd_kernel.cuh).
-inline size_t BackwardWorkspaceBytes(const BwdParams& p) {
-  const size_t bytes = size_t(p.shape.batch * p.shape.q_heads * p.shape.q_len) * sizeof(float);
-  return (bytes + 255) / 256 * 256;
-}
+// Backward scratch: none. delta is parked in the dQ output until the dQ
+// kernel overwrites it, and dQ is written directly (see bwd_kernel.cuh).
+inline size_t BackwardWorkspaceBytes(const BwdParams&) { return 0; }
 
 }  // namespace sm80
 }  // namespace jaxflash
