@@ -642,6 +642,9 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
+  if batch * t * hq * s == 0:  # nothing to attend to, or nobody asks
+    return (jnp.zeros(q.shape, q.dtype),
+            jnp.full((batch, hq, t), -jnp.inf, jnp.float32))
   cfg = _resolve_config(config, d, q.dtype)
   dp = _padded_head_dim(d)
   bq, t_pad = _block_sizes(t, cfg.block_q)
@@ -704,6 +707,9 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
+  if batch * t * hq * s == 0:
+    return (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+            jnp.zeros(v.shape, v.dtype))
   cfg = _resolve_config(config, d, q.dtype)
   dp = _padded_head_dim(d)
   q_len = _clamped_lengths(q_lengths, batch, t)
