@@ -248,7 +248,8 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
                      platform: str | None = None, *, k_dtype=None,
                      v_dtype=None, has_bias: bool = False,
                      has_mask: bool = False, has_segment_ids: bool = False,
-                     logits_soft_cap=None) -> str | None:
+                     logits_soft_cap=None, interpret_ok: bool = True
+                     ) -> str | None:
   """Why the Pallas kernels cannot serve a call, or ``None`` when they can.
 
   Args:
@@ -260,6 +261,8 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     has_bias, has_mask, has_segment_ids, logits_soft_cap: features of the
       public API the kernels do not implement; any of them makes the call
       unsupported.
+    interpret_ok: whether running in the Pallas interpreter (the CPU path,
+      exact but slow) is acceptable. Automatic selection should pass False.
   """
   if has_bias:
     return "the pallas implementation does not support `bias`"
@@ -296,6 +299,9 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
             f"bfloat16, got {dtypes[0]}")
   platform = (platform or jax.default_backend()).lower()
   if platform == "cpu":
+    if not interpret_ok:
+      return ("the pallas implementation runs on the CPU only in the Pallas "
+              "interpreter, which is slow; name it explicitly to use it")
     return None
   if platform not in ("gpu", "cuda"):
     return f"the pallas implementation does not run on platform {platform!r}"
