@@ -134,7 +134,7 @@ def _reference64(q, k, v, do, dlse, vis, scale):
   g = q.shape[2] // k.shape[2]
   kk = np.repeat(k, g, axis=2)
   vv = np.repeat(v, g, axis=2)
-  s = np.einsum("bthd,bshd->bhts", q, kk) * scale
+  s = np.einsum("bthd,bshd->bhts", q, kk, optimize=True) * scale
   vis4 = vis[:, None]
   s = np.where(vis4, s, -np.inf)
   mx = s.max(-1, keepdims=True)
@@ -144,13 +144,13 @@ def _reference64(q, k, v, do, dlse, vis, scale):
   seen = l > 0
   lse = np.where(seen, np.log(np.where(seen, l, 1.0)) + mx, -np.inf)[..., 0]
   p = e / np.where(seen, l, 1.0)
-  o = np.einsum("bhts,bshd->bthd", p, vv)
+  o = np.einsum("bhts,bshd->bthd", p, vv, optimize=True)
   delta = np.einsum("bthd,bthd->bht", do, o) - dlse
-  dvv = np.einsum("bhts,bthd->bshd", p, do)
-  dp = np.einsum("bthd,bshd->bhts", do, vv)
+  dvv = np.einsum("bhts,bthd->bshd", p, do, optimize=True)
+  dp = np.einsum("bthd,bshd->bhts", do, vv, optimize=True)
   ds = p * (dp - delta[..., None])
-  dq = np.einsum("bhts,bshd->bthd", ds, kk) * scale
-  dkk = np.einsum("bhts,bthd->bshd", ds, q) * scale
+  dq = np.einsum("bhts,bshd->bthd", ds, kk, optimize=True) * scale
+  dkk = np.einsum("bhts,bthd->bshd", ds, q, optimize=True) * scale
   sum_group = lambda x: x.reshape(x.shape[0], x.shape[1], -1, g,
                                   x.shape[3]).sum(3)
   return o, lse, dq, sum_group(dkk), sum_group(dvv)
