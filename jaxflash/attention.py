@@ -64,11 +64,14 @@ class _NativeKernels:
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+    # The fourth result is the kernels' O(B * N * T) workspace (delta); passing
+    # it as an output keeps the handlers free of run-time allocation.
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype))
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
-                deterministic=bool(spec.deterministic))
+    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
+                         deterministic=bool(spec.deterministic))
+    return dq, dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))

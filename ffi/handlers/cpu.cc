@@ -5,7 +5,6 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
-#include <vector>
 
 #include "decode.h"
 #include "handlers.h"
@@ -73,15 +72,13 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                        ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                        ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                       ffi::Result<ffi::AnyBuffer> dv, float scale, int64_t window_left,
-                       int64_t window_right, bool bottom_right, bool deterministic) {
+                       ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                       float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                       bool deterministic) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
-                                          dk, dv, scale, window_left, window_right, bottom_right,
-                                          deterministic, &p));
-  // O(batch * heads * q_len): the only memory the backward adds.
-  std::vector<float> delta(static_cast<size_t>(p.shape.batch * p.shape.q_heads * p.shape.q_len));
-  p.delta = delta.data();
+                                          dk, dv, delta, scale, window_left, window_right,
+                                          bottom_right, deterministic, &p));
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 

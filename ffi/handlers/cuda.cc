@@ -26,17 +26,19 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
                         ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                        bool deterministic) {
+                        ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                        int64_t window_right, bool bottom_right, bool deterministic) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
-                                          dk, dv, scale, window_left, window_right, bottom_right,
-                                          deterministic, &p));
+                                          dk, dv, delta, scale, window_left, window_right,
+                                          bottom_right, deterministic, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  // Every kernel today fits its workspace in the delta output; the scratch
+  // allocator (unavailable inside command buffers) is only a fallback.
   const size_t bytes = CudaBackwardWorkspaceBytes(p, device);
-  void* workspace = nullptr;
-  if (bytes > 0) {
+  void* workspace = p.delta;
+  if (bytes > delta->size_bytes()) {
     auto allocation = scratch.Allocate(bytes, 256);
     if (!allocation.has_value()) {
       return ffi::Error(ffi::ErrorCode::kResourceExhausted,

@@ -191,9 +191,12 @@ struct BackwardBuffers {
   ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths;
 };
 
+// `delta` is an output the caller never reads: the O(T * H) workspace of the
+// backward, passed as a result so no handler allocates at run time (XLA's
+// scratch allocator is unavailable inside command buffers).
 inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
                                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                                 float scale, int64_t window_left, int64_t window_right,
+                                 ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left, int64_t window_right,
                                  bool bottom_right, bool deterministic, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
@@ -205,6 +208,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   p->scale = scale;
   p->deterministic = deterministic;
@@ -220,6 +224,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   p->dq = dq->untyped_data();
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
+  p->delta = static_cast<float*>(delta->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -254,6 +259,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dq
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv
+      .template Ret<ffi::AnyBuffer>()            // delta (workspace)
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
