@@ -3,6 +3,7 @@
 #
 #   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main]    (default: all)
 #
+# BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
 # Logs go to $OUT (or ./gpu_out); the last lines printed are a summary.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,8 +38,9 @@ if has tests; then
   start=$SECONDS
   # The GPU-marked tests (CUDA kernels, Pallas on Triton) and the API tests,
   # spread over processes: most of their time is compiling references.
+  # PYTEST_K=<expr> narrows the GPU tests (e.g. to re-run what failed).
   run_py timeout 420 python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu "$repo/tests" \
-      --durations=10 > "$OUT/tests.log" 2>&1
+      ${PYTEST_K:+-k "$PYTEST_K"} --durations=10 > "$OUT/tests.log" 2>&1
   note "gpu tests: $(tail -n 1 "$OUT/tests.log") [$((SECONDS - start)) s]"
   run_py timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 "$repo/tests/test_api.py" \
       >> "$OUT/tests.log" 2>&1
@@ -60,8 +62,8 @@ fi
 
 if has bench; then
   start=$SECONDS
-  run_py python3 "$repo/benchmarks/bench_attention.py" --csv "$OUT/bench.csv" --png "$OUT/bench.png" \
-      > "$OUT/bench.log" 2>&1
+  run_py timeout 480 python3 "$repo/benchmarks/bench_attention.py" --csv "$OUT/bench.csv" \
+      --png "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   note "benchmark exit $? [$((SECONDS - start)) s]"
   cat "$OUT/bench.log"
 fi
