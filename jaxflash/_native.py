@@ -41,9 +41,6 @@ def _load():
     jax.ffi.register_ffi_target(name, capsule, platform="cpu")
   for name, capsule in _jaxflash.cuda_targets().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
-  for name in (FORWARD_TARGET, BACKWARD_TARGET):
-    # Every operand's leading axis is the batch: XLA may shard the call over it.
-    jax.ffi.register_ffi_target_as_batch_partitionable(name)
   return _jaxflash, None
 
 
