@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover
   _plgpu = None
 
 __all__ = [
+    "MAX_HEAD_DIM",
     "PallasConfig",
     "default_config",
     "pallas_backward",
@@ -227,8 +228,15 @@ def _resolve_config(config: PallasConfig | None, head_dim: int,
   return PallasConfig(**fields)
 
 
-def _compiler_params(num_warps, num_stages):
-  """Triton compiler parameters, spelled as the installed jax spells them."""
+def _compiler_params(num_warps, num_stages, tile_m: int, tile_n: int):
+  """Triton compiler parameters, spelled as the installed jax spells them.
+
+  ``tile_m x tile_n`` is the kernel's score tile: warps beyond one per 256
+  elements of it would only replicate work, so small tiles (short sequences,
+  tiny test blocks) get fewer warps.
+  """
+  if num_warps is not None:
+    num_warps = max(1, min(int(num_warps), (tile_m * tile_n) // 256))
   if _plgpu is None:
     return None
   cls = getattr(_plgpu, "CompilerParams", None)
@@ -682,7 +690,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                  jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
-                       _compiler_params(cfg.num_warps, cfg.num_stages)),
+                       _compiler_params(cfg.num_warps, cfg.num_stages, bq,
+                                        bk)),
       name="jaxflash_pallas_fwd",
   )(q_len, kv_len, qp, kp, vp)
   if t_pad != t or dp != d:
@@ -732,8 +741,11 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   common = dict(scale=float(scale), qk_scale=float(scale) * _LOG2E,
                 left=int(window_left), right=int(window_right),
                 bottom_right=bool(bottom_right))
-  compiler_params = (None if cfg.interpret else
-                     _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd))
+  def params(tile_m, tile_n):
+    if cfg.interpret:
+      return None
+    return _compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, tile_m,
+                            tile_n)
 
   bq_dq, _ = _block_sizes(t, cfg.block_q_dq)
   bk_dq, _ = _block_sizes(s, cfg.block_k_dq)
@@ -767,7 +779,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct((batch, t_all, hq, dp), q.dtype),
       interpret=cfg.interpret,
-      compiler_params=compiler_params,
+      compiler_params=params(bq_dq, bk_dq),
       name="jaxflash_pallas_bwd_dq",
   )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
 
@@ -788,7 +800,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
       out_shape=[jax.ShapeDtypeStruct((batch, s_all, hkv, dp), k.dtype),
                  jax.ShapeDtypeStruct((batch, s_all, hkv, dp), v.dtype)],
       interpret=cfg.interpret,
-      compiler_params=compiler_params,
+      compiler_params=params(bk_dkv, bq_dkv),
       name="jaxflash_pallas_bwd_dkdv",
   )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
 
