@@ -71,7 +71,7 @@ BackwardTile& Scratch() {
   return tile[0];
 }
 
-void DeltaItem(const Geometry& g, int64_t item) {
+JAXFLASH_CPU_CLONES void DeltaItem(const Geometry& g, int64_t item) {
   const BwdParams& p = g.p;
   const int64_t b = item / (p.shape.q_heads * g.row_tiles);
   const int64_t h = (item / g.row_tiles) % p.shape.q_heads;
@@ -106,16 +106,22 @@ void ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
   for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * kKeysPerTile;
     float* ds = t.ds + r * kKeysPerTile;
-    for (int c = 0; c < cols; ++c) {
-      const bool visible = full || mask.Visible(r0 + r, c0 + c);
-      const float prob = visible ? std::exp2(s[c] - t.lse2[r]) : 0.f;
+    if (!full) {
+      // Rows with no visible key have LSE = -inf; masking first keeps them at 0.
+      for (int c = 0; c < cols; ++c) {
+        if (!mask.Visible(r0 + r, c0 + c)) s[c] = kNegInf;
+      }
+    }
+    const float lse2 = std::isinf(t.lse2[r]) ? 0.f : t.lse2[r];
+    for (int c = 0; c < cols; ++c) {  // vectorised
+      const float prob = Exp2(s[c] - lse2);
       s[c] = prob;
       ds[c] = prob * (ds[c] - t.delta[r]);
     }
   }
 }
 
-void KeyValueGradItem(const Geometry& g, int64_t item) {
+JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
   const int dim = g.dim;
@@ -165,7 +171,7 @@ void KeyValueGradItem(const Geometry& g, int64_t item) {
   StoreRows(p.dv, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_b);
 }
 
-void QueryGradItem(const Geometry& g, int64_t item) {
+JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
   const int dim = g.dim;

@@ -26,7 +26,7 @@ struct ForwardTile {
   float row_sum[kRowsPerTile];
 };
 
-void ForwardItem(const FwdParams& p, int64_t item, ForwardTile& t) {
+JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTile& t) {
   const AttentionShape& sh = p.shape;
   const int dim = static_cast<int>(sh.head_dim);
   const int64_t row_tiles = (sh.q_len + kRowsPerTile - 1) / kRowsPerTile;
@@ -71,12 +71,10 @@ void ForwardItem(const FwdParams& p, int64_t item, ForwardTile& t) {
       for (int c = 0; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
       const float new_max = std::max(t.row_max[r], tile_max);
       if (new_max == kNegInf) continue;  // nothing visible to this row yet
-      const float rescale = std::exp2(t.row_max[r] - new_max);
+      const float rescale = Exp2(t.row_max[r] - new_max);
+      for (int c = 0; c < cols; ++c) s[c] = Exp2(s[c] - new_max);  // vectorised
       float sum = 0.f;
-      for (int c = 0; c < cols; ++c) {
-        s[c] = std::exp2(s[c] - new_max);
-        sum += s[c];
-      }
+      for (int c = 0; c < cols; ++c) sum += s[c];
       t.row_max[r] = new_max;
       t.row_sum[r] = t.row_sum[r] * rescale + sum;
       float* acc = t.acc + r * dim;
