@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, reference
+from jaxflash import _native, pallas as _pallas, reference
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -74,6 +74,27 @@ class _NativeKernels:
     return dq, dk, dv
 
 
+class _PallasKernels:
+  """The project's Pallas kernels (Triton on GPU, the interpreter on CPU)."""
+
+  name = "pallas"
+
+  @staticmethod
+  def _kw(spec: MaskSpec) -> dict[str, Any]:
+    return dict(scale=float(spec.scale), window_left=int(spec.window_left),
+                window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right))
+
+  @classmethod
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
+    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec))
+
+  @classmethod
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+    # No atomics: always deterministic, so spec.deterministic needs nothing.
+    return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                                   **cls._kw(spec))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
   return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
@@ -96,9 +117,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def _kernels(name: str):
-  if name == "native":
-    return _NativeKernels
-  raise AssertionError(name)
+  return {"native": _NativeKernels, "pallas": _PallasKernels}[name]
 
 
 # ------------------------------------------------------------------ validation
@@ -245,8 +264,12 @@ def _platform() -> str:
   return jax.default_backend()
 
 
-def _fused_unsupported(call: _Call, name: str) -> str | None:
-  """Why implementation `name` cannot serve `call` here, or None."""
+def _fused_unsupported(call: _Call, name: str, explicit: bool = True) -> str | None:
+  """Why implementation `name` cannot serve `call` here, or None.
+
+  `explicit` is False when choosing automatically: Pallas on the CPU runs in
+  the (slow) interpreter, fine when asked for, never picked unasked.
+  """
   if call.bias is not None or call.mask is not None:
     return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
   if call.q.dtype not in _FUSED_DTYPES:
@@ -258,7 +281,9 @@ def _fused_unsupported(call: _Call, name: str) -> str | None:
   if name == "native":
     return _native.unavailable_reason(_platform())
   if name == "pallas":
-    return "implementation='pallas' is not available yet"
+    return _pallas.pallas_supported(call.q.shape, call.k.shape, call.v.shape, call.q.dtype,
+                                    _platform(), k_dtype=call.k.dtype, v_dtype=call.v.dtype,
+                                    interpret_ok=explicit)
   return None
 
 
@@ -273,7 +298,7 @@ def _choose(call: _Call, implementation) -> str:
   if implementation is not None:
     return implementation
   for name in ("native", "pallas"):
-    if _fused_unsupported(call, name) is None:
+    if _fused_unsupported(call, name, explicit=False) is None:
       return name
   return "xla"
 
