@@ -20,39 +20,23 @@ from __future__ import annotations
 import argparse
 import csv
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
+from jaxflash import _measure
 
 
-def flops(B, H, T, S, D, causal, backward):
-  f = 4.0 * B * H * T * S * D
-  if causal:
-    f /= 2
-  return f * (3.5 if backward else 1.0)
-
-
-def time_fn(fn, args, reps, repeats):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / reps)
-  return statistics.median(times)
+flops = _measure.attention_flops
+time_fn = _measure.time_jitted
 
 
 def jax_impl(name, causal, backward):
-  if name == "native":
+  if name in ("native", "pallas"):
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                           implementation="native")
+                                                           implementation=name)
   else:
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation=name)
@@ -125,17 +109,20 @@ def main():
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--no-backward", action="store_true")
+  ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
+                  help="comma-separated; torch_* are skipped when torch has no GPU")
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()
 
-  peers = ["native", "cudnn", "xla"]
+  peers = args.peers.split(",")
   try:
-    import torch  # noqa: F401
-    if torch.cuda.is_available():
-      peers += ["torch_flash", "torch_cudnn"]
+    import torch
+    has_torch_gpu = torch.cuda.is_available()
   except ImportError:
-    pass
+    has_torch_gpu = False
+  if not has_torch_gpu:
+    peers = [p for p in peers if not p.startswith("torch_")]
 
   dims = [int(x) for x in args.heads_dims.split(",")]
   seqs = [16384] if args.quick else [int(x) for x in args.seqs.split(",")]
