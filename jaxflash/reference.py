@@ -68,8 +68,12 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   S, K = k.shape[1], k.shape[2]
   G = N // K
 
+  # Full-precision products for float32/float64: on GPUs the default would
+  # be TF32, and this is the yardstick the kernels are measured against.
+  precision = (jax.lax.Precision.HIGHEST if jnp.finfo(compute_dtype).bits >= 32
+               else jax.lax.Precision.DEFAULT)
   logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k,
-                      preferred_element_type=compute_dtype)
+                      preferred_element_type=compute_dtype, precision=precision)
   logits = logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype)
   if bias is not None:
     logits = logits + jnp.asarray(bias).astype(compute_dtype)
@@ -96,7 +100,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   probs = (probs / safe_sum).astype(compute_dtype)
 
   out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(B, K, G, T, S), v,
-                   preferred_element_type=compute_dtype)
+                   preferred_element_type=compute_dtype, precision=precision)
   out = out.reshape(B, T, N, H)
   lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), neg_inf)[..., 0]
   return out.astype(out_dtype), lse

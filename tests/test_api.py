@@ -48,8 +48,9 @@ def test_matches_jax_nn(rng, name, implementation):
   kw = DROP_IN_CASES[name]
   ours, our_lse = jaxflash.dot_product_attention(q, k, v, implementation=implementation,
                                                  return_residual=True, **kw)
-  theirs, their_lse = jax.nn.dot_product_attention(q, k, v, implementation="xla",
-                                                   return_residual=True, **kw)
+  with jax.default_matmul_precision("highest"):  # jax.nn would use TF32 on GPUs
+    theirs, their_lse = jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                     return_residual=True, **kw)
   assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
   assert our_lse.shape == their_lse.shape and our_lse.dtype == their_lse.dtype
   assert max_abs(ours, theirs) < 2e-5
@@ -65,7 +66,8 @@ def test_dense_bias_and_mask_match_jax_nn(rng):
   bias = jnp.asarray(rng.standard_normal((2, 4, 33, 29)), jnp.float32)
   mask = jnp.asarray(rng.random((1, 1, 33, 29)) < 0.8).at[..., 0].set(True)
   ours = jaxflash.dot_product_attention(q, k, v, bias, mask)
-  theirs = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla")
+  with jax.default_matmul_precision("highest"):
+    theirs = jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla")
   assert max_abs(ours, theirs) < 2e-5
 
 

@@ -320,13 +320,15 @@ size_t KeyValueGradSmem(int dim) {
 }
 
 // Raises a kernel's dynamic shared memory limit to what the largest head_dim
-// needs, once per kernel.
-template <typename Kernel>
-Status OptInSmem(Kernel kernel, size_t bytes) {
+// needs, once per kernel. The kernel is a template argument, not a parameter:
+// kernels of one signature share a function-pointer type, and a flag keyed on
+// the type would opt in only the first of them.
+template <auto kKernel>
+Status OptInSmem(size_t bytes) {
   static std::once_flag once;
   static cudaError_t result = cudaSuccess;
   std::call_once(once, [&] {
-    result = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    result = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(bytes));
   });
   if (result != cudaSuccess) {
@@ -353,7 +355,7 @@ Status Forward(const FwdParams& p, cudaStream_t stream) {
   const int dim = p.shape.head_dim;
   const int64_t bx = (p.shape.q_len + kWarps - 1) / kWarps, by = p.shape.batch * p.shape.q_heads;
   if (auto s = CheckGrid(bx, by); !s.ok()) return s;
-  if (auto s = OptInSmem(ForwardKernel<T>, ForwardSmem(256)); !s.ok()) return s;
+  if (auto s = OptInSmem<ForwardKernel<T>>(ForwardSmem(256)); !s.ok()) return s;
   ForwardKernel<T><<<dim3(bx, by), kThreads, ForwardSmem(dim), stream>>>(p);
   return LastLaunchError("SIMT forward");
 }
@@ -366,8 +368,8 @@ Status Backward(const BwdParams& p, float* delta, cudaStream_t stream) {
   const int64_t kx = (p.shape.kv_len + kWarps - 1) / kWarps, ky = p.shape.batch * p.shape.kv_heads;
   if (auto s = CheckGrid(qx, qy); !s.ok()) return s;
   if (auto s = CheckGrid((rows + kWarps - 1) / kWarps, 1); !s.ok()) return s;
-  if (auto s = OptInSmem(QueryGradKernel<T>, QueryGradSmem(256)); !s.ok()) return s;
-  if (auto s = OptInSmem(KeyValueGradKernel<T>, KeyValueGradSmem(256)); !s.ok()) return s;
+  if (auto s = OptInSmem<QueryGradKernel<T>>(QueryGradSmem(256)); !s.ok()) return s;
+  if (auto s = OptInSmem<KeyValueGradKernel<T>>(KeyValueGradSmem(256)); !s.ok()) return s;
   DeltaKernel<T><<<(rows + kWarps - 1) / kWarps, kThreads, 0, stream>>>(p, delta);
   if (auto s = LastLaunchError("SIMT delta"); !s.ok()) return s;
   QueryGradKernel<T><<<dim3(qx, qy), kThreads, QueryGradSmem(dim), stream>>>(p, delta);
