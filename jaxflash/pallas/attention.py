@@ -408,8 +408,12 @@ def _three_ranges(lo_elem, hi_elem, full_lo_elem, full_hi_elem, all_full,
 
 
 def _dot(a, b, contract_a: int, contract_b: int):
+  # HIGHEST: float32 operands get IEEE products on GPU (Triton's default for
+  # them is TF32, whose 1e-3 error is amplified in dS = P * (dP - delta)).
+  # Half-precision operands are unaffected.
   return lax.dot_general(
       a, b, (((contract_a,), (contract_b,)), ((), ())),
+      precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
       preferred_element_type=jnp.float32)
 
 
