@@ -252,3 +252,11 @@ def test_lse_residual_is_differentiable(rng):
     return lambda q: jnp.sum(jaxflash.dot_product_attention(
         q, k, v, implementation=impl, return_residual=True, residual_dtype=jnp.float32)[1])
   assert max_abs(jax.grad(lse_sum("native"))(q), jax.grad(lse_sum("xla"))(q)) < 1e-5
+
+
+def test_build_against_newer_jaxlib_is_refused_with_a_clear_message(monkeypatch):
+  """The FFI API-version trap: headers newer than the runtime jaxlib."""
+  from jaxflash import _build_config, _native
+  monkeypatch.setattr(_build_config, "FFI_HEADERS_JAXLIB_VERSION", "999.0.0")
+  ext, err = _native._load.__wrapped__()
+  assert ext is None and "newer than the installed jaxlib" in err and "--no-build-isolation" in err
