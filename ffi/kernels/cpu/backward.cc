@@ -64,6 +64,8 @@ struct BackwardTile {
   float delta[kRowsPerTile];
   float acc_a[kKeysPerTile * kMaxHeadDim];  // dK (pass 2) or dQ (pass 3)
   float acc_b[kKeysPerTile * kMaxHeadDim];  // dV (pass 2)
+  float st[kKeysPerTile * kRowsPerTile];    // P transposed (pass 2)
+  float dst[kKeysPerTile * kRowsPerTile];   // dS transposed (pass 2)
 };
 
 BackwardTile& Scratch() {
@@ -150,20 +152,12 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
       LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
       LoadRows(p.dout, q_off, sh.q_row_stride(), rows, dim, p.dtype, 1.f, t.dout);
       ProbabilitiesAndScoreGrads(g, mask, b, h, r0, rows, c0, valid_cols, t);
-      for (int r = 0; r < rows; ++r) {
-        const float* pr = t.s + r * kKeysPerTile;
-        const float* dsr = t.ds + r * kKeysPerTile;
-        const float* dor = t.dout + r * dim;
-        const float* qr = t.q + r * dim;  // carries scale * log2(e)
-        for (int c = 0; c < valid_cols; ++c) {
-          float* dv = t.acc_b + c * dim;
-          float* dk = t.acc_a + c * dim;
-          const float pc = pr[c];
-          const float dsc = dsr[c] * kLn2;  // undo log2(e): dK = scale * dS^T Q
-          for (int d = 0; d < dim; ++d) dv[d] += pc * dor[d];
-          for (int d = 0; d < dim; ++d) dk[d] += dsc * qr[d];
-        }
-      }
+      // dV += P^T dO; dK += dS^T Q, where t.q carries scale * log2(e) and ln 2
+      // turns that back into scale.
+      Transpose(t.s, kKeysPerTile, rows, valid_cols, 1.f, t.st, kRowsPerTile);
+      Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
+      AccumulateProduct(t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim);
+      AccumulateProduct(t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim);
     }
   }
   const int64_t kv_off = g.KvOffset(b, kv_head, c0);
@@ -199,15 +193,7 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
     LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
     LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
     ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
-    for (int r = 0; r < valid_rows; ++r) {
-      float* dq = t.acc_a + r * dim;
-      const float* dsr = t.ds + r * kKeysPerTile;
-      for (int c = 0; c < cols; ++c) {
-        const float dsc = dsr[c];
-        const float* kr = t.k + c * dim;
-        for (int d = 0; d < dim; ++d) dq[d] += dsc * kr[d];
-      }
-    }
+    AccumulateProduct(t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim);  // dQ += dS K
   }
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);

@@ -70,7 +70,10 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
       float tile_max = kNegInf;
       for (int c = 0; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
       const float new_max = std::max(t.row_max[r], tile_max);
-      if (new_max == kNegInf) continue;  // nothing visible to this row yet
+      if (new_max == kNegInf) {  // nothing visible to this row yet
+        std::fill(s, s + cols, 0.f);
+        continue;
+      }
       const float rescale = Exp2(t.row_max[r] - new_max);
       for (int c = 0; c < cols; ++c) s[c] = Exp2(s[c] - new_max);  // vectorised
       float sum = 0.f;
@@ -79,12 +82,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
       t.row_sum[r] = t.row_sum[r] * rescale + sum;
       float* acc = t.acc + r * dim;
       for (int d = 0; d < dim; ++d) acc[d] *= rescale;
-      for (int c = 0; c < cols; ++c) {
-        const float pc = s[c];
-        const float* vr = t.v + c * dim;
-        for (int d = 0; d < dim; ++d) acc[d] += pc * vr[d];
-      }
     }
+    AccumulateProduct(t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim);  // O += P V
   }
 
   for (int r = 0; r < rows; ++r) {

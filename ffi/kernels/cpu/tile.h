@@ -165,4 +165,41 @@ inline void RowsTimesTransposed(const float* a, int rows, int dim, const float* 
   }
 }
 
+// out[m][0..n) += sum_k a[m][k] * b[k][0..n) for m < rows, k < inner: the
+// P·V-shaped products. Each output row is walked in chunks held in registers
+// across the whole k loop, so the accumulator is loaded and stored once per
+// chunk instead of once per k.
+inline void AccumulateProduct(const float* a, int a_stride, int rows, int inner, const float* b,
+                              int b_stride, int n, float* out, int out_stride) {
+  constexpr int kChunk = 32;
+  for (int m = 0; m < rows; ++m) {
+    const float* am = a + m * a_stride;
+    float* om = out + m * out_stride;
+    int d0 = 0;
+    for (; d0 + kChunk <= n; d0 += kChunk) {
+      float acc[kChunk];
+      for (int j = 0; j < kChunk; ++j) acc[j] = om[d0 + j];
+      for (int k = 0; k < inner; ++k) {
+        const float x = am[k];
+        const float* bk = b + k * b_stride + d0;
+        for (int j = 0; j < kChunk; ++j) acc[j] += x * bk[j];
+      }
+      for (int j = 0; j < kChunk; ++j) om[d0 + j] = acc[j];
+    }
+    for (int k = 0; d0 < n && k < inner; ++k) {  // the last n % kChunk columns
+      const float x = am[k];
+      const float* bk = b + k * b_stride;
+      for (int j = d0; j < n; ++j) om[j] += x * bk[j];
+    }
+  }
+}
+
+// dst[c][r] = src[r][c] * multiplier for r < rows, c < cols.
+inline void Transpose(const float* src, int src_stride, int rows, int cols, float multiplier,
+                      float* dst, int dst_stride) {
+  for (int c = 0; c < cols; ++c) {
+    for (int r = 0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c] * multiplier;
+  }
+}
+
 }  // namespace jaxflash::cpu
