@@ -60,7 +60,6 @@ def test_core_package_does_not_import_flax():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        cwd=str(pathlib.Path("/").resolve()))
   assert out.returncode == 0, out.stderr
-  assert "jaxflash.flax" not in sys.modules or hasattr(sys.modules["jaxflash.flax"], "dot_product_attention")
 
 
 def test_mask_folding():
@@ -75,8 +74,8 @@ def test_mask_folding():
   m, c = jf._prepare_mask(other, T, T, False)
   assert c is False and m.dtype == np.bool_ and not m[1, 0, 3, 0] and m[0, 0, 3, 0]
   # Traced masks cannot be inspected: converted to bool, passed on.
-  m, c = jax.jit(lambda m: jf._prepare_mask(m, T, T, False)[0])(causal), None
-  assert m.dtype == jnp.bool_
+  m = jax.jit(lambda m: jf._prepare_mask(m, T, T, False)[0])(causal)
+  assert m.dtype == jnp.bool_ and (np.asarray(m) == np.asarray(causal != 0)).all()
 
 
 # ------------------------------------------------------------------ attention_fn in Flax modules
