@@ -16,10 +16,14 @@
 // The per-tile work functions are compiled twice, for baseline x86-64 and for
 // x86-64-v3 (AVX2 + FMA); the loader picks the best one for the machine, so
 // the wheel stays portable and recent CPUs get 8-wide vectors.
+// The loop helpers below are force-inlined so each clone compiles its own
+// copy; an out-of-line helper would be built for the baseline only.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define JAXFLASH_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define JAXFLASH_CPU_INLINE inline __attribute__((always_inline))
 #else
 #define JAXFLASH_CPU_CLONES
+#define JAXFLASH_CPU_INLINE inline
 #endif
 
 namespace jaxflash::cpu {
@@ -80,7 +84,7 @@ inline uint16_t FloatToHalf(float f) {
 // (baseline x86-64 has no vector floor: truncation of a positive value does
 // it). Relative error below 2e-7 (degree-7 Taylor of e^(f ln 2), |f| <= 1/2);
 // exactly 0 for x < -126, which covers the -inf of masked scores.
-inline float Exp2(float x) {
+JAXFLASH_CPU_INLINE float Exp2(float x) {
   const float clamped = std::min(std::max(x, -126.f), 126.f);
   const int biased = static_cast<int>(clamped + 127.5f);  // round(x) + 127, positive
   const float f = clamped - static_cast<float>(biased - 127);
@@ -105,71 +109,90 @@ inline uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-inline float LoadElement(const void* base, int64_t index, DType dtype) {
+// Storage formats: how one element is read as, and written from, fp32.
+struct Float32Format {
+  using Storage = float;
+  static float Load(float x) { return x; }
+  static float Store(float x) { return x; }
+};
+struct Float16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t x) { return HalfToFloat(x); }
+  static uint16_t Store(float x) { return FloatToHalf(x); }
+};
+struct BFloat16Format {
+  using Storage = uint16_t;
+  static float Load(uint16_t x) { return BFloat16ToFloat(x); }
+  static uint16_t Store(float x) { return FloatToBFloat16(x); }
+};
+
+// Calls fn(Format{}) for the storage format of `dtype`: the switch runs once
+// per tile, not once per element, so the element loops stay vectorisable.
+template <typename Fn>
+JAXFLASH_CPU_INLINE void WithFormat(DType dtype, Fn&& fn) {
   switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(base)[index];
-    case DType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(base)[index]);
-    case DType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(base)[index]);
+    case DType::kFloat32: fn(Float32Format{}); return;
+    case DType::kFloat16: fn(Float16Format{}); return;
+    case DType::kBFloat16: fn(BFloat16Format{}); return;
   }
-  return 0.f;
 }
 
-inline void StoreElement(void* base, int64_t index, DType dtype, float value) {
-  switch (dtype) {
-    case DType::kFloat32: static_cast<float*>(base)[index] = value; return;
-    case DType::kFloat16: static_cast<uint16_t*>(base)[index] = FloatToHalf(value); return;
-    case DType::kBFloat16: static_cast<uint16_t*>(base)[index] = FloatToBFloat16(value); return;
-  }
+template <typename Format>
+JAXFLASH_CPU_INLINE const typename Format::Storage* As(const void* base) {
+  return static_cast<const typename Format::Storage*>(base);
+}
+
+JAXFLASH_CPU_INLINE float LoadElement(const void* base, int64_t index, DType dtype) {
+  float value = 0.f;
+  WithFormat(dtype, [&](auto format) {
+    using Format = decltype(format);
+    value = Format::Load(As<Format>(base)[index]);
+  });
+  return value;
 }
 
 // Copies `rows` rows of `dim` elements, `row_stride` apart in `base` starting
 // at element `offset`, into dst[rows][dim] as fp32 times `multiplier`.
-inline void LoadRows(const void* base, int64_t offset, int64_t row_stride, int rows, int dim,
-                     DType dtype, float multiplier, float* dst) {
-  for (int r = 0; r < rows; ++r) {
-    const int64_t src = offset + r * row_stride;
-    for (int d = 0; d < dim; ++d) dst[r * dim + d] = LoadElement(base, src + d, dtype) * multiplier;
-  }
+JAXFLASH_CPU_INLINE void LoadRows(const void* base, int64_t offset, int64_t row_stride, int rows,
+                                  int dim, DType dtype, float multiplier, float* dst) {
+  WithFormat(dtype, [&](auto format) {
+    using Format = decltype(format);
+    const auto* src = As<Format>(base) + offset;
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < dim; ++d) dst[r * dim + d] = Format::Load(src[r * row_stride + d]) * multiplier;
+    }
+  });
 }
 
 // The same rows stored transposed: dst[dim][rows_capacity], column r = row r.
-inline void LoadRowsTransposed(const void* base, int64_t offset, int64_t row_stride, int rows,
-                               int dim, DType dtype, int rows_capacity, float* dst) {
-  for (int r = 0; r < rows; ++r) {
-    const int64_t src = offset + r * row_stride;
-    for (int d = 0; d < dim; ++d) dst[d * rows_capacity + r] = LoadElement(base, src + d, dtype);
-  }
-}
-
-inline void StoreRows(void* base, int64_t offset, int64_t row_stride, int rows, int dim,
-                      DType dtype, const float* src) {
-  for (int r = 0; r < rows; ++r) {
-    const int64_t dst = offset + r * row_stride;
-    for (int d = 0; d < dim; ++d) StoreElement(base, dst + d, dtype, src[r * dim + d]);
-  }
-}
-
-// scores[r][0..cols) = sum_d a[r][d] * bt[d][c] (bt is a transposed tile with
-// `bt_stride` columns).
-inline void RowsTimesTransposed(const float* a, int rows, int dim, const float* bt, int bt_stride,
-                                int cols, float* scores, int scores_stride) {
-  for (int r = 0; r < rows; ++r) {
-    float* out = scores + r * scores_stride;
-    for (int c = 0; c < cols; ++c) out[c] = 0.f;
-    const float* ar = a + r * dim;
-    for (int d = 0; d < dim; ++d) {
-      const float x = ar[d];
-      const float* b = bt + d * bt_stride;
-      for (int c = 0; c < cols; ++c) out[c] += x * b[c];
+JAXFLASH_CPU_INLINE void LoadRowsTransposed(const void* base, int64_t offset, int64_t row_stride,
+                                            int rows, int dim, DType dtype, int rows_capacity,
+                                            float* dst) {
+  WithFormat(dtype, [&](auto format) {
+    using Format = decltype(format);
+    const auto* src = As<Format>(base) + offset;
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < dim; ++d) dst[d * rows_capacity + r] = Format::Load(src[r * row_stride + d]);
     }
-  }
+  });
 }
 
-// out[m][0..n) += sum_k a[m][k] * b[k][0..n) for m < rows, k < inner: the
-// P·V-shaped products. Each output row is walked in chunks held in registers
+JAXFLASH_CPU_INLINE void StoreRows(void* base, int64_t offset, int64_t row_stride, int rows, int dim,
+                                   DType dtype, const float* src) {
+  WithFormat(dtype, [&](auto format) {
+    using Format = decltype(format);
+    auto* dst = static_cast<typename Format::Storage*>(base) + offset;
+    for (int r = 0; r < rows; ++r) {
+      for (int d = 0; d < dim; ++d) dst[r * row_stride + d] = Format::Store(src[r * dim + d]);
+    }
+  });
+}
+
+// out[m][0..n) += sum_k a[m][k] * b[k][0..n) for m < rows, k < inner: every
+// tile product of the kernels (Q K^T with K stored transposed, P V, dS K, ...). Each output row is walked in chunks held in registers
 // across the whole k loop, so the accumulator is loaded and stored once per
 // chunk instead of once per k.
-inline void AccumulateProduct(const float* a, int a_stride, int rows, int inner, const float* b,
+JAXFLASH_CPU_INLINE void AccumulateProduct(const float* a, int a_stride, int rows, int inner, const float* b,
                               int b_stride, int n, float* out, int out_stride) {
   constexpr int kChunk = 32;
   for (int m = 0; m < rows; ++m) {
@@ -195,11 +218,20 @@ inline void AccumulateProduct(const float* a, int a_stride, int rows, int inner,
 }
 
 // dst[c][r] = src[r][c] * multiplier for r < rows, c < cols.
-inline void Transpose(const float* src, int src_stride, int rows, int cols, float multiplier,
+JAXFLASH_CPU_INLINE void Transpose(const float* src, int src_stride, int rows, int cols, float multiplier,
                       float* dst, int dst_stride) {
   for (int c = 0; c < cols; ++c) {
     for (int r = 0; r < rows; ++r) dst[c * dst_stride + r] = src[r * src_stride + c] * multiplier;
   }
+}
+
+// scores[r][0..cols) = sum_d a[r][d] * bt[d][c]; bt is a tile stored
+// transposed, `bt_stride` columns wide.
+JAXFLASH_CPU_INLINE void RowsTimesTransposed(const float* a, int rows, int dim, const float* bt,
+                                             int bt_stride, int cols, float* scores,
+                                             int scores_stride) {
+  for (int r = 0; r < rows; ++r) std::fill(scores + r * scores_stride, scores + r * scores_stride + cols, 0.f);
+  AccumulateProduct(a, dim, rows, dim, bt, bt_stride, cols, scores, scores_stride);
 }
 
 }  // namespace jaxflash::cpu
