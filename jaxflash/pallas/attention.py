@@ -407,6 +407,19 @@ def _three_ranges(lo_elem, hi_elem, full_lo_elem, full_hi_elem, all_full,
   return lo, a, b, hi
 
 
+def _key_blocks(mask, r0, block_q: int, block_k: int):
+  """Key blocks the query rows [r0, r0 + block_q) visit, as _three_ranges
+  splits them (masked head, unmasked interior, masked tail). Shared by the
+  forward and dQ kernels, which walk keys for a fixed block of rows."""
+  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
+  rows_exist = last_row >= r0
+  lo_elem = mask.key_begin(r0)
+  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
+  all_rows = r0 + block_q <= mask.q_valid
+  return _three_ranges(lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
+                       all_rows, block_k)
+
+
 def _dot(a, b, contract_a: int, contract_b: int):
   # HIGHEST: float32 operands get IEEE products on GPU (Triton's default for
   # them is TF32, whose 1e-3 error is amplified in dS = P * (dP - delta)).
@@ -429,14 +442,7 @@ def _fwd_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
   b = pl.program_id(1)
   mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
   r0 = qi * block_q
-  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
-  rows_exist = last_row >= r0
-  lo_elem = mask.key_begin(r0)
-  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
-  all_rows = r0 + block_q <= mask.q_valid
-  lo, a, bb, hi = _three_ranges(
-      lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
-      all_rows, block_k)
+  lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
   q = q_ref[...]
   dp = q.shape[-1]
@@ -489,14 +495,7 @@ def _dq_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
   b = pl.program_id(1)
   mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
   r0 = qi * block_q
-  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
-  rows_exist = last_row >= r0
-  lo_elem = mask.key_begin(r0)
-  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
-  all_rows = r0 + block_q <= mask.q_valid
-  lo, a, bb, hi = _three_ranges(
-      lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
-      all_rows, block_k)
+  lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
   q = q_ref[...]
   do = do_ref[...]
