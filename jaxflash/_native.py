@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
+import sys
 
 import jax
 
@@ -23,12 +25,46 @@ def _version_tuple(v: str) -> tuple[int, ...]:
   return tuple(parts)
 
 
+def _import_compiled():
+  """The extension module and its build record.
+
+  From an installed package they sit beside this file. From a source checkout
+  (`python -m jaxflash` or `python -m pytest` in the repository root put the
+  checkout first on sys.path) they are taken from the installed distribution.
+  """
+  try:
+    from jaxflash import _build_config, _jaxflash
+    return _jaxflash, _build_config
+  except ImportError as e:
+    first_error = e
+  try:
+    dist = importlib.metadata.distribution("jaxflash")
+  except importlib.metadata.PackageNotFoundError:
+    raise first_error from None
+  found = {}
+  for f in dist.files or ():
+    if len(f.parts) == 2 and f.parts[0] == "jaxflash":
+      stem = f.name.split(".")[0]
+      if stem in ("_jaxflash", "_build_config") and (f.suffix in (".so", ".pyd", ".py")):
+        found[stem] = dist.locate_file(f)
+  if set(found) != {"_jaxflash", "_build_config"}:
+    raise first_error
+  modules = []
+  for stem in ("_jaxflash", "_build_config"):
+    spec = importlib.util.spec_from_file_location(f"jaxflash.{stem}", found[stem])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    modules.append(module)
+  return tuple(modules)
+
+
 @functools.cache
 def _load():
   try:
-    from jaxflash import _jaxflash, _build_config
-  except ImportError as e:  # source checkout without a build, or a broken build
-    return None, f"the jaxflash extension is not built ({e}); run `pip install --no-build-isolation .`"
+    _jaxflash, _build_config = _import_compiled()
+  except ImportError as e:  # neither built in place nor installed
+    return None, f"the jaxflash extension is not built ({e}); run `pip install .`"
   built = _build_config.FFI_HEADERS_JAXLIB_VERSION
   runtime = importlib.metadata.version("jaxlib")
   if _version_tuple(runtime) < _version_tuple(built):

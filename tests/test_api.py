@@ -260,3 +260,17 @@ def test_build_against_newer_jaxlib_is_refused_with_a_clear_message(monkeypatch)
   monkeypatch.setattr(_build_config, "FFI_HEADERS_JAXLIB_VERSION", "999.0.0")
   ext, err = _native._load.__wrapped__()
   assert ext is None and "newer than the installed jaxlib" in err and "--no-build-isolation" in err
+
+
+def test_main_job_runs_from_the_source_checkout():
+  """README: `pip install . && python -m jaxflash` in the repository root, where
+  the checkout (without the compiled extension) comes first on sys.path."""
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run([sys.executable, "-m", "jaxflash", "--skip-bench"], cwd=root,
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+  assert "all checks passed" in result.stdout
