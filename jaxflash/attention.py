@@ -208,7 +208,6 @@ class _Call:
   kv_lengths: jax.Array | None
   is_causal: bool
   window: tuple[int, int] | None
-  bottom_right: bool
   spec: MaskSpec
   output_shape: tuple[int, ...]
 
@@ -254,8 +253,8 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
                mask=_dense_term(mask, "mask", (B, N, T, S)),
                q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", B),
                kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", B),
-               is_causal=bool(is_causal), window=window, bottom_right=spec.bottom_right,
-               spec=spec, output_shape=output_shape)
+               is_causal=bool(is_causal), window=window, spec=spec,
+               output_shape=output_shape)
 
 
 # ------------------------------------------------------------------ selection
@@ -367,7 +366,7 @@ def dot_product_attention(
   S = call.k.shape[1]
 
   if chosen == "cudnn":
-    if call.bottom_right or residual_dtype is not None or deterministic:
+    if call.spec.bottom_right or residual_dtype is not None or deterministic:
       raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
                        "takes none of jaxflash's extra keywords")
     return jax.nn.dot_product_attention(
@@ -384,7 +383,7 @@ def dot_product_attention(
     out, lse = reference.attention(
         q, call.k, call.v, scale=call.spec.scale, bias=call.bias, mask=call.mask,
         is_causal=call.is_causal,
-        causal_alignment="bottom_right" if call.bottom_right else "top_left",
+        causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths)
     lse = lse.astype(jnp.float32)

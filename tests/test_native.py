@@ -29,8 +29,6 @@ def attention(q, k, v, implementation="native", **kw):
 def baseline(q, k, v, **kw):
   """The `xla` implementation computed in the input dtype: the error yardstick."""
   scale = 1.0 / np.sqrt(q.shape[-1])
-  left, right = jaxflash.reference.window_bounds(kw.get("is_causal", False),
-                                                 kw.get("local_window_size"))
   return jaxflash.reference.attention(
       q, k, v, scale=scale, is_causal=kw.get("is_causal", False),
       causal_alignment=kw.get("causal_alignment", "top_left"),

@@ -1,6 +1,6 @@
 // CUDA FFI handlers: decode, check, launch on XLA's stream. They never
-// synchronise; workspace comes from XLA's scratch allocator, and every launch
-// error comes back as an ffi::Error.
+// synchronise and never allocate (the backward's workspace is its delta
+// output), and every launch error comes back as an ffi::Error.
 #include <cuda_runtime_api.h>
 
 #include "decode.h"
@@ -21,8 +21,8 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
   return ToFfiError(CudaAttentionForward(p, device, stream));
 }
 
-ffi::Error CudaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
-                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
                         ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
@@ -34,20 +34,15 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi:
                                           bottom_right, deterministic, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
-  // Every kernel today fits its workspace in the delta output; the scratch
-  // allocator (unavailable inside command buffers) is only a fallback.
+  // The launchers' workspace must fit in the delta output (launch.h): XLA's
+  // scratch allocator fails inside command buffers, so there is no fallback.
   const size_t bytes = CudaBackwardWorkspaceBytes(p, device);
-  void* workspace = p.delta;
   if (bytes > delta->size_bytes()) {
-    auto allocation = scratch.Allocate(bytes, 256);
-    if (!allocation.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "jaxflash: could not allocate " + std::to_string(bytes) +
-                            " bytes of backward workspace");
-    }
-    workspace = *allocation;
+    return ffi::Error::Internal("jaxflash: backward launcher wants " + std::to_string(bytes) +
+                                " bytes of workspace, more than the " +
+                                std::to_string(delta->size_bytes()) + "-byte delta output");
   }
-  return ToFfiError(CudaAttentionBackward(p, workspace, device, stream));
+  return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
 }  // namespace
@@ -56,9 +51,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForward,
                               BindForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackward,
-                              BindBackward(ffi::Ffi::Bind()
-                                               .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                               .Ctx<ffi::ScratchAllocator>()),
+                              BindBackward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxflash::handlers

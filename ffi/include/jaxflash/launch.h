@@ -62,11 +62,10 @@ struct CudaDevice {
 Status CudaCurrentDevice(CudaDevice* device);
 
 Status CudaAttentionForward(const FwdParams& params, const CudaDevice& device, cudaStream_t stream);
-// Device scratch the backward needs. The handler passes params.delta (an
-// output buffer of batch * q_heads * q_len floats) as `workspace` whenever it
-// is large enough, so keep this within that size where possible: anything
-// larger comes from XLA's scratch allocator, which is unavailable when the
-// call is captured into a command buffer.
+// Device scratch the backward needs. It must fit in params.delta (an output
+// buffer of batch * q_heads * q_len floats), which the handler passes as
+// `workspace`: handlers do not allocate, because XLA's scratch allocator is
+// unavailable when the call is captured into a command buffer.
 size_t CudaBackwardWorkspaceBytes(const BwdParams& params, const CudaDevice& device);
 // `workspace` holds CudaBackwardWorkspaceBytes bytes, 256-byte aligned.
 Status CudaAttentionBackward(const BwdParams& params, void* workspace, const CudaDevice& device,
