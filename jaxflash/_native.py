@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -11,6 +12,26 @@ import jax
 
 FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
+
+# Tile candidate the CUDA tensor-core launchers use instead of their tile table
+# (0: the table). Only the tuning script sets it, through `forced_tile`; it is
+# read when a call is traced, so jit a fresh function after changing it.
+_forced_tile = 0
+
+
+def tile_attr() -> int:
+  return _forced_tile
+
+
+@contextlib.contextmanager
+def forced_tile(index: int):
+  """Trace native calls inside the block with tile candidate `index` (1-based)."""
+  global _forced_tile
+  previous, _forced_tile = _forced_tile, int(index)
+  try:
+    yield
+  finally:
+    _forced_tile = previous
 
 
 class NativeUnavailableError(RuntimeError):

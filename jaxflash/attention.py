@@ -50,7 +50,8 @@ class _NativeKernels:
   @staticmethod
   def _attrs(spec: MaskSpec) -> dict[str, Any]:
     return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
-                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right),
+                tile=np.int64(_native.tile_attr()))
 
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):

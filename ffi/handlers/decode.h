@@ -169,13 +169,17 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                                 ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                                 float scale, int64_t window_left, int64_t window_right,
-                                bool bottom_right, FwdParams* p) {
+                                bool bottom_right, int64_t tile, FwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", q_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", kv_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  if (tile < 0 || tile > 64) {
+    return ffi::Error::InvalidArgument("jaxflash: tile must be in [0, 64], got " + std::to_string(tile));
+  }
+  p->tile = static_cast<int>(tile);
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
@@ -197,7 +201,7 @@ struct BackwardBuffers {
 inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
                                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                                  ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left, int64_t window_right,
-                                 bool bottom_right, bool deterministic, BwdParams* p) {
+                                 bool bottom_right, bool deterministic, int64_t tile, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
@@ -210,6 +214,10 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  if (tile < 0 || tile > 64) {
+    return ffi::Error::InvalidArgument("jaxflash: tile must be in [0, 64], got " + std::to_string(tile));
+  }
+  p->tile = static_cast<int>(tile);
   p->scale = scale;
   p->deterministic = deterministic;
   p->q = in.q.untyped_data();
@@ -242,7 +250,8 @@ auto BindForward(Binding binding) {
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right");
+      .template Attr<bool>("bottom_right")
+      .template Attr<int64_t>("tile");
 }
 
 template <typename Binding>
@@ -264,7 +273,8 @@ auto BindBackward(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
-      .template Attr<bool>("deterministic");
+      .template Attr<bool>("deterministic")
+      .template Attr<int64_t>("tile");
 }
 
 }  // namespace jaxflash::handlers

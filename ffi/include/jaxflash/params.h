@@ -70,6 +70,7 @@ struct FwdParams {
   DType dtype = DType::kFloat32;
   MaskParams mask;
   float scale = 1.0f;  // multiplies q·k before the softmax
+  int tile = 0;        // 0: the tile table's choice; k > 0: candidate k (tuning only)
 
   const void* q = nullptr;
   const void* k = nullptr;
@@ -87,6 +88,7 @@ struct BwdParams {
   MaskParams mask;
   float scale = 1.0f;
   bool deterministic = false;  // bit-identical results run to run
+  int tile = 0;                // as FwdParams::tile
 
   const void* q = nullptr;
   const void* k = nullptr;

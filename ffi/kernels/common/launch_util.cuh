@@ -49,4 +49,29 @@ inline Status CheckLaunch(const char* what) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A list of tile shapes a launcher may run: the candidates its tile table
+// picks from and the tuning script sweeps (tools/tune_tiles.py).
+template <typename... Tiles>
+struct TileList {
+  static constexpr int kSize = sizeof...(Tiles);
+
+  // Calls launch(Tile{}) for the index-th tile (0-based): the one place a
+  // runtime tile index becomes a compiled kernel.
+  template <typename Launch>
+  static Status With(int index, Launch&& launch) {
+    if (index < 0 || index >= kSize) {
+      return Status::Unimplemented("tile candidate " + std::to_string(index + 1) + " does not exist (" +
+                                   std::to_string(kSize) + " compiled)");
+    }
+    Status st = Status::Ok();
+    int i = 0;
+    (void)((i++ == index ? (st = launch(Tiles{}), true) : false) || ...);
+    return st;
+  }
+};
+
+// Index into a TileList: `forced` (> 0, 1-based, from the tuning script) or
+// the table's pick.
+inline int TileIndex(int forced, int table_pick) { return forced > 0 ? forced - 1 : table_pick; }
+
 }  // namespace jaxflash

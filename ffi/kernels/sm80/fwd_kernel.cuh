@@ -33,6 +33,9 @@ struct FwdTile {
   static constexpr int kN = kN_;    // keys per K/V tile
   static constexpr int kM = kWarps * 16 * kMT;
   static constexpr int kThreads = kWarps * 32;
+  // Two 4-warp CTAs share an SM (each may use 255 registers per thread); an
+  // 8-warp CTA has the SM's registers to itself.
+  static constexpr int kCtasPerSm = kWarps <= 4 ? 2 : 1;
   // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
   // different 16-byte bank groups, so ldmatrix is conflict-free.
   static constexpr int kStride = kD + 8;
@@ -45,17 +48,45 @@ struct FwdTile {
   static_assert(kD % 16 == 0 && kN % 16 == 0, "tiles are built from 16x16 mma steps");
 };
 
-// The tile table, per head-dim bucket. 8 warps of 16 query rows each: with
-// 32 rows per warp the O and S accumulators (kMT*kD/2 + kMT*kN/2 floats per
-// lane) spill at kD >= 96 (ptxas -v), so one m16 tile per warp is the
-// default. kN is the starting point the tuning sweep measures against.
+// Tile candidates per head-dim bucket (FwdTile<kD, warps, m16 tiles per warp,
+// keys per tile>). Two m16 tiles per warp halve the shared-memory fragment
+// loads per mma (each K/V fragment feeds both), which is what limits the
+// one-tile layout; the O and S accumulators (kMT * (kD + kN) / 2 floats per
+// lane) must then fit in 255 registers without spilling, which bounds kN.
+// FwdTilePick chooses among them by measurement (docs/performance.md);
+// tools/tune_tiles.py re-measures every candidate.
 template <int kD>
-struct FwdTileFor {
-  using type = FwdTile<kD, 8, 1, (kD <= 64 ? 128 : 64)>;
+struct FwdCandidates;
+template <>
+struct FwdCandidates<32> {
+  using type = TileList<FwdTile<32, 4, 2, 128>, FwdTile<32, 8, 1, 128>>;
+};
+template <>
+struct FwdCandidates<64> {
+  using type = TileList<FwdTile<64, 4, 2, 64>, FwdTile<64, 4, 2, 80>, FwdTile<64, 8, 1, 128>>;
+};
+template <>
+struct FwdCandidates<96> {
+  using type = TileList<FwdTile<96, 4, 2, 48>, FwdTile<96, 4, 2, 32>, FwdTile<96, 8, 1, 64>>;
+};
+template <>
+struct FwdCandidates<128> {
+  using type = TileList<FwdTile<128, 4, 2, 32>, FwdTile<128, 8, 2, 32>, FwdTile<128, 8, 1, 64>>;
+};
+template <>
+struct FwdCandidates<192> {
+  using type = TileList<FwdTile<192, 8, 1, 64>, FwdTile<192, 8, 1, 32>, FwdTile<192, 4, 1, 64>>;
+};
+template <>
+struct FwdCandidates<256> {
+  using type = TileList<FwdTile<256, 8, 1, 64>, FwdTile<256, 8, 1, 32>, FwdTile<256, 4, 1, 64>>;
 };
 
+// The tile table: index into FwdCandidates<kD> for (causal or not).
+inline int FwdTilePick(int /*head_dim_bucket*/, bool /*causal*/) { return 0; }
+
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kStride = Tile::kStride;
   constexpr int kThreads = Tile::kThreads;
@@ -164,17 +195,24 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float x = s[mt][nt][i] * scale_log2;
-          if (!full) {
-            const int row = r0 + warp_row0 + mt * 16 + g + (i >> 1) * 8;
-            const int col = c0 + nt * 8 + 2 * t + (i & 1);
-            if (!pol.Visible(row, col)) x = -INFINITY;
-          }
-          s[mt][nt][i] = x;
+      for (int half = 0; half < 2; ++half) {
+        // This lane's columns of the row are c0 + nt * 8 + 2t + j; the row sees
+        // [lo, hi) of them, measured from c0 + 2t (an empty range for padding rows).
+        int lo = 0, hi = kN;
+        if (!full) {
+          const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
+          lo = row < pol.q_valid ? pol.KeyBegin(row) - c0 - 2 * t : 0;
+          hi = row < pol.q_valid ? pol.KeyEnd(row) - c0 - 2 * t : 0;
         }
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const int col = nt * 8 + j;
+            float& x = s[mt][nt][2 * half + j];
+            x = (full || (col >= lo && col < hi)) ? x * scale_log2 : -INFINITY;
+          }
+      }
 
     softmax.Update(s, o);
 
@@ -243,16 +281,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
 // fwd_d*.cu so each translation unit stays small.
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using Tile = typename FwdTileFor<kD>::type;
-  constexpr auto kernel = FwdKernel<T, Tile>;
-  const size_t smem = Tile::template SmemBytes<T>();
-  Status st = EnsureDynamicSmem<kernel>(smem, device);
-  if (!st.ok()) return st;
-  if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
-  const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)), static_cast<unsigned>(p.shape.q_heads),
-                  static_cast<unsigned>(p.shape.batch));
-  kernel<<<grid, Tile::kThreads, smem, stream>>>(p);
-  return CheckLaunch("attention forward");
+  const bool causal = p.mask.window_right >= 0;
+  const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
+  return FwdCandidates<kD>::type::With(index, [&](auto tile) {
+    using Tile = decltype(tile);
+    constexpr auto kernel = FwdKernel<T, Tile>;
+    const size_t smem = Tile::template SmemBytes<T>();
+    Status st = EnsureDynamicSmem<kernel>(smem, device);
+    if (!st.ok()) return st;
+    if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
+    const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)),
+                    static_cast<unsigned>(p.shape.q_heads), static_cast<unsigned>(p.shape.batch));
+    kernel<<<grid, Tile::kThreads, smem, stream>>>(p);
+    return CheckLaunch("attention forward");
+  });
 }
 
 }  // namespace sm80

@@ -1,0 +1,75 @@
+"""Sweep the compiled tile candidates of the CUDA tensor-core kernels and print the winners.
+
+    python tools/tune_tiles.py                         # D in {64, 128, 256}, S in {4k, 16k}, both masks
+    python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd
+
+Every head-dim bucket compiles a few tile shapes (FwdCandidates / BwdCandidates in
+ffi/kernels/sm80/); the launchers pick one from a table keyed by head dim and causality.
+This script forces each candidate in turn (1-based; `jaxflash._native.forced_tile`), times
+it on the §6 grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048) and prints TFLOP/s per
+candidate and the winner per (direction, D, causal). Copy the winners into the table
+(FwdTilePick / BwdTilePick) and the numbers into docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash import _measure, _native
+
+MAX_CANDIDATES = 8
+
+
+def build(direction, causal):
+  attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal, implementation="native")
+  if direction == "fwd":
+    return jax.jit(attn)
+
+  def loss(q, k, v, do):
+    return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--heads-dims", default="64,128,256")
+  ap.add_argument("--seqs", default="4096,16384")
+  ap.add_argument("--direction", default="fwd,fwd+bwd")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--repeats", type=int, default=3)
+  args = ap.parse_args()
+  print(f"device: {jax.devices()[0].device_kind}")
+  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 4)) + " | winner |")
+  print("|---|---|---|---|---|---|---|---|")
+  for direction in args.direction.split(","):
+    for D in (int(d) for d in args.heads_dims.split(",")):
+      for causal in (False, True):
+        for S in (int(s) for s in args.seqs.split(",")):
+          H, B = 2048 // D, max(1, 16384 // S)
+          rng = np.random.default_rng(0)
+          q, k, v, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(4))
+          inputs = (q, k, v) if direction == "fwd" else (q, k, v, do)
+          flops = _measure.attention_flops(B, H, S, S, D, causal, direction != "fwd")
+          rates = []
+          for cand in range(1, MAX_CANDIDATES + 1):
+            with _native.forced_tile(cand):
+              fn = build(direction, causal)     # traced now, with this candidate
+              try:
+                t = _measure.time_jitted(fn, inputs, args.reps, args.repeats)
+              except Exception as e:            # past the last compiled candidate
+                if "does not exist" in str(e):
+                  break
+                raise
+            rates.append(flops / t / 1e12)
+          best = int(np.argmax(rates)) + 1
+          cells = " | ".join(f"{r:.1f}" for r in rates)
+          print(f"| {direction} | {'yes' if causal else 'no'} | {S} | {D} | {cells} | {best} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
