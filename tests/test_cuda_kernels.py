@@ -92,6 +92,13 @@ def test_large_logits(rng, dtype):
   check_forward(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=6.0)
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("mask_name", ["causal", "lengths", "window"])
+def test_deterministic_gradients(rng, D, mask_name):
+  """The deterministic backward (separate dQ pass, no atomics) against float64."""
+  check_gradients(rng, (2, 150, 203, 8, 2, D), mask_name, jnp.bfloat16, deterministic=True)
+
+
 @pytest.mark.parametrize("dtype", LOW, ids=_ids)
 def test_backward_is_deterministic(rng, dtype):
   q, k, v = random_inputs(rng, 2, 300, 300, 8, 2, 128, dtype)

@@ -55,7 +55,7 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
                        np.where(empty, 0, np.asarray(base_lse, np.float64)), "lse")
 
 
-def check_gradients(rng, shape, mask_name, dtype, implementation="native"):
+def check_gradients(rng, shape, mask_name, dtype, implementation="native", **extra):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
   kw = mask_kwargs(mask_name, rng, B, T, S)
@@ -68,7 +68,7 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native"):
     return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) +
             jnp.sum(lse.astype(jnp.float32) * dlse))
 
-  native = functools.partial(attention, implementation=implementation, **kw)
+  native = functools.partial(attention, implementation=implementation, **kw, **extra)
   grads = jax.grad(functools.partial(loss, native), argnums=(0, 1, 2))(q, k, v)
 
   def base_fn(q, k, v):

@@ -82,8 +82,17 @@ struct FwdCandidates<256> {
   using type = TileList<FwdTile<256, 8, 1, 64>, FwdTile<256, 8, 1, 32>, FwdTile<256, 4, 1, 64>>;
 };
 
-// The tile table: index into FwdCandidates<kD> for (causal or not).
-inline int FwdTilePick(int /*head_dim_bucket*/, bool /*causal*/) { return 0; }
+// The tile table: index into FwdCandidates<kD> for (causal or not). Measured
+// on an H100 with tools/tune_tiles.py (2026-11-21, docs/performance.md); the
+// buckets it did not sweep (32, 96, 192) take their first candidate, the shape
+// that won at the neighbouring head dims.
+inline int FwdTilePick(int head_dim_bucket, bool causal) {
+  switch (head_dim_bucket) {
+    case 64: return 1;             // 4 warps x 32 rows, 80 keys
+    case 256: return causal ? 2 : 0;
+    default: return 0;
+  }
+}
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
