@@ -337,9 +337,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
 
     // ---- dQ[r0.., head] += dS K over this CTA's keys, added atomically;
     // each warp takes kDqCols columns of the kM x kD tile.
-    if (dq_accum != nullptr) {
-      __syncthreads();  // every pair's dSᵀ is in shared memory
-    }
+    // Every pair's dSᵀ is in shared memory for the dQ step; and, with or
+    // without that step, no warp may start the next one (whose first act
+    // refills buffer `buf`) while another still reads `buf`.
+    __syncthreads();
     if (dq_accum != nullptr && warp < Tile::kDqWarps) {
       constexpr int kCols = Tile::kDqCols;
       const int col0 = warp * kCols;
