@@ -34,10 +34,7 @@ time_fn = _measure.time_jitted
 
 
 def jax_impl(name, causal, backward):
-  if name == "native_det":   # the deterministic backward (no atomics)
-    attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                           implementation="native", deterministic=True)
-  elif name in ("native", "pallas"):
+  if name in ("native", "pallas"):
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
                                                            implementation=name)
   else:

@@ -65,35 +65,14 @@ class _NativeKernels:
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
-    args = (q, k, v, o, lse, do, dlse, q_lengths, kv_lengths)
-
-    def call(platform):
-      # The fourth result is the kernels' workspace: delta (B * N * T floats)
-      # and, for the CUDA tensor-core backward, the float32 dQ accumulator.
-      # Passing it as an output keeps the handlers free of run-time allocation.
-      elems = _backward_workspace_elems(q.shape, q.dtype, spec.deterministic, platform)
-      out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                   jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((elems,), jnp.float32))
-      target = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-      return lambda *a: target(*a, **cls._attrs(spec), deterministic=bool(spec.deterministic))[:3]
-
-    return jax.lax.platform_dependent(*args, cpu=call("cpu"), cuda=call("cuda"))
-
-
-def _backward_workspace_elems(shape, dtype, deterministic: bool, platform: str) -> int:
-  """Float32 elements of the native backward's workspace output.
-
-  delta always; on CUDA also a float32 [B, T, N, D] dQ accumulator when the
-  tensor-core backward adds dQ atomically (fp16/bf16, head_dim a multiple of 8
-  up to 256, not deterministic). The handler refuses a workspace smaller than
-  its launcher needs, so this rule may over-provision but never under.
-  """
-  B, T, N, D = shape
-  elems = B * N * T
-  if (platform == "cuda" and not deterministic and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and D % 8 == 0 and D <= 256):
-    elems = -(-elems // 64) * 64 + B * T * N * D   # the accumulator starts 256-byte aligned
-  return max(elems, 1)
+    # The fourth result is the kernels' O(B * N * T) workspace (delta); passing
+    # it as an output keeps the handlers free of run-time allocation.
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
+                         deterministic=bool(spec.deterministic))
+    return dq, dk, dv
 
 
 class _PallasKernels:

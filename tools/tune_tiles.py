@@ -3,12 +3,13 @@
     python tools/tune_tiles.py                         # D in {64, 128, 256}, S in {4k, 16k}, both masks
     python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd
 
-Every head-dim bucket compiles a few tile shapes (FwdCandidates / BwdCandidates in
-ffi/kernels/sm80/); the launchers pick one from a table keyed by head dim and causality.
+Every head-dim bucket compiles a few forward tile shapes (FwdCandidates in
+ffi/kernels/sm80/fwd_kernel.cuh); the launcher picks one from a table keyed by head dim and
+causality. The backward has one shape per bucket, so "fwd+bwd" rows differ only in the forward.
 This script forces each candidate in turn (1-based; `jaxflash._native.forced_tile`), times
 it on the §6 grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048) and prints TFLOP/s per
 candidate and the winner per (direction, D, causal). Copy the winners into the table
-(FwdTilePick / BwdTilePick) and the numbers into docs/performance.md.
+(FwdTilePick) and the numbers into docs/performance.md.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--heads-dims", default="64,128,256")
   ap.add_argument("--seqs", default="4096,16384")
-  ap.add_argument("--direction", default="fwd,fwd+bwd")
+  ap.add_argument("--direction", default="fwd")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--repeats", type=int, default=3)
   args = ap.parse_args()

@@ -37,10 +37,10 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   // The launchers' workspace must fit in the delta output (launch.h): XLA's
   // scratch allocator fails inside command buffers, so there is no fallback.
   const size_t bytes = CudaBackwardWorkspaceBytes(p, device);
-  if (bytes > p.workspace_bytes) {
+  if (bytes > delta->size_bytes()) {
     return ffi::Error::Internal("jaxflash: backward launcher wants " + std::to_string(bytes) +
                                 " bytes of workspace, more than the " +
-                                std::to_string(p.workspace_bytes) + "-byte workspace output");
+                                std::to_string(delta->size_bytes()) + "-byte delta output");
   }
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }

@@ -212,10 +212,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
-  if (delta->element_type() != ffi::DataType::F32 ||
-      delta->element_count() < static_cast<size_t>(p->shape.batch * p->shape.q_heads * p->shape.q_len)) {
-    return Invalid("workspace must be float32 with at least batch * q_heads * q_len elements");
-  }
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   if (tile < 0 || tile > 64) {
     return ffi::Error::InvalidArgument("jaxflash: tile must be in [0, 64], got " + std::to_string(tile));
@@ -236,7 +233,6 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->delta = static_cast<float*>(delta->untyped_data());
-  p->workspace_bytes = delta->size_bytes();
   return ffi::Error::Success();
 }
 
@@ -272,7 +268,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dq
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv
-      .template Ret<ffi::AnyBuffer>()            // workspace (delta first)
+      .template Ret<ffi::AnyBuffer>()            // delta (workspace)
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")

@@ -62,9 +62,8 @@ struct CudaDevice {
 Status CudaCurrentDevice(CudaDevice* device);
 
 Status CudaAttentionForward(const FwdParams& params, const CudaDevice& device, cudaStream_t stream);
-// Device scratch the backward needs. It must fit in the workspace output
-// (params.delta, params.workspace_bytes; the Python side sizes it with
-// jaxflash.attention._backward_workspace_elems), which the handler passes as
+// Device scratch the backward needs. It must fit in params.delta (an output
+// buffer of batch * q_heads * q_len floats), which the handler passes as
 // `workspace`: handlers do not allocate, because XLA's scratch allocator is
 // unavailable when the call is captured into a command buffer.
 size_t CudaBackwardWorkspaceBytes(const BwdParams& params, const CudaDevice& device);

@@ -104,11 +104,9 @@ struct BwdParams {
   void* dk = nullptr;
   void* dv = nullptr;
 
-  // The workspace output: it starts with delta = rowsum(dO * O) - dLSE, one
-  // float per (batch, q_head, row), laid out like lse; GPU launchers may use
-  // the bytes after it (CudaBackwardWorkspaceBytes says how many they need).
+  // Scratch the handler allocates: delta = rowsum(dO * O) - dLSE, one float per
+  // (batch, q_head, row). GPU kernels may ask for more (see their launchers).
   float* delta = nullptr;
-  size_t workspace_bytes = 0;
 };
 
 }  // namespace jaxflash

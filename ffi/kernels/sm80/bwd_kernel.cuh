@@ -1,26 +1,27 @@
-// FlashAttention-2 backward for sm80 and later.
+// FlashAttention-2 backward for sm80 and later, in three kernels:
 //
-//   1. DeltaKernel   delta = rowsum(dO * O) - dLSE into the workspace (one warp
-//                    per row); also zeroes the row's fp32 dQ accumulator.
-//   2. DkDvKernel    one CTA per (key tile, kv head, batch); walks every query
-//                    tile of every query head of the GQA group that sees its
-//                    keys, so dK and dV are summed over the group in registers
-//                    (no per-head copies). Unless the call asks for a
-//                    deterministic backward it also adds each step's dQ = dS·K
-//                    into the fp32 accumulator with atomics (5 tile products
-//                    per step, as FlashAttention-2).
-//   3a. DqConvert    dQ = scale * accumulator, in the input dtype.
-//   3b. DqKernel     (deterministic) one CTA per (query tile, head, batch)
-//                    that recomputes S and dP for its rows (7 products instead
-//                    of 5, but no atomics: bit-identical run to run).
+//   1. DeltaKernel   delta = rowsum(dO * O) - dLSE             (one warp per row)
+//   2. DkDvKernel    one CTA per (key tile, kv head, batch[, d half]); walks
+//                    every query tile of every query head of the GQA group
+//                    that sees its keys, so dK and dV are summed over the
+//                    group in registers (no per-head copies, no atomics).
+//   3. DqKernel      one CTA per (query tile, head, batch); walks the key
+//                    tiles its rows see, like the forward.
 //
-// DkDvKernel splits each pair of warps by role over the same 16·kMT keys:
-// warp 0 of a pair computes Sᵀ = K·Qᵀ, turns it into Pᵀ and accumulates
-// dV += Pᵀ·dO; warp 1 computes dPᵀ = V·dOᵀ, takes Pᵀ from its partner through
-// shared memory, forms dSᵀ = Pᵀ∘(dPᵀ - delta) and accumulates dK += dSᵀ·Q.
-// Each warp thus holds one accumulator (dV or dK) for two m16 key tiles, so
-// every shared-memory fragment feeds two mma instead of one; holding both for
-// 16 keys (the usual split) costs twice the fragment loads per product.
+// delta needs no workspace: each row's float is parked in the first 4 bytes of
+// that row's own dQ slot (a row of dQ holds head_dim >= 8 elements of 2
+// bytes). DkDvKernel reads it from there; DqKernel reads its rows' values
+// before it overwrites the same rows with the real dQ, and no other kernel
+// writes dQ. So the handler allocates nothing for the backward.
+//
+// Splitting dQ into its own kernel recomputes S = QKᵀ and dP = dO·Vᵀ (7 GEMMs
+// instead of 5), but needs no fp32 accumulator in memory and no atomics, so
+// the backward is deterministic (bit-identical run to run) by construction.
+//
+// Both main kernels give each warp 16 rows of the *output* they accumulate
+// (keys for dK/dV, queries for dQ), so every product is register-local: the
+// score tile a warp computes is exactly the A operand of its next GEMM.
+// For dK/dV that means computing Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ directly.
 //
 // Gradient algebra (natural-log LSE L, scale c):
 //   P = exp(c·S - L),  dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP - delta),
@@ -51,14 +52,15 @@ struct Strides {
   }
 };
 
-// Index of (batch, head, row) in the [B, N, T] row statistics (lse, delta).
-__device__ __forceinline__ int64_t StatIndex(const AttentionShape& sh, int64_t b, int64_t h, int64_t t) {
-  return (b * sh.q_heads + h) * sh.q_len + t;
+// ------------------------------------------------------------ 1. delta
+// Where row (batch, t, head)'s delta lives: the start of its dQ row.
+template <typename T>
+__device__ __forceinline__ float* DeltaSlot(const BwdParams& p, int64_t dq_row_offset) {
+  return reinterpret_cast<float*>(static_cast<T*>(p.dq) + dq_row_offset);
 }
 
-// ------------------------------------------------------------ 1. delta
 template <typename T>
-__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p, float* dq_accum) {
+__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
   const int64_t rows = sh.batch * sh.q_len * sh.q_heads;  // in [b][t][h] order, like O
   const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
@@ -77,86 +79,59 @@ __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p, float* dq_
       acc += tc::ElemTraits<T>::ToFloat(oe[i]) * tc::ElemTraits<T>::ToFloat(de[i]);
     }
   }
-  if (dq_accum != nullptr) {
-    float4* dst = reinterpret_cast<float4*>(dq_accum + row * sh.head_dim);
-    for (int c = lane; c < sh.head_dim / 4; c += 32) dst[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-  }
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {
     const int64_t h = row % sh.q_heads;
     const int64_t t = (row / sh.q_heads) % sh.q_len;
     const int64_t b = row / (sh.q_heads * sh.q_len);
-    const int64_t idx = StatIndex(sh, b, h, t);
-    p.delta[idx] = acc - (p.dlse ? p.dlse[idx] : 0.f);
+    const int64_t idx = (b * sh.q_heads + h) * sh.q_len + t;
+    *DeltaSlot<T>(p, row * sh.head_dim) = acc - (p.dlse ? p.dlse[idx] : 0.f);
   }
 }
 
-// ------------------------------------------------------------ 2. dK, dV (and dQ atomics)
-template <int kD_, int kMT_, int kPairs_, int kM_>
+// ------------------------------------------------------------ 2. dK, dV
+template <int kD_, int kSplits_, int kWarps_, int kM_>
 struct DkDvTile {
   static constexpr int kD = kD_;
-  static constexpr int kMT = kMT_;        // m16 key tiles per warp
-  static constexpr int kPairs = kPairs_;  // warp pairs; each pair owns 16 * kMT keys
-  static constexpr int kWarps = 2 * kPairs;
-  static constexpr int kN = 16 * kMT * kPairs;  // keys per CTA
-  static constexpr int kM = kM_;                // query rows per step
+  static constexpr int kSplits = kSplits_;    // CTAs sharing a key tile, each owning kD / kSplits columns
+  static constexpr int kDOut = kD / kSplits;  // dK/dV columns accumulated per CTA
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kN = 16 * kWarps;  // keys per CTA, 16 per warp
+  static constexpr int kM = kM_;          // query rows per step
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kCtasPerSm = kWarps <= 4 ? 2 : 1;
-  static constexpr int kStride = kD + 8;   // see FwdTile
-  static constexpr int kDsStride = kM + 8;  // dSᵀ rows (keys) of kM queries, padded like kStride
-  // The dQ step splits the kM x kD tile by columns over kDqWarps warps (the
-  // most that leave each a multiple of 16 columns); the others skip it.
-  static constexpr int kDqWarps = [] {
-    int w = kWarps;
-    while ((kD / 16) % w != 0) --w;
-    return w;
-  }();
-  static constexpr int kDqCols = kD / kDqWarps;
+  static constexpr int kStride = kD + 8;  // see FwdTile
   template <typename T>
   static constexpr size_t SmemBytes() {
-    return size_t(2 * kN + 4 * kM) * kStride * sizeof(T)  // K, V, 2 x (Q, dO)
-           + 4 * kM * sizeof(float)                       // 2 x (lse, delta)
-           + size_t(kN) * kM * sizeof(float)              // Pᵀ handed from warp 0 to warp 1 of a pair
-           + size_t(kN) * kDsStride * sizeof(T);          // dSᵀ for the dQ step
+    return size_t(2 * kN + 4 * kM) * kStride * sizeof(T) + 4 * kM * sizeof(float);
   }
-  static_assert(kD % 16 == 0 && kM % 16 == 0, "tiles are built from 16x16 mma steps");
-  static_assert(kDqCols % 16 == 0, "each warp takes whole n16 column pairs of dQ");
+  static_assert(kDOut % 16 == 0 && kM % 16 == 0, "tiles are built from 16x16 mma steps");
 };
 
-// Synchronises the two warps of pair `pair` (named barriers 1.., 64 threads;
-// barrier 0 is __syncthreads).
-__device__ __forceinline__ void PairBarrier(int pair) {
-  asm volatile("bar.sync %0, 64;\n" ::"r"(pair + 1) : "memory");
-}
-
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(const BwdParams p, float* dq_accum) {
-  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kMT = Tile::kMT;
-  constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads, kDsStride = Tile::kDsStride;
-  constexpr int kQT = kM / 8;  // n8 tiles of queries per key m-tile
-  constexpr int kDT = kD / 8;  // n8 tiles of the dK or dV accumulator
+__global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams p) {
+  constexpr int kD = Tile::kD, kDOut = Tile::kDOut, kN = Tile::kN, kM = Tile::kM;
+  constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
+  constexpr int kQT = kM / 8;       // n8 tiles of Sᵀ per warp (queries)
+  constexpr int kDT = kDOut / 8;    // n8 tiles of dK/dV per warp
   using Elem = tc::ElemTraits<T>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kN * kStride;
-  T* sQ = sV + kN * kStride;       // [2][kM][kStride]
+  T* sQ = sV + kN * kStride;    // [2][kM][kStride]
   T* sdO = sQ + 2 * kM * kStride;  // [2][kM][kStride]
   float* sLse = reinterpret_cast<float*>(sdO + 2 * kM * kStride);  // [2][kM]
   float* sDelta = sLse + 2 * kM;                                    // [2][kM]
-  float* sP = sDelta + 2 * kM;                                      // [kPairs][kMT][kQT][32 lanes][4]
-  T* sdS = reinterpret_cast<T*>(sP + kN * kM);                      // [kN][kDsStride], dSᵀ
 
   const AttentionShape& sh = p.shape;
   const Strides st(sh);
   const int n_block = blockIdx.x;
   const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z;
+  const int batch = blockIdx.z / Tile::kSplits;
+  const int d_base = (blockIdx.z % Tile::kSplits) * kDOut;
   const int group = static_cast<int>(sh.q_heads / sh.kv_heads);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int pair = warp >> 1;
-  const bool is_dk = warp & 1;  // role: 0 = Pᵀ and dV, 1 = dSᵀ and dK
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(sh.head_dim);
   const int q_len = static_cast<int>(sh.q_len);
@@ -189,21 +164,19 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
                                    q_len - r0, head_dim, tid);
     tc::LoadTile<kM, kD, kThreads>(sdO + buf * kM * kStride, kStride, static_cast<const T*>(p.dout) + q_off,
                                    st.q_row, q_len - r0, head_dim, tid);
-    const int64_t v_off = StatIndex(sh, batch, head, r0);
+    const int64_t v_off = (int64_t(batch) * sh.q_heads + head) * sh.q_len + r0;
     for (int i = tid; i < kM; i += kThreads) {
       const bool ok = r0 + i < q_len;
       tc::CpAsync4(tc::SmemAddr(sLse + buf * kM + i), ok ? p.lse + v_off + i : p.lse, ok);
-      tc::CpAsync4(tc::SmemAddr(sDelta + buf * kM + i), ok ? p.delta + v_off + i : p.delta, ok);
+      tc::CpAsync4(tc::SmemAddr(sDelta + buf * kM + i), DeltaSlot<T>(p, ok ? q_off + i * st.q_row : 0), ok);
     }
   };
 
-  float acc[kMT][kDT][4];  // dV (role 0) or dK (role 1) of this warp's keys
+  float dk[kDT][4], dv[kDT][4];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[mt][dt][i] = 0.f;
+    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.f;
 
   if (n_iters > 0) {
     // Keys past kv_valid are zero-filled (and masked below).
@@ -214,215 +187,109 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   tc::CpAsyncCommit();
 
   const float scale_log2 = p.scale * kLog2e;
-  const int key_w = pair * 16 * kMT;  // this pair's keys within the tile
-  float4* my_p = reinterpret_cast<float4*>(sP) + pair * kMT * kQT * 32 + lane;
+  const int key_w = warp * 16;  // this warp's keys within the tile
 
   for (int it = 0; it < n_iters; ++it) {
     if (it + 1 < n_iters) load_q_tile(it + 1);
     tc::CpAsyncCommit();
     tc::CpAsyncWait<1>();
-    __syncthreads();  // tile `it` visible to all; the previous step's readers are done
+    __syncthreads();  // tile `it` visible to all
 
     const int buf = it & 1;
     const T* q = sQ + buf * kM * kStride;
     const T* d_o = sdO + buf * kM * kStride;
     const float* lse = sLse + buf * kM;
     const float* dlt = sDelta + buf * kM;
-    const int head = kv_head * group + it / m_count;
     const int r0 = (m_begin + it % m_count) * kM;
 
-    // ---- role 0: Sᵀ = K Qᵀ; role 1: dPᵀ = V dOᵀ (16 kMT keys x kM queries)
-    float x[kMT][kQT][4];
+    // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (16 keys x kM queries per warp)
+    float s[kQT][4], dp[kQT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
+    for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < kQT; ++nt)
+      for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.f;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[mt][nt][i] = 0.f;
-    {
-      const T* a_src = is_dk ? sV : sK;
-      const T* b_src = is_dk ? d_o : q;
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t ak[4], av[4];
+      tc::Ldmatrix4(ak, tc::AFragAddr(sK, kStride, key_w, kk * 16, lane));
+      tc::Ldmatrix4(av, tc::AFragAddr(sV, kStride, key_w, kk * 16, lane));
 #pragma unroll
-      for (int kk = 0; kk < kD / 16; ++kk) {
-        uint32_t a[kMT][4];
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          tc::Ldmatrix4(a[mt], tc::AFragAddr(a_src, kStride, key_w + mt * 16, kk * 16, lane));
-        }
-#pragma unroll
-        for (int np = 0; np < kM / 16; ++np) {
-          uint32_t b[4];
-          tc::Ldmatrix4(b, tc::BFragAddrNK(b_src, kStride, np * 16, kk * 16, lane));
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            tc::Mma<T>(x[mt][2 * np], a[mt], b[0], b[1]);
-            tc::Mma<T>(x[mt][2 * np + 1], a[mt], b[2], b[3]);
-          }
-        }
+      for (int np = 0; np < kM / 16; ++np) {
+        uint32_t b[4];
+        tc::Ldmatrix4(b, tc::BFragAddrNK(q, kStride, np * 16, kk * 16, lane));
+        tc::Mma<T>(s[2 * np], ak, b[0], b[1]);
+        tc::Mma<T>(s[2 * np + 1], ak, b[2], b[3]);
+        tc::Ldmatrix4(b, tc::BFragAddrNK(d_o, kStride, np * 16, kk * 16, lane));
+        tc::Mma<T>(dp[2 * np], av, b[0], b[1]);
+        tc::Mma<T>(dp[2 * np + 1], av, b[2], b[3]);
       }
     }
 
-    if (!is_dk) {
-      // ---- Pᵀ; a tile only partly visible is masked per element. Query rows
-      // past q_valid are never "full" (TileIsFull needs r1 <= q_valid).
-      const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+    // ---- Pᵀ and dSᵀ; a tile only partly visible is masked per element.
+    // Query rows past q_valid are never "full" (TileIsFull needs r1 <= q_valid).
+    const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+    for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < kQT; ++nt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int qi = nt * 8 + 2 * t + (i & 1);  // query within the tile
-            float pv = tc::Exp2(x[mt][nt][i] * scale_log2 - lse[qi] * kLog2e);
-            if (!full) {
-              const int key = c0 + key_w + mt * 16 + g + (i >> 1) * 8;
-              if (!pol.Visible(r0 + qi, key)) pv = 0.f;
-            }
-            x[mt][nt][i] = pv;
-          }
-          my_p[(mt * kQT + nt) * 32] = make_float4(x[mt][nt][0], x[mt][nt][1], x[mt][nt][2], x[mt][nt][3]);
+      for (int i = 0; i < 4; ++i) {
+        const int qi = nt * 8 + 2 * t + (i & 1);  // query within the tile
+        float pv = tc::Exp2(s[nt][i] * scale_log2 - lse[qi] * kLog2e);
+        if (!full) {
+          const int key = c0 + key_w + g + (i >> 1) * 8;
+          if (!pol.Visible(r0 + qi, key)) pv = 0.f;
         }
-      PairBarrier(pair);
-    } else {
-      // ---- dSᵀ = Pᵀ ∘ (dPᵀ - delta), with Pᵀ from the partner warp (same
-      // fragment layout, so each lane reads back exactly its own positions).
-      PairBarrier(pair);
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kQT; ++nt) {
-          const float4 pv = my_p[(mt * kQT + nt) * 32];
-          const float pe[4] = {pv.x, pv.y, pv.z, pv.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int qi = nt * 8 + 2 * t + (i & 1);
-            x[mt][nt][i] = pe[i] * (x[mt][nt][i] - dlt[qi]);
-          }
-          if (dq_accum != nullptr) {  // dSᵀ for the dQ step, [key][query]
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int key = key_w + mt * 16 + g + half * 8;
-              *reinterpret_cast<uint32_t*>(sdS + key * kDsStride + nt * 8 + 2 * t) =
-                  Elem::Pack(x[mt][nt][2 * half], x[mt][nt][2 * half + 1]);
-            }
-          }
-        }
-    }
+        s[nt][i] = pv;
+        dp[nt][i] = pv * (dp[nt][i] - dlt[qi]);
+      }
 
-    // ---- role 0: dV += Pᵀ dO; role 1: dK += dSᵀ Q
-    {
-      const T* b_src = is_dk ? q : d_o;
+    // ---- dV += Pᵀ dO and dK += dSᵀ Q over this CTA's output columns
 #pragma unroll
-      for (int kk = 0; kk < kM / 16; ++kk) {
-        uint32_t a[kMT][4];
+    for (int kk = 0; kk < kM / 16; ++kk) {
+      uint32_t ap[4], ads[4];
+      ap[0] = Elem::Pack(s[2 * kk][0], s[2 * kk][1]);
+      ap[1] = Elem::Pack(s[2 * kk][2], s[2 * kk][3]);
+      ap[2] = Elem::Pack(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      ap[3] = Elem::Pack(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      ads[0] = Elem::Pack(dp[2 * kk][0], dp[2 * kk][1]);
+      ads[1] = Elem::Pack(dp[2 * kk][2], dp[2 * kk][3]);
+      ads[2] = Elem::Pack(dp[2 * kk + 1][0], dp[2 * kk + 1][1]);
+      ads[3] = Elem::Pack(dp[2 * kk + 1][2], dp[2 * kk + 1][3]);
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
-          a[mt][0] = Elem::Pack(x[mt][2 * kk][0], x[mt][2 * kk][1]);
-          a[mt][1] = Elem::Pack(x[mt][2 * kk][2], x[mt][2 * kk][3]);
-          a[mt][2] = Elem::Pack(x[mt][2 * kk + 1][0], x[mt][2 * kk + 1][1]);
-          a[mt][3] = Elem::Pack(x[mt][2 * kk + 1][2], x[mt][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < kD / 16; ++dp) {
-          uint32_t b[4];
-          tc::Ldmatrix4Trans(b, tc::BFragAddrKN(b_src, kStride, kk * 16, dp * 16, lane));
-#pragma unroll
-          for (int mt = 0; mt < kMT; ++mt) {
-            tc::Mma<T>(acc[mt][2 * dp], a[mt], b[0], b[1]);
-            tc::Mma<T>(acc[mt][2 * dp + 1], a[mt], b[2], b[3]);
-          }
-        }
+      for (int dq = 0; dq < kDOut / 16; ++dq) {
+        uint32_t b[4];
+        tc::Ldmatrix4Trans(b, tc::BFragAddrKN(d_o, kStride, kk * 16, d_base + dq * 16, lane));
+        tc::Mma<T>(dv[2 * dq], ap, b[0], b[1]);
+        tc::Mma<T>(dv[2 * dq + 1], ap, b[2], b[3]);
+        tc::Ldmatrix4Trans(b, tc::BFragAddrKN(q, kStride, kk * 16, d_base + dq * 16, lane));
+        tc::Mma<T>(dk[2 * dq], ads, b[0], b[1]);
+        tc::Mma<T>(dk[2 * dq + 1], ads, b[2], b[3]);
       }
     }
-
-    // ---- dQ[r0.., head] += dS K over this CTA's keys, added atomically;
-    // each warp takes kDqCols columns of the kM x kD tile.
-    // Every pair's dSᵀ is in shared memory for the dQ step; and, with or
-    // without that step, no warp may start the next one (whose first act
-    // refills buffer `buf`) while another still reads `buf`.
-    __syncthreads();
-    if (dq_accum != nullptr && warp < Tile::kDqWarps) {
-      constexpr int kCols = Tile::kDqCols;
-      const int col0 = warp * kCols;
-      float dq[kM / 16][kCols / 8][4];
-#pragma unroll
-      for (int mt = 0; mt < kM / 16; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kCols / 8; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) dq[mt][nt][i] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < kN / 16; ++kk) {
-        uint32_t a[kM / 16][4];
-#pragma unroll
-        for (int mt = 0; mt < kM / 16; ++mt) {
-          tc::Ldmatrix4Trans(a[mt], tc::AFragAddrKM(sdS, kDsStride, mt * 16, kk * 16, lane));
-        }
-#pragma unroll
-        for (int np = 0; np < kCols / 16; ++np) {
-          uint32_t b[4];
-          tc::Ldmatrix4Trans(b, tc::BFragAddrKN(sK, kStride, kk * 16, col0 + np * 16, lane));
-#pragma unroll
-          for (int mt = 0; mt < kM / 16; ++mt) {
-            tc::Mma<T>(dq[mt][2 * np], a[mt], b[0], b[1]);
-            tc::Mma<T>(dq[mt][2 * np + 1], a[mt], b[2], b[3]);
-          }
-        }
-      }
-      float* dst = dq_accum + batch * st.q_batch + int64_t(r0) * st.q_row + head * sh.head_dim;
-      const int rows_added = pol.q_valid - r0;  // dS is zero past q_valid
-#pragma unroll
-      for (int mt = 0; mt < kM / 16; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = mt * 16 + g + half * 8;
-          if (row >= rows_added) continue;
-#pragma unroll
-          for (int nt = 0; nt < kCols / 8; ++nt) {
-            const int col = col0 + nt * 8 + 2 * t;
-            if (col < head_dim) {
-              atomicAdd(dst + row * st.q_row + col, dq[mt][nt][2 * half]);
-              atomicAdd(dst + row * st.q_row + col + 1, dq[mt][nt][2 * half + 1]);
-            }
-          }
-        }
-    }
+    __syncthreads();  // everyone is done with buffer `buf` before it is refilled
   }
   tc::CpAsyncWait<0>();
 
   // ---- epilogue: keys < kv_len get their sums (zeros when no query sees them)
-  T* gOut = static_cast<T*>(is_dk ? p.dk : p.dv) + batch * st.kv_batch + c0 * st.kv_row + kv_head * sh.head_dim;
-  const float out_scale = is_dk ? p.scale : 1.f;
+  T* gdK = static_cast<T*>(p.dk) + batch * st.kv_batch + c0 * st.kv_row + kv_head * sh.head_dim + d_base;
+  T* gdV = static_cast<T*>(p.dv) + batch * st.kv_batch + c0 * st.kv_row + kv_head * sh.head_dim + d_base;
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_w + g + half * 8;
+    if (c0 + key >= sh.kv_len) continue;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = key_w + mt * 16 + g + half * 8;
-      if (c0 + key >= sh.kv_len) continue;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < head_dim) {
-          *reinterpret_cast<uint32_t*>(gOut + key * st.kv_row + col) =
-              Elem::Pack(acc[mt][dt][2 * half] * out_scale, acc[mt][dt][2 * half + 1] * out_scale);
-        }
+    for (int dt = 0; dt < kDT; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (d_base + col < head_dim) {
+        *reinterpret_cast<uint32_t*>(gdK + key * st.kv_row + col) =
+            Elem::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gdV + key * st.kv_row + col) =
+            Elem::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
       }
     }
+  }
 }
 
-// ------------------------------------------------------------ 3a. dQ from the accumulator
-template <typename T>
-__global__ void __launch_bounds__(256) DqConvertKernel(const BwdParams p, const float* dq_accum, int64_t n4) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= n4) return;
-  const float4 a = reinterpret_cast<const float4*>(dq_accum)[i];
-  uint2 out;
-  out.x = tc::ElemTraits<T>::Pack(a.x * p.scale, a.y * p.scale);
-  out.y = tc::ElemTraits<T>::Pack(a.z * p.scale, a.w * p.scale);
-  reinterpret_cast<uint2*>(p.dq)[i] = out;
-}
-
-// ------------------------------------------------------------ 3b. dQ, deterministic
+// ------------------------------------------------------------ 3. dQ
 template <int kD_, int kWarps_, int kN_>
 struct DqTile {
   static constexpr int kD = kD_;
@@ -494,7 +361,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     const int64_t idx = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
     const bool ok = row < r_end;
     lse_log2[half] = ok ? p.lse[idx] * kLog2e : 0.f;
-    dlt[half] = ok ? p.delta[idx] : 0.f;
+    dlt[half] = ok ? *DeltaSlot<T>(p, q_off + (row - r0) * st.q_row) : 0.f;
   }
 
   float dq[kDT][4];
@@ -581,6 +448,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     __syncthreads();
   }
   tc::CpAsyncWait<0>();
+  // Every lane has read its rows' delta (stored in these dQ rows) before any
+  // lane overwrites them.
+  __syncthreads();
 
   T* gdQ = static_cast<T*>(p.dq) + q_off;
 #pragma unroll
@@ -600,89 +470,57 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 }
 
 // ------------------------------------------------------------ tile table
-// DkDvTile<kD, m16 key tiles per warp, warp pairs, query rows per step>
-// candidates per bucket (the first is the default); one accumulator of
-// kMT * kD / 2 floats per lane bounds kMT. The deterministic dQ pass has one
-// shape per bucket.
 template <int kD>
-struct BwdCandidates;
-template <>
-struct BwdCandidates<32> {
-  using type = TileList<DkDvTile<32, 2, 2, 64>, DkDvTile<32, 2, 2, 32>>;
+struct BwdTilesFor {
+  // dK/dV: 4 warps x 16 keys; heads above 128 split the output columns over
+  // two CTAs so the dK + dV accumulators (kDOut floats per lane) still fit.
+  using DkDv = DkDvTile<kD, (kD > 128 ? 2 : 1), 4, (kD >= 128 ? 32 : 64)>;
+  using Dq = DqTile<kD, 4, (kD > 128 ? 32 : 64)>;
 };
-template <>
-struct BwdCandidates<64> {
-  using type = TileList<DkDvTile<64, 2, 2, 64>, DkDvTile<64, 2, 2, 32>, DkDvTile<64, 2, 4, 32>>;
-};
-template <>
-struct BwdCandidates<96> {
-  using type = TileList<DkDvTile<96, 2, 2, 32>, DkDvTile<96, 1, 4, 32>>;
-};
-template <>
-struct BwdCandidates<128> {
-  using type = TileList<DkDvTile<128, 2, 2, 32>, DkDvTile<128, 2, 4, 32>, DkDvTile<128, 1, 4, 32>>;
-};
-template <>
-struct BwdCandidates<192> {
-  using type = TileList<DkDvTile<192, 1, 4, 32>, DkDvTile<192, 1, 2, 32>>;
-};
-template <>
-struct BwdCandidates<256> {
-  using type = TileList<DkDvTile<256, 1, 4, 32>, DkDvTile<256, 1, 2, 32>>;
-};
-
-inline int BwdTilePick(int /*head_dim_bucket*/, bool /*causal*/) { return 0; }
-
-template <int kD>
-using DqTileFor = DqTile<kD, 4, (kD > 128 ? 32 : 64)>;
 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+  using Tiles = BwdTilesFor<kD>;
+  using DkDv = typename Tiles::DkDv;
+  using Dq = typename Tiles::Dq;
+  (void)workspace;  // BackwardWorkspaceBytes is 0: delta lives in dQ (see the top of this file)
   const AttentionShape& sh = p.shape;
-  float* dq_accum = p.deterministic ? nullptr
-                                    : reinterpret_cast<float*>(static_cast<char*>(workspace) + DeltaBytesAligned(p));
-  using Dq = DqTileFor<kD>;
-  constexpr auto dq_kernel = DqKernel<T, Dq>;
+
+  constexpr auto dkdv = DkDvKernel<T, DkDv>;
+  constexpr auto dq = DqKernel<T, Dq>;
+  const size_t dkdv_smem = DkDv::template SmemBytes<T>();
   const size_t dq_smem = Dq::template SmemBytes<T>();
-  if (p.deterministic) {
-    Status st = EnsureDynamicSmem<dq_kernel>(dq_smem, device);
+  Status st = EnsureDynamicSmem<dkdv>(dkdv_smem, device);
+  if (!st.ok()) return st;
+  st = EnsureDynamicSmem<dq>(dq_smem, device);
+  if (!st.ok()) return st;
+
+  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
+
+  // q_len == 0 or kv_len == 0 leaves a grid empty; the other kernel still
+  // writes its zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
+  const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
+  if (rows > 0) {
+    DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p);
+    st = CheckLaunch("attention backward (delta)");
     if (!st.ok()) return st;
   }
-  const bool causal = p.mask.window_right >= 0;
-  return BwdCandidates<kD>::type::With(TileIndex(p.tile, BwdTilePick(kD, causal)), [&](auto tile) {
-    using DkDv = decltype(tile);
-    constexpr auto dkdv = DkDvKernel<T, DkDv>;
-    const size_t dkdv_smem = DkDv::template SmemBytes<T>();
-    Status st = EnsureDynamicSmem<dkdv>(dkdv_smem, device);
-    if (!st.ok()) return st;
-    if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
 
-    // q_len == 0 or kv_len == 0 leaves a grid empty; the other kernels still
-    // write their zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
-    const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
-    if (rows > 0) {
-      DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p, dq_accum);
-      st = CheckLaunch("attention backward (delta)");
-      if (!st.ok()) return st;
-    }
-    if (sh.kv_len > 0) {
-      const dim3 grid_kv(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
-                         static_cast<unsigned>(sh.batch));
-      dkdv<<<grid_kv, DkDv::kThreads, dkdv_smem, stream>>>(p, dq_accum);
-      st = CheckLaunch("attention backward (dK, dV)");
-      if (!st.ok()) return st;
-    }
-    if (rows == 0) return Status::Ok();
-    if (dq_accum != nullptr) {
-      const int64_t n4 = rows * sh.head_dim / 4;
-      DqConvertKernel<T><<<static_cast<unsigned>(CeilDiv(n4, 256)), 256, 0, stream>>>(p, dq_accum, n4);
-      return CheckLaunch("attention backward (dQ convert)");
-    }
+  if (sh.kv_len > 0) {
+    const dim3 grid_kv(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
+                       static_cast<unsigned>(sh.batch * DkDv::kSplits));
+    dkdv<<<grid_kv, DkDv::kThreads, dkdv_smem, stream>>>(p);
+    st = CheckLaunch("attention backward (dK, dV)");
+    if (!st.ok()) return st;
+  }
+
+  if (sh.q_len > 0) {
     const dim3 grid_q(static_cast<unsigned>(CeilDiv(sh.q_len, Dq::kM)), static_cast<unsigned>(sh.q_heads),
                       static_cast<unsigned>(sh.batch));
-    dq_kernel<<<grid_q, Dq::kThreads, dq_smem, stream>>>(p);
-    return CheckLaunch("attention backward (dQ)");
-  });
+    dq<<<grid_q, Dq::kThreads, dq_smem, stream>>>(p);
+    st = CheckLaunch("attention backward (dQ)");
+  }
+  return st;
 }
 
 }  // namespace sm80

@@ -21,20 +21,9 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream);
 
-// Backward workspace: delta, then (unless the call is deterministic) the fp32
-// dQ accumulator at the next 256-byte boundary. The Python side sizes the
-// workspace output by the same rule (attention._backward_workspace_elems).
-inline size_t DeltaBytesAligned(const BwdParams& p) {
-  const size_t bytes = size_t(p.shape.batch * p.shape.q_heads * p.shape.q_len) * sizeof(float);
-  return (bytes + 255) / 256 * 256;
-}
-
-inline size_t BackwardWorkspaceBytes(const BwdParams& p) {
-  const size_t delta = size_t(p.shape.batch * p.shape.q_heads * p.shape.q_len) * sizeof(float);
-  if (p.deterministic) return delta;
-  const size_t accum = size_t(p.shape.batch * p.shape.q_len * p.shape.q_heads * p.shape.head_dim) * sizeof(float);
-  return DeltaBytesAligned(p) + accum;
-}
+// Backward scratch: none. delta is parked in the dQ output until the dQ
+// kernel overwrites it, and dQ is written directly (see bwd_kernel.cuh).
+inline size_t BackwardWorkspaceBytes(const BwdParams&) { return 0; }
 
 }  // namespace sm80
 }  // namespace jaxflash
