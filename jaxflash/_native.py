@@ -13,8 +13,8 @@ import jax
 FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
 
-# Tile candidate the CUDA tensor-core launchers use instead of their tile table
-# (0: the table). Only the tuning script sets it, through `forced_tile`; it is
+# Tile candidate the CUDA tensor-core forward uses instead of its tile table
+# (0: the table; the backward has one tile per head dim). Only the tuning script sets it, through `forced_tile`; it is
 # read when a call is traced, so jit a fresh function after changing it.
 _forced_tile = 0
 

@@ -50,8 +50,7 @@ class _NativeKernels:
   @staticmethod
   def _attrs(spec: MaskSpec) -> dict[str, Any]:
     return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
-                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right),
-                tile=np.int64(_native.tile_attr()))
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
 
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
@@ -61,7 +60,7 @@ class _NativeKernels:
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, q_lengths, kv_lengths, **cls._attrs(spec))
+    return call(q, k, v, q_lengths, kv_lengths, **cls._attrs(spec), tile=np.int64(_native.tile_attr()))
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):

@@ -176,9 +176,8 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  if (tile < 0 || tile > 64) {
-    return ffi::Error::InvalidArgument("jaxflash: tile must be in [0, 64], got " + std::to_string(tile));
-  }
+  // tile: 0 = the launcher's tile table, k > 0 = forward candidate k (tools/tune_tiles.py).
+  if (tile < 0 || tile > 64) return Invalid("tile must be in [0, 64], got " + std::to_string(tile));
   p->tile = static_cast<int>(tile);
   p->scale = scale;
   p->q = q.untyped_data();
@@ -201,7 +200,7 @@ struct BackwardBuffers {
 inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
                                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                                  ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left, int64_t window_right,
-                                 bool bottom_right, bool deterministic, int64_t tile, BwdParams* p) {
+                                 bool bottom_right, bool deterministic, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
@@ -214,10 +213,6 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  if (tile < 0 || tile > 64) {
-    return ffi::Error::InvalidArgument("jaxflash: tile must be in [0, 64], got " + std::to_string(tile));
-  }
-  p->tile = static_cast<int>(tile);
   p->scale = scale;
   p->deterministic = deterministic;
   p->q = in.q.untyped_data();
@@ -273,8 +268,7 @@ auto BindBackward(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
-      .template Attr<bool>("deterministic")
-      .template Attr<int64_t>("tile");
+      .template Attr<bool>("deterministic");
 }
 
 }  // namespace jaxflash::handlers

@@ -7,11 +7,4 @@ from jaxflash.pallas.attention import pallas_backward
 from jaxflash.pallas.attention import pallas_forward
 from jaxflash.pallas.attention import pallas_supported
 
-__all__ = [
-    "MAX_HEAD_DIM",
-    "PallasConfig",
-    "default_config",
-    "pallas_backward",
-    "pallas_forward",
-    "pallas_supported",
-]
+from jaxflash.pallas.attention import __all__

@@ -88,7 +88,6 @@ struct BwdParams {
   MaskParams mask;
   float scale = 1.0f;
   bool deterministic = false;  // bit-identical results run to run
-  int tile = 0;                // as FwdParams::tile
 
   const void* q = nullptr;
   const void* k = nullptr;
