@@ -14,8 +14,11 @@ FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
 
 # Tile candidate the CUDA tensor-core forward uses instead of its tile table
-# (0: the table; the backward has one tile per head dim). Only the tuning script sets it, through `forced_tile`; it is
-# read when a call is traced, so jit a fresh function after changing it.
+# (0: the table; the backward has one tile per head dim), plus TILE_SM80 to run
+# the sm80 kernels where a newer path exists (FwdParams::tile). Only the tuning
+# script and the tests set it, through `forced_tile`; it is read when a call is
+# traced, so jit a fresh function after changing it.
+TILE_SM80 = 64
 _forced_tile = 0
 
 
@@ -24,10 +27,16 @@ def tile_attr() -> int:
 
 
 @contextlib.contextmanager
-def forced_tile(index: int):
-  """Trace native calls inside the block with tile candidate `index` (1-based)."""
+def forced_tile(index: int, *, sm80: bool = False):
+  """Trace native calls inside the block with tile candidate `index` (1-based; 0 = the table).
+
+  With `sm80=True` the CUDA forward runs the sm80 (mma.sync) family even on a GPU
+  that has a newer path, so the Ampere kernels stay testable on Hopper.
+  """
   global _forced_tile
-  previous, _forced_tile = _forced_tile, int(index)
+  if not 0 <= index < TILE_SM80:
+    raise ValueError(f"tile candidate must be in [0, {TILE_SM80}), got {index}")
+  previous, _forced_tile = _forced_tile, int(index) + (TILE_SM80 if sm80 else 0)
   try:
     yield
   finally:

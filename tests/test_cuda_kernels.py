@@ -144,13 +144,19 @@ def test_long_kv_32k_stable(rng, dtype):
 BUCKETS = [32, 64, 96, 128, 192, 256]
 
 
+@pytest.mark.parametrize("sm80", [False, True], ids=["arch", "sm80"])
 @pytest.mark.parametrize("candidate", [1, 2, 3])
 @pytest.mark.parametrize("D", BUCKETS)
-def test_every_tile_candidate(rng, D, candidate):
-  """Each compiled tile shape, not just the table's pick, forward and backward."""
+def test_every_tile_candidate(rng, D, candidate, sm80):
+  """Each compiled tile shape, not just the table's pick, forward and backward.
+
+  "arch" runs the family the GPU dispatches to (the wgmma forward on Hopper for
+  D in {64, 128, 256}); "sm80" forces the mma.sync family, which Ampere and the
+  other buckets use, so both stay tested on a Hopper GPU.
+  """
   from jaxflash import _native
   _poison_allocator()
-  with _native.forced_tile(candidate):
+  with _native.forced_tile(candidate, sm80=sm80):
     try:
       check_forward(rng, (2, 200, 333, 4, 2, D), "window", jnp.bfloat16)
       check_gradients(rng, (1, 200, 333, 4, 2, D), "causal", jnp.bfloat16)

@@ -16,7 +16,8 @@ import numpy as np
 
 import jaxflash
 
-SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 4, 2, 128), (1, 70, 70, 2, 2, 40), (1, 33, 65, 2, 1, 256)]
+SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 4, 2, 128), (1, 70, 70, 2, 2, 40), (1, 33, 65, 2, 1, 256),
+          (1, 150, 333, 2, 1, 128)]  # the last walks several K/V tiles through both pipeline stages
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1])]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]

@@ -4,8 +4,9 @@
     python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd
 
 Every head-dim bucket compiles a few forward tile shapes (FwdCandidates in
-ffi/kernels/sm80/fwd_kernel.cuh); the launcher picks one from a table keyed by head dim and
-causality. The backward has one shape per bucket, so "fwd+bwd" rows differ only in the forward.
+ffi/kernels/sm80/fwd_kernel.cuh, and ffi/kernels/sm90/fwd_kernel.cuh for the Hopper forward);
+the launcher picks one from a table keyed by head dim and causality. The GPU's own family is
+swept unless --sm80 forces the mma.sync kernels. The backward has one shape per bucket, so "fwd+bwd" rows differ only in the forward.
 This script forces each candidate in turn (1-based; `jaxflash._native.forced_tile`), times
 it on the §6 grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048) and prints TFLOP/s per
 candidate and the winner per (direction, D, causal). Copy the winners into the table
@@ -43,6 +44,7 @@ def main():
   ap.add_argument("--direction", default="fwd")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--sm80", action="store_true", help="sweep the sm80 family on a newer GPU")
   args = ap.parse_args()
   print(f"device: {jax.devices()[0].device_kind}")
   print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 4)) + " | winner |")
@@ -58,7 +60,7 @@ def main():
           flops = _measure.attention_flops(B, H, S, S, D, causal, direction != "fwd")
           rates = []
           for cand in range(1, MAX_CANDIDATES + 1):
-            with _native.forced_tile(cand):
+            with _native.forced_tile(cand, sm80=args.sm80):
               fn = build(direction, causal)     # traced now, with this candidate
               try:
                 t = _measure.time_jitted(fn, inputs, args.reps, args.repeats)

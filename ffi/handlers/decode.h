@@ -176,8 +176,11 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  // tile: 0 = the launcher's tile table, k > 0 = forward candidate k (tools/tune_tiles.py).
-  if (tile < 0 || tile > 64) return Invalid("tile must be in [0, 64], got " + std::to_string(tile));
+  // tile: see FwdParams::tile (tools/tune_tiles.py, the tile tests).
+  if (tile < 0 || tile >= 2 * FwdParams::kTileSm80) {
+    return Invalid("tile must be in [0, " + std::to_string(2 * FwdParams::kTileSm80 - 1) + "], got " +
+                   std::to_string(tile));
+  }
   p->tile = static_cast<int>(tile);
   p->scale = scale;
   p->q = q.untyped_data();

@@ -2,6 +2,8 @@
 // -> compiled variant. Masks are runtime policies inside every variant
 // (MaskPolicy), so they add no instantiations here.
 //
+//   fp16/bf16, arch == 90, forward, bucket 64, 128 or 256
+//       -> sm90 forward (wgmma), when the build has sm_90a code
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
 //       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
 //          head dim >= head_dim; the kernels zero-pad the rest.
@@ -18,6 +20,7 @@
 #include "jaxflash/launch.h"
 #include "jaxflash/params.h"
 #include "sm80/launch_sm80.h"
+#include "sm90/launch_sm90.h"
 #include "simt/simt.h"
 
 namespace jaxflash {
@@ -51,8 +54,30 @@ std::string TensorCoreRefusal(DType dtype, const AttentionShape& sh, const CudaD
   return std::string();
 }
 
+// Whether the Hopper forward takes this call. Its kernels are real code only
+// in the sm_90a binary (JAXFLASH_SM90A_BUILT), which is the one an arch-90
+// GPU loads; the sm80 family can be forced for testing (FwdParams::tile).
+bool UseSm90Forward(const FwdParams& p, const CudaDevice& device) {
+#if defined(JAXFLASH_SM90A_BUILT)
+  if (device.arch != 90 || p.tile >= FwdParams::kTileSm80) return false;
+  const int bucket = HeadDimBucket(p.shape.head_dim);
+  for (int b : sm90::kHeadDimBuckets) {
+    if (b == bucket) return true;
+  }
+#endif
+  return false;
+}
+
 template <typename T>
-Status ForwardBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
+  if (UseSm90Forward(p, device)) {
+    switch (HeadDimBucket(p.shape.head_dim)) {
+      case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
+      case 128: return sm90::LaunchForward<T, 128>(p, device, stream);
+      case 256: return sm90::LaunchForward<T, 256>(p, device, stream);
+    }
+  }
+  p.tile %= FwdParams::kTileSm80;  // the candidate index within the sm80 family
   switch (HeadDimBucket(p.shape.head_dim)) {
     case 32: return sm80::LaunchForward<T, 32>(p, device, stream);
     case 64: return sm80::LaunchForward<T, 64>(p, device, stream);

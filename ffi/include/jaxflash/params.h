@@ -70,7 +70,11 @@ struct FwdParams {
   DType dtype = DType::kFloat32;
   MaskParams mask;
   float scale = 1.0f;  // multiplies q·k before the softmax
-  int tile = 0;        // 0: the tile table's choice; k > 0: candidate k (tuning only)
+  // Tile choice (tuning and tests only): 0 = the tile table, k in [1, 63] =
+  // candidate k; adding kTileSm80 runs the sm80 kernels even on a GPU with a
+  // newer path (so the Ampere path is testable on Hopper).
+  int tile = 0;
+  static constexpr int kTileSm80 = 64;
 
   const void* q = nullptr;
   const void* k = nullptr;

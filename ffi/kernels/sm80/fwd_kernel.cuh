@@ -15,6 +15,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/fwd_blocks.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
@@ -99,7 +100,6 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kMT = Tile::kMT;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kStride = Tile::kStride;
   constexpr int kThreads = Tile::kThreads;
-  using Elem = tc::ElemTraits<T>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -120,15 +120,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
                                          p.q_lengths, p.kv_lengths, batch);
   const int r0 = m_block * kM;
   const int r_end = MinInt(r0 + kM, pol.q_valid);  // real query rows of this CTA: [r0, r_end)
-  int n_begin = 0, n_end = 0;                       // key tiles to visit
-  if (r_end > r0) {
-    const int key_begin = pol.KeyBegin(r0);
-    const int key_end = pol.KeyEnd(r_end - 1);
-    if (key_end > key_begin) {
-      n_begin = key_begin / kN;
-      n_end = (key_end + kN - 1) / kN;
-    }
-  }
+  const tc::KeyTiles tiles = tc::KeyTileRange<kN>(pol, r0, r_end);
+  const int n_begin = tiles.begin, n_end = tiles.end;
 
   // (AttentionShape's stride helpers are host-only; same formulas.)
   const int64_t q_row_stride = sh.q_heads * sh.head_dim;
@@ -141,7 +134,6 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
   // Rows this warp owns: [warp_row0, warp_row0 + 16 * kMT) within the CTA.
   const int warp_row0 = warp * 16 * kMT;
-  const int g = lane >> 2, t = lane & 3;
 
   float o[kMT][kDT][4];
 #pragma unroll
@@ -201,27 +193,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- scale into log2 units; mask only tiles the policy does not fully admit
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // This lane's columns of the row are c0 + nt * 8 + 2t + j; the row sees
-        // [lo, hi) of them, measured from c0 + 2t (an empty range for padding rows).
-        int lo = 0, hi = kN;
-        if (!full) {
-          const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
-          lo = row < pol.q_valid ? pol.KeyBegin(row) - c0 - 2 * t : 0;
-          hi = row < pol.q_valid ? pol.KeyEnd(row) - c0 - 2 * t : 0;
-        }
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            const int col = nt * 8 + j;
-            float& x = s[mt][nt][2 * half + j];
-            x = (full || (col >= lo && col < hi)) ? x * scale_log2 : -INFINITY;
-          }
-      }
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2);
 
     softmax.Update(s, o);
 
@@ -239,10 +211,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt) {
-        a[mt][0] = Elem::Pack(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-        a[mt][1] = Elem::Pack(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-        a[mt][2] = Elem::Pack(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-        a[mt][3] = Elem::Pack(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+        tc::PackAFragment<T>(s[mt], kk, a[mt]);
       }
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
@@ -257,33 +226,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     }
   }
 
-  // ---- epilogue: normalise, write O (zeros for empty rows) and LSE
-  float lse[2 * kMT];
-  softmax.Finalize(o, lse);
-  T* gO = static_cast<T*>(p.o) + batch * q_batch_stride + r0 * q_row_stride + head * sh.head_dim;
-  float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
-      if (r0 + row >= sh.q_len) continue;
-      // Rows past q_valid (padding queries) were not masked inside tiles the
-      // policy found full for the real rows, so force them to the empty-row
-      // result here.
-      const bool real = r0 + row < pol.q_valid;
-      T* dst = gO + row * q_row_stride;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        const int col = dt * 8 + 2 * t;
-        if (col < head_dim) {
-          *reinterpret_cast<uint32_t*>(dst + col) =
-              real ? Elem::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
-        }
-      }
-      if (t == 0) gLse[r0 + row] = real ? lse[mt * 2 + half] : -INFINITY;
-    }
-  }
+  tc::StoreOutput<T>(softmax, o, p, pol, batch, head, r0, warp_row0, lane);
 }
 
 // Launches the forward for one (dtype, head-dim bucket); defined per bucket in

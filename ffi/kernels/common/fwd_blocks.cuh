@@ -1,0 +1,124 @@
+// Pieces of the tensor-core forward that do not depend on how the products
+// are computed, shared by the sm80 (mma.sync) and sm90 (wgmma) mainloops:
+// which key tiles a block of query rows visits, the scale-and-mask step on a
+// tile of scores, and the epilogue that writes O and LSE.
+//
+// Scores and outputs are held in the mma.sync accumulator layout (mma.cuh):
+// a warp owns kMT m16 row tiles starting at CTA row `warp_row0`; lane (g, t)
+// holds rows g and g + 8 of each, columns 8 nt + 2t and 8 nt + 2t + 1. The
+// wgmma accumulator of one warp has the same layout, so both kernels call
+// these with their own warp_row0.
+#pragma once
+
+#include <cmath>
+
+#include "common/mask.h"
+#include "common/mma.cuh"
+#include "common/softmax.cuh"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace tc {
+
+// Key tiles of kN keys that rows [r0, r_end) must visit: [begin, end).
+// Tiles the mask excludes for every one of these rows are never visited.
+struct KeyTiles {
+  int begin = 0;
+  int end = 0;
+};
+template <int kN>
+__device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, int r_end) {
+  KeyTiles tiles;
+  if (r_end > r0) {
+    const int key_begin = pol.KeyBegin(r0);
+    const int key_end = pol.KeyEnd(r_end - 1);
+    if (key_end > key_begin) {
+      tiles.begin = key_begin / kN;
+      tiles.end = (key_end + kN - 1) / kN;
+    }
+  }
+  return tiles;
+}
+
+// Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
+// and sets the entries the mask hides to -inf. `full` (the policy admits the
+// whole tile for the CTA's rows) skips the per-element test; `r0` is the
+// CTA's first query row.
+template <int kMT, int kNT>
+__device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
+                                             int warp_row0, int c0, int lane, float scale_log2) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // This lane's columns of the row are c0 + nt * 8 + 2t + j; the row sees
+      // [lo, hi) of them, measured from c0 + 2t (an empty range for padding rows).
+      int lo = 0, hi = kNT * 8;
+      if (!full) {
+        const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
+        lo = row < pol.q_valid ? pol.KeyBegin(row) - c0 - 2 * t : 0;
+        hi = row < pol.q_valid ? pol.KeyEnd(row) - c0 - 2 * t : 0;
+      }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int col = nt * 8 + j;
+          float& x = s[mt][nt][2 * half + j];
+          x = (full || (col >= lo && col < hi)) ? x * scale_log2 : -INFINITY;
+        }
+    }
+}
+
+// The A fragment (16 rows x 16 k) of P for k step kk, packed from two
+// adjacent n8 tiles of probabilities: the accumulator of columns
+// [16 kk, 16 kk + 16) is exactly the A layout of mma.sync and of wgmma's
+// register operand, so P never leaves the registers.
+template <typename T, int kNT>
+__device__ __forceinline__ void PackAFragment(const float (&p)[kNT][4], int kk, uint32_t (&a)[4]) {
+  a[0] = ElemTraits<T>::Pack(p[2 * kk][0], p[2 * kk][1]);
+  a[1] = ElemTraits<T>::Pack(p[2 * kk][2], p[2 * kk][3]);
+  a[2] = ElemTraits<T>::Pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+  a[3] = ElemTraits<T>::Pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+}
+
+// Normalises the output accumulator, then writes this warp's rows of O
+// (columns below head_dim) and LSE. Rows past q_len are not stored; rows past
+// the batch element's q_valid (padding queries) get O = 0 and LSE = -inf,
+// since tiles the policy found full for the real rows were not masked for them.
+template <typename T, int kMT, int kDT>
+__device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (&o)[kMT][kDT][4],
+                                            const FwdParams& p, const MaskPolicy& pol, int batch, int head,
+                                            int r0, int warp_row0, int lane) {
+  const AttentionShape& sh = p.shape;
+  const int g = lane >> 2, t = lane & 3;
+  const int head_dim = static_cast<int>(sh.head_dim);
+  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
+  float lse[2 * kMT];
+  softmax.Finalize(o, lse);
+  T* gO = static_cast<T*>(p.o) + batch * sh.q_len * q_row_stride + r0 * q_row_stride + head * sh.head_dim;
+  float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
+      if (r0 + row >= sh.q_len) continue;
+      const bool real = r0 + row < pol.q_valid;
+      T* dst = gO + row * q_row_stride;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col < head_dim) {
+          *reinterpret_cast<uint32_t*>(dst + col) =
+              real ? ElemTraits<T>::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
+        }
+      }
+      if (t == 0) gLse[r0 + row] = real ? lse[mt * 2 + half] : -INFINITY;
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace jaxflash

@@ -1,0 +1,207 @@
+// FlashAttention forward for Hopper (sm_90a): warpgroup MMA (wgmma).
+//
+// One CTA computes kM = 64 * kWarpGroups query rows of one (batch, head); each
+// warpgroup owns 64 rows and issues its products as wgmma with operands read
+// straight from shared memory (Q·Kᵀ) or with P from registers (P·V), so the
+// tensor cores see 64 x N x 16 blocks instead of mma.sync's 16 x 8 x 16.
+// K/V tiles of kN keys stream through two shared-memory stages: the copy of
+// tile n + 1 (cp.async, 128-byte swizzled layout, see wgmma.cuh) is in flight
+// while tile n is multiplied. Masking, the online softmax and the epilogue are
+// the same code as the sm80 kernel (common/fwd_blocks.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/fwd_blocks.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "common/softmax.cuh"
+#include "jaxflash/params.h"
+#include "sm90/launch_sm90.h"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <int kD_, int kWarpGroups_, int kN_>
+struct FwdTile {
+  static constexpr int kD = kD_;
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kN = kN_;  // keys per K/V tile
+  static constexpr int kM = 64 * kWarpGroups;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kNT = kN / 8;  // n8 tiles of scores per warp
+  static constexpr int kDT = kD / 8;  // n8 tiles of output per warp
+  // P·V is issued in column chunks of at most 128 (the widest wgmma compiled).
+  static constexpr int kOutN = kD < 128 ? kD : 128;
+  static constexpr int kStages = 2;
+  using QTile = SwizzledTile<kM, kD>;
+  using KVTile = SwizzledTile<kN, kD>;
+  // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
+  static constexpr size_t kSmemBytes = size_t(QTile::kBytes) + 2 * kStages * KVTile::kBytes + 1024;
+  static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
+  static_assert(kD % kOutN == 0 && (kOutN == 64 || kOutN == 128), "output chunks use the compiled wgmma widths");
+};
+
+// Tile candidates per head-dim bucket: FwdTile<kD, warpgroups, keys per tile>.
+// The accumulators per thread are kD / 2 (O) + kN / 2 (S) floats plus kN / 4
+// registers of packed P, which bounds kN at kD = 256; shared memory holds Q and
+// two stages of K and V (at most 192 KiB here).
+template <int kD>
+struct FwdCandidates;
+template <>
+struct FwdCandidates<64> {
+  using type = TileList<FwdTile<64, 2, 128>, FwdTile<64, 3, 128>, FwdTile<64, 2, 64>>;
+};
+template <>
+struct FwdCandidates<128> {
+  using type = TileList<FwdTile<128, 2, 128>, FwdTile<128, 3, 64>, FwdTile<128, 2, 64>>;
+};
+template <>
+struct FwdCandidates<256> {
+  using type = TileList<FwdTile<256, 2, 64>, FwdTile<256, 1, 64>>;
+};
+
+// The tile table: index into FwdCandidates<kD> (first candidate until
+// tools/tune_tiles.py has measured the others on an H100).
+inline int FwdTilePick(int head_dim_bucket, bool causal) { return 0; }
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p) {
+#if defined(JAXFLASH_SM90A)
+  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
+  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kOutN = Tile::kOutN;
+  constexpr int kThreads = Tile::kThreads;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sQ = smem;
+  const uint32_t sK0 = sQ + QTile::kBytes;                       // stage s: sK0 + s * KVTile::kBytes
+  const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;     // stage s: sV0 + s * KVTile::kBytes
+
+  const AttentionShape& sh = p.shape;
+  const bool causal = p.mask.window_right >= 0;
+  // Causal blocks further down the sequence visit more keys: start them first
+  // so the short ones fill the tail of the grid.
+  const int m_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int kv_head = head / static_cast<int>(sh.q_heads / sh.kv_heads);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warpgroup = tid >> 7;
+  const int head_dim = static_cast<int>(sh.head_dim);
+
+  const MaskPolicy pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
+                                         p.q_lengths, p.kv_lengths, batch);
+  const int r0 = m_block * kM;
+  const int r_end = MinInt(r0 + kM, pol.q_valid);  // real query rows of this CTA: [r0, r_end)
+  const tc::KeyTiles tiles = tc::KeyTileRange<kN>(pol, r0, r_end);
+
+  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
+  const int64_t kv_row_stride = sh.kv_heads * sh.head_dim;
+  const T* gQ = static_cast<const T*>(p.q) + batch * sh.q_len * q_row_stride + r0 * q_row_stride + head * sh.head_dim;
+  const T* gK = static_cast<const T*>(p.k) + batch * sh.kv_len * kv_row_stride + kv_head * sh.head_dim;
+  const T* gV = static_cast<const T*>(p.v) + batch * sh.kv_len * kv_row_stride + kv_head * sh.head_dim;
+
+  // Keys at or past kv_valid are zero-filled: masked scores multiply V rows by
+  // exactly 0, and 0 * (garbage in padding) could be NaN.
+  auto load_kv = [&](int nb, int stage) {
+    const int c0 = nb * kN;
+    LoadSwizzledTile<kN, kD, kThreads>(sK0 + stage * KVTile::kBytes, gK + int64_t(c0) * kv_row_stride,
+                                       kv_row_stride, pol.kv_valid - c0, head_dim, tid);
+    LoadSwizzledTile<kN, kD, kThreads>(sV0 + stage * KVTile::kBytes, gV + int64_t(c0) * kv_row_stride,
+                                       kv_row_stride, pol.kv_valid - c0, head_dim, tid);
+    tc::CpAsyncCommit();
+  };
+
+  // This warp's rows within the CTA: warpgroup w owns [64 w, 64 w + 64), and
+  // its warp i the 16 rows from 16 i (the wgmma accumulator layout).
+  const int warp_row0 = warpgroup * 64 + ((tid >> 5) & 3) * 16;
+  // The warpgroup's 64 rows of Q, as the A operand of Q·Kᵀ.
+  const uint32_t sQ_rows = sQ + warpgroup * 64 * 128;
+
+  float o[1][kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[0][dt][i] = 0.f;
+  tc::OnlineSoftmax<1> softmax;
+  softmax.Init();
+
+  if (tiles.begin < tiles.end) {
+    LoadSwizzledTile<kM, kD, kThreads>(sQ, gQ, q_row_stride, r_end - r0, head_dim, tid);
+    load_kv(tiles.begin, 0);
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  for (int nb = tiles.begin; nb < tiles.end; ++nb) {
+    const int stage = (nb - tiles.begin) & 1;
+    const int c0 = nb * kN;
+    tc::CpAsyncWait<0>();
+    FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
+    __syncthreads();             // everyone's copies landed; everyone is done with the other stage
+    if (nb + 1 < tiles.end) load_kv(nb + 1, stage ^ 1);
+    const uint32_t sK = sK0 + stage * KVTile::kBytes;
+    const uint32_t sV = sV0 + stage * KVTile::kBytes;
+
+    // ---- S = Q Kᵀ (the first k step overwrites s)
+    float s[1][kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s[0]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulator(s_flat);
+
+    // ---- scale into log2 units, mask, online softmax (rescales o)
+    const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2);
+    softmax.Update(s, o);
+
+    // ---- O += P V, P from registers; V read MN-major
+    uint32_t pa[kN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(s[0], kk, pa[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+#pragma unroll
+      for (int n0 = 0; n0 < kD; n0 += kOutN) {
+        auto& o_chunk = reinterpret_cast<float(&)[kOutN / 2]>(o[0][n0 / 8]);
+        Wgmma<T, kOutN>::RS(o_chunk, pa[kk], MnMajorDescriptor<KVTile>(sV, kk, n0), true);
+      }
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulator(reinterpret_cast<float(&)[kD / 2]>(o[0]));
+  }
+
+  tc::StoreOutput<T>(softmax, o, p, pol, batch, head, r0, warp_row0, lane);
+#endif  // JAXFLASH_SM90A
+}
+
+template <typename T, int kD>
+Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const bool causal = p.mask.window_right >= 0;
+  const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
+  return FwdCandidates<kD>::type::With(index, [&](auto tile) {
+    using Tile = decltype(tile);
+    constexpr auto kernel = FwdKernel<T, Tile>;
+    Status st = EnsureDynamicSmem<kernel>(Tile::kSmemBytes, device);
+    if (!st.ok()) return st;
+    if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
+    const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)),
+                    static_cast<unsigned>(p.shape.q_heads), static_cast<unsigned>(p.shape.batch));
+    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+    return CheckLaunch("attention forward (sm90)");
+  });
+}
+
+}  // namespace sm90
+}  // namespace jaxflash

@@ -1,0 +1,190 @@
+// Warpgroup-level tensor-core building blocks for Hopper (sm_90a): shared
+// memory descriptors, the 128-byte swizzled tile layout they describe, and
+// wgmma.mma_async m64nNk16 (fp16/bf16 in, fp32 accumulate) as inline PTX.
+//
+// A warpgroup is four consecutive warps (128 threads); one wgmma computes a
+// 64 x N block. Warp w of the group owns rows [16w, 16w + 16) of it and its
+// accumulator fragment is exactly the mma.sync m16n8 C layout repeated over
+// N / 8 column tiles (mma.cuh): float d[nt][4] holds (g, 8nt + 2t..) and
+// (g + 8, 8nt + 2t..). The A operand taken from registers has the mma.sync
+// m16n8k16 A layout, so scores convert to the P operand without shuffles.
+//
+// Everything here is only meaningful when compiled for sm_90a; callers guard
+// their kernel bodies with JAXFLASH_SM90A.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/mma.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXFLASH_SM90A 1
+#endif
+
+namespace jaxflash {
+namespace sm90 {
+
+// ------------------------------------------------------------ tile layout
+// A tile of kRows rows x kCols bf16/fp16 columns is stored as kCols / 64
+// column blocks of kRows x 128 bytes; inside a block, the 16-byte chunk c of
+// row r sits at chunk position c ^ (r % 8). That is the hardware's 128-byte
+// swizzle (address bits [4, 7) XOR bits [7, 10)), so the same bytes are read
+// by wgmma through a descriptor, and 8 consecutive rows of one chunk column
+// land in 8 different bank groups. Blocks must start 1024-byte aligned.
+template <int kRows, int kCols>
+struct SwizzledTile {
+  static_assert(kCols % 64 == 0 && kRows % 8 == 0, "tiles are whole 8 x 64 swizzle atoms");
+  static constexpr int kBlocks = kCols / 64;
+  static constexpr int kBlockBytes = kRows * 128;
+  static constexpr int kBytes = kBlocks * kBlockBytes;
+
+  // Byte offset of the 16-byte chunk holding columns [8c, 8c + 8) of row r.
+  __device__ __forceinline__ static uint32_t ChunkOffset(int r, int c) {
+    return (c >> 3) * kBlockBytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+  }
+};
+
+// Copies rows [0, kRows) x columns [0, kCols) of a global tile (row stride
+// `gstride` elements) into a SwizzledTile at shared address `smem`, spread
+// over kThreads threads; rows >= rows_valid and columns >= cols_valid are
+// zero-filled (cols_valid is a multiple of 8). Consecutive threads read
+// consecutive 16-byte chunks of a row, so the global reads are coalesced.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void LoadSwizzledTile(uint32_t smem, const T* gmem, int64_t gstride, int rows_valid,
+                                                 int cols_valid, int tid) {
+  using Tile = SwizzledTile<kRows, kCols>;
+  constexpr int kChunksPerRow = kCols / 8;
+  static_assert(kThreads % kChunksPerRow == 0, "thread count must cover whole rows");
+  constexpr int kRowStep = kThreads / kChunksPerRow;
+  const int chunk = tid % kChunksPerRow;
+  const int row = tid / kChunksPerRow;
+  const bool col_ok = chunk * 8 < cols_valid;
+  const T* src = gmem + row * gstride + chunk * 8;
+  const uint32_t dst = smem + Tile::ChunkOffset(row, chunk);
+#pragma unroll
+  for (int it = 0; it < (kRows + kRowStep - 1) / kRowStep; ++it) {
+    const int r = row + it * kRowStep;
+    if (kRows % kRowStep != 0 && r >= kRows) break;
+    // With a row step that is a multiple of 8 every row this thread visits has
+    // the same swizzle phase, and the destination moves by a constant.
+    const uint32_t at = kRowStep % 8 == 0 ? dst + it * kRowStep * 128 : smem + Tile::ChunkOffset(r, chunk);
+    tc::CpAsync16(at, src, col_ok && r < rows_valid);
+    src += kRowStep * gstride;
+  }
+}
+
+// ------------------------------------------------------------ descriptors
+// The 64-bit shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor
+// Format") for a SwizzledTile: start address, leading and stride byte offsets
+// (all >> 4) and swizzle mode 1 (128 bytes).
+__device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t(leading_bytes >> 4) << 16) |
+         (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+// K-major operand (rows are M or N, columns are the reduction index k), the
+// 16 columns [16 kk, 16 kk + 16): 8-row groups are 1024 bytes apart; inside a
+// swizzle atom the k step is a 32-byte move of the start address (the hardware
+// applies the swizzle to the final address). The leading offset is unused.
+template <typename Tile>
+__device__ __forceinline__ uint64_t KMajorDescriptor(uint32_t tile, int kk) {
+  return Descriptor(tile + (kk >> 2) * Tile::kBlockBytes + (kk & 3) * 32, 16, 1024);
+}
+
+// MN-major operand (rows are the reduction index k, columns are N; e.g. V for
+// P·V), rows [16 kk, 16 kk + 16) and columns [n0, n0 + N): the leading offset
+// steps between 64-column blocks, the stride offset between 8-row groups.
+template <typename Tile>
+__device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t tile, int kk, int n0) {
+  return Descriptor(tile + (n0 >> 6) * Tile::kBlockBytes + kk * 16 * 128, Tile::kBlockBytes, 1024);
+}
+
+// ------------------------------------------------------------ ordering
+// Register and shared-memory writes by ordinary instructions must be fenced
+// before a wgmma reads them (wgmma.fence), and shared memory written through
+// the generic proxy (cp.async, st.shared) before the async proxy reads it.
+__device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void WgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void FenceSharedForAsyncProxy() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The accumulator registers are written by the tensor cores until the wait
+// returns; re-defining them in an empty volatile statement after the wait
+// keeps the compiler from moving any read of them above it.
+template <int kN>
+__device__ __forceinline__ void FenceAccumulator(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// ------------------------------------------------------------ wgmma
+// Wgmma<T, N>::SS: d (+)= A·B with A (64 x 16) and B (16 x N) both K-major in
+// shared memory; RS: d += A·B with A from registers (mma.sync A fragment of
+// this warp's 16 rows) and B MN-major in shared memory. `accumulate` false
+// overwrites d (the first k step of a fresh product).
+template <typename T, int N>
+struct Wgmma;
+
+#define JAXFLASH_ACC4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define JAXFLASH_ACC16(i) JAXFLASH_ACC4(i), JAXFLASH_ACC4(i + 4), JAXFLASH_ACC4(i + 8), JAXFLASH_ACC4(i + 12)
+#define JAXFLASH_ACC32 JAXFLASH_ACC16(0), JAXFLASH_ACC16(16)
+#define JAXFLASH_ACC64 JAXFLASH_ACC32, JAXFLASH_ACC16(32), JAXFLASH_ACC16(48)
+
+// Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1); the other
+// operands follow them.
+#define JAXFLASH_REGS32                                                                         \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
+  "%25,%26,%27,%28,%29,%30,%31}"
+#define JAXFLASH_REGS64                                                                         \
+  "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
+  "%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"  \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}"
+
+// One specialisation per (element type, N). The operands after the N/2
+// accumulators are numbered from N/2 on, and PTX wants those numbers as
+// literals: SS takes desc A (A0), desc B (B0) and the accumulate flag (F0); RS
+// takes the four A registers (AREGS), desc B (B1) and the flag (F1), and
+// reads B MN-major (the last immediate, the transpose bit of B).
+#define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
+  template <>                                                                                         \
+  struct Wgmma<CTYPE, N> {                                                                            \
+    __device__ __forceinline__ static void SS(float (&d)[N / 2], uint64_t a, uint64_t b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " F0 ", 0;\n"                                   \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " A0 ", " B0 \
+                   ", p, 1, 1, 0, 0;\n}\n"                                                             \
+                   : ACC                                                                              \
+                   : "l"(a), "l"(b), "r"(int(accumulate)));                                           \
+    }                                                                                                 \
+    __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,       \
+                                              bool accumulate) {                                      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " F1 ", 0;\n"                                   \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " AREGS ", " B1 \
+                   ", p, 1, 1, 1;\n}\n"                                                                \
+                   : ACC                                                                              \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)));       \
+    }                                                                                                 \
+  };
+
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
+JAXFLASH_WGMMA(__half, "f16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
+JAXFLASH_WGMMA(__half, "f16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
+
+#undef JAXFLASH_WGMMA
+#undef JAXFLASH_REGS64
+#undef JAXFLASH_REGS32
+#undef JAXFLASH_ACC64
+#undef JAXFLASH_ACC32
+#undef JAXFLASH_ACC16
+#undef JAXFLASH_ACC4
+
+}  // namespace sm90
+}  // namespace jaxflash
