@@ -32,10 +32,12 @@ struct OnlineSoftmax {
   }
 
   // Folds one tile of scores s[mt][nt][i] into the state: turns s into the
-  // unnormalised probabilities exp2(s - m_new) and rescales the output
-  // accumulator o by exp2(m_old - m_new).
-  template <int kNT, int kDT>
-  __device__ __forceinline__ void Update(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4]) {
+  // unnormalised probabilities exp2(s - m_new) and returns, per row, the factor
+  // alpha = exp2(m_old - m_new) by which output accumulated so far must be
+  // rescaled (Rescale). Kept apart so a kernel can overlap the score math
+  // with a product still accumulating into o.
+  template <int kNT>
+  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows]) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -50,7 +52,7 @@ struct OnlineSoftmax {
         // A row that has seen only masked scores keeps m = -inf; subtracting 0
         // instead keeps exp2(-inf - ...) at 0 rather than NaN.
         const float ref = mx == -INFINITY ? 0.f : mx;
-        const float alpha = Exp2(m[r] - ref);
+        alpha[r] = Exp2(m[r] - ref);
         m[r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -61,14 +63,27 @@ struct OnlineSoftmax {
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;
         }
-        l[r] = l[r] * alpha + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[mt][dt][2 * half] *= alpha;
-          o[mt][dt][2 * half + 1] *= alpha;
-        }
+        l[r] = l[r] * alpha[r] + sum;
       }
     }
+  }
+
+  template <int kDT>
+  __device__ __forceinline__ static void Rescale(float (&o)[kMT][kDT][4], const float (&alpha)[kRows]) {
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[mt][dt][i] *= alpha[mt * 2 + i / 2];
+  }
+
+  // Scores, then Rescale of the output accumulator o.
+  template <int kNT, int kDT>
+  __device__ __forceinline__ void Update(float (&s)[kMT][kNT][4], float (&o)[kMT][kDT][4]) {
+    float alpha[kRows];
+    Scores(s, alpha);
+    Rescale(o, alpha);
   }
 
   // Normalises o by the row sums and returns the natural-log LSE per row

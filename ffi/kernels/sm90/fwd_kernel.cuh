@@ -4,9 +4,10 @@
 // warpgroup owns 64 rows and issues its products as wgmma with operands read
 // straight from shared memory (Q·Kᵀ) or with P from registers (P·V), so the
 // tensor cores see 64 x N x 16 blocks instead of mma.sync's 16 x 8 x 16.
-// K/V tiles of kN keys stream through two shared-memory stages: the copy of
-// tile n + 1 (cp.async, 128-byte swizzled layout, see wgmma.cuh) is in flight
-// while tile n is multiplied. Masking, the online softmax and the epilogue are
+// K and V tiles of kN keys stream through two shared-memory stages each
+// (cp.async, 128-byte swizzled layout, see wgmma.cuh), one tile ahead of use.
+// Within a warpgroup the softmax of tile n overlaps the P·V product of tile
+// n - 1, which is still running on the tensor cores. Masking, the online softmax and the epilogue are
 // the same code as the sm80 kernel (common/fwd_blocks.cuh).
 #pragma once
 
@@ -108,13 +109,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
 
   // Keys at or past kv_valid are zero-filled: masked scores multiply V rows by
   // exactly 0, and 0 * (garbage in padding) could be NaN.
-  auto load_kv = [&](int nb, int stage) {
+  auto load_tile = [&](uint32_t stage_base, const T* g, int nb) {
     const int c0 = nb * kN;
-    LoadSwizzledTile<kN, kD, kThreads>(sK0 + stage * KVTile::kBytes, gK + int64_t(c0) * kv_row_stride,
-                                       kv_row_stride, pol.kv_valid - c0, head_dim, tid);
-    LoadSwizzledTile<kN, kD, kThreads>(sV0 + stage * KVTile::kBytes, gV + int64_t(c0) * kv_row_stride,
-                                       kv_row_stride, pol.kv_valid - c0, head_dim, tid);
-    tc::CpAsyncCommit();
+    LoadSwizzledTile<kN, kD, kThreads>(stage_base, g + int64_t(c0) * kv_row_stride, kv_row_stride,
+                                       pol.kv_valid - c0, head_dim, tid);
   };
 
   // This warp's rows within the CTA: warpgroup w owns [64 w, 64 w + 64), and
@@ -128,47 +126,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
   for (int dt = 0; dt < kDT; ++dt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) o[0][dt][i] = 0.f;
+  auto& o_flat = reinterpret_cast<float(&)[kD / 2]>(o[0]);
   tc::OnlineSoftmax<1> softmax;
   softmax.Init();
+  uint32_t pa[kN / 16][4];  // P of the previous key tile, packed as the A operand of P·V
 
-  if (tiles.begin < tiles.end) {
-    LoadSwizzledTile<kM, kD, kThreads>(sQ, gQ, q_row_stride, r_end - r0, head_dim, tid);
-    load_kv(tiles.begin, 0);
-  }
-  const float scale_log2 = p.scale * 1.4426950408889634f;
-
-  for (int nb = tiles.begin; nb < tiles.end; ++nb) {
-    const int stage = (nb - tiles.begin) & 1;
-    const int c0 = nb * kN;
-    tc::CpAsyncWait<0>();
-    FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
-    __syncthreads();             // everyone's copies landed; everyone is done with the other stage
-    if (nb + 1 < tiles.end) load_kv(nb + 1, stage ^ 1);
-    const uint32_t sK = sK0 + stage * KVTile::kBytes;
-    const uint32_t sV = sV0 + stage * KVTile::kBytes;
-
-    // ---- S = Q Kᵀ (the first k step overwrites s)
-    float s[1][kNT][4];
-    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s[0]);
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
-    }
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceAccumulator(s_flat);
-
-    // ---- scale into log2 units, mask, online softmax (rescales o)
-    const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2);
-    softmax.Update(s, o);
-
-    // ---- O += P V, P from registers; V read MN-major
-    uint32_t pa[kN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(s[0], kk, pa[kk]);
-    WgmmaFence();
+  // O += P·V for the previous tile, V read MN-major from stage `sV`.
+  auto issue_pv = [&](uint32_t sV) {
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) {
 #pragma unroll
@@ -178,8 +142,70 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p
       }
     }
     WgmmaCommit();
+  };
+
+  if (tiles.begin < tiles.end) {
+    LoadSwizzledTile<kM, kD, kThreads>(sQ, gQ, q_row_stride, r_end - r0, head_dim, tid);
+    load_tile(sK0, gK, tiles.begin);
+    tc::CpAsyncCommit();
+  }
+  const float scale_log2 = p.scale * 1.4426950408889634f;
+
+  // Software pipeline, one barrier per key tile: iteration n computes
+  // S_n = Q·K_nᵀ and, while its softmax runs, P_{n-1}·V_{n-1} on the tensor
+  // cores. At its top every thread has finished iteration n - 1, so the stages
+  // of K_{n-1} and V_{n-2} are free: K_{n+1} and V_n are copied into them.
+  for (int nb = tiles.begin; nb < tiles.end; ++nb) {
+    const int it = nb - tiles.begin;
+    const int c0 = nb * kN;
+    tc::CpAsyncWait<0>();
+    FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
+    __syncthreads();             // K_n and V_{n-1} landed; iteration n - 1 is done everywhere
+    if (nb + 1 < tiles.end) load_tile(sK0 + ((it + 1) & 1) * KVTile::kBytes, gK, nb + 1);
+    load_tile(sV0 + (it & 1) * KVTile::kBytes, gV, nb);
+    tc::CpAsyncCommit();
+
+    // ---- S = Q Kᵀ (the first k step overwrites s), then P_{n-1}·V_{n-1}
+    const uint32_t sK = sK0 + (it & 1) * KVTile::kBytes;
+    float s[1][kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s[0]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
+    }
+    WgmmaCommit();
+    if (it > 0) {
+      issue_pv(sV0 + ((it - 1) & 1) * KVTile::kBytes);
+      WgmmaWait<1>();  // S done; P·V may still run
+    } else {
+      WgmmaWait<0>();
+    }
+    FenceAccumulator(s_flat);
+
+    // ---- scale into log2 units, mask, online softmax
+    const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2);
+    float alpha[2];
+    softmax.Scores(s, alpha);
+
+    // ---- once P·V is done: rescale O to the new row max, keep P for the next step
     WgmmaWait<0>();
-    FenceAccumulator(reinterpret_cast<float(&)[kD / 2]>(o[0]));
+    FenceAccumulator(o_flat);
+    softmax.Rescale(o, alpha);
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(s[0], kk, pa[kk]);
+  }
+
+  // ---- the last tile's P·V
+  if (tiles.begin < tiles.end) {
+    tc::CpAsyncWait<0>();
+    FenceSharedForAsyncProxy();
+    __syncthreads();
+    WgmmaFence();
+    issue_pv(sV0 + ((tiles.end - 1 - tiles.begin) & 1) * KVTile::kBytes);
+    WgmmaWait<0>();
+    FenceAccumulator(o_flat);
   }
 
   tc::StoreOutput<T>(softmax, o, p, pol, batch, head, r0, warp_row0, lane);
