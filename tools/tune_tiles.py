@@ -47,8 +47,8 @@ def main():
   ap.add_argument("--sm80", action="store_true", help="sweep the sm80 family on a newer GPU")
   args = ap.parse_args()
   print(f"device: {jax.devices()[0].device_kind}")
-  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 4)) + " | winner |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 5)) + " | winner |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for direction in args.direction.split(","):
     for D in (int(d) for d in args.heads_dims.split(",")):
       for causal in (False, True):

@@ -24,11 +24,14 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kWarpGroups_, int kN_>
+template <int kD_, int kWarpGroups_, int kN_, int kCtasPerSm_ = 1>
 struct FwdTile {
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kN = kN_;  // keys per K/V tile
+  // CTAs that must fit on one SM (registers are capped to allow it): several
+  // independent CTAs overlap one another's softmax, loads and barriers.
+  static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kM = 64 * kWarpGroups;
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kNT = kN / 8;  // n8 tiles of scores per warp
@@ -44,19 +47,20 @@ struct FwdTile {
   static_assert(kD % kOutN == 0 && (kOutN == 64 || kOutN == 128), "output chunks use the compiled wgmma widths");
 };
 
-// Tile candidates per head-dim bucket: FwdTile<kD, warpgroups, keys per tile>.
-// The accumulators per thread are kD / 2 (O) + kN / 2 (S) floats plus kN / 4
-// registers of packed P, which bounds kN at kD = 256; shared memory holds Q and
-// two stages of K and V (at most 192 KiB here).
+// Tile candidates per head-dim bucket: FwdTile<kD, warpgroups, keys per tile,
+// CTAs per SM>. The accumulators per thread are kD / 2 (O) + kN / 2 (S) floats
+// plus kN / 4 registers of packed P, which bounds kN at kD = 256; shared memory
+// holds Q and two stages of K and V (at most 192 KiB here). One-warpgroup CTAs
+// trade more K/V traffic per query row for several CTAs per SM.
 template <int kD>
 struct FwdCandidates;
 template <>
 struct FwdCandidates<64> {
-  using type = TileList<FwdTile<64, 2, 128>, FwdTile<64, 3, 128>, FwdTile<64, 2, 64>>;
+  using type = TileList<FwdTile<64, 2, 128>, FwdTile<64, 3, 128>, FwdTile<64, 2, 64>, FwdTile<64, 1, 128, 3>>;
 };
 template <>
 struct FwdCandidates<128> {
-  using type = TileList<FwdTile<128, 2, 128>, FwdTile<128, 3, 64>, FwdTile<128, 2, 64>>;
+  using type = TileList<FwdTile<128, 2, 128>, FwdTile<128, 3, 64>, FwdTile<128, 2, 64>, FwdTile<128, 1, 64, 2>>;
 };
 template <>
 struct FwdCandidates<256> {
@@ -68,7 +72,7 @@ struct FwdCandidates<256> {
 inline int FwdTilePick(int head_dim_bucket, bool causal) { return 0; }
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) FwdKernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
 #if defined(JAXFLASH_SM90A)
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kOutN = Tile::kOutN;
