@@ -4,7 +4,7 @@
 #   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main]    (default: all)
 #
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
-# On an H100 (2026-11-21): build 20 s, GPU tests ~5 min, sanitizer sweep ~1 min, a D=128 slice of the
+# On an H100 (2026-11-21): build 20 s, GPU tests ~5 min, sanitizer sweep ~2 min, a D=128 slice of the
 # benchmark ~70 s; the full grid takes longer, so split stages over calls when a call is time-limited.
 # Logs go to $OUT (or ./gpu_out); the last lines printed are a summary.
 set -uo pipefail
