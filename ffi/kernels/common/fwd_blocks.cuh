@@ -40,6 +40,42 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
   return tiles;
 }
 
+// One CTA's share of the forward: query rows [r0, r_end) of (batch, head),
+// the key tiles those rows visit, and where their Q, K and V start in global
+// memory (K and V of the head's GQA group, found by index arithmetic).
+template <typename T>
+struct FwdBlock {
+  int batch, head;
+  MaskPolicy pol;
+  int r0, r_end;  // r_end stops at the batch element's real query rows
+  KeyTiles tiles;
+  int64_t q_row_stride, kv_row_stride;
+  const T* q;  // row r0 of this head
+  const T* k;  // key 0 of this head's K/V head
+  const T* v;
+
+  template <int kM, int kN>
+  __device__ __forceinline__ static FwdBlock At(const FwdParams& p, int m_block) {
+    const AttentionShape& sh = p.shape;
+    FwdBlock b;
+    b.batch = blockIdx.z;
+    b.head = blockIdx.y;
+    const int kv_head = b.head / static_cast<int>(sh.group_size());
+    b.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
+                            p.kv_lengths, b.batch);
+    b.r0 = m_block * kM;
+    b.r_end = MinInt(b.r0 + kM, b.pol.q_valid);
+    b.tiles = KeyTileRange<kN>(b.pol, b.r0, b.r_end);
+    b.q_row_stride = sh.q_row_stride();
+    b.kv_row_stride = sh.kv_row_stride();
+    b.q = static_cast<const T*>(p.q) + b.batch * sh.q_batch_stride() + b.r0 * b.q_row_stride + b.head * sh.head_dim;
+    const int64_t kv_offset = b.batch * sh.kv_batch_stride() + kv_head * sh.head_dim;
+    b.k = static_cast<const T*>(p.k) + kv_offset;
+    b.v = static_cast<const T*>(p.v) + kv_offset;
+    return b;
+  }
+};
+
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
 // and sets the entries the mask hides to -inf. `full` (the policy admits the
 // whole tile for the CTA's rows) skips the per-element test; `r0` is the

@@ -106,31 +106,16 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   T* sK = sQ + kM * kStride;
   T* sV = sK + kN * kStride;
 
-  const AttentionShape& sh = p.shape;
-  const int m_block = blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / static_cast<int>(sh.q_heads / sh.kv_heads);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, blockIdx.x);
+  const MaskPolicy& pol = blk.pol;
+  const int r0 = blk.r0, r_end = blk.r_end;
+  const int n_begin = blk.tiles.begin, n_end = blk.tiles.end;
+  const int64_t q_row_stride = blk.q_row_stride, kv_row_stride = blk.kv_row_stride;
+  const T *gQ = blk.q, *gK = blk.k, *gV = blk.v;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int head_dim = static_cast<int>(sh.head_dim);
-
-  const MaskPolicy pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
-                                         p.q_lengths, p.kv_lengths, batch);
-  const int r0 = m_block * kM;
-  const int r_end = MinInt(r0 + kM, pol.q_valid);  // real query rows of this CTA: [r0, r_end)
-  const tc::KeyTiles tiles = tc::KeyTileRange<kN>(pol, r0, r_end);
-  const int n_begin = tiles.begin, n_end = tiles.end;
-
-  // (AttentionShape's stride helpers are host-only; same formulas.)
-  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
-  const int64_t kv_row_stride = sh.kv_heads * sh.head_dim;
-  const int64_t q_batch_stride = sh.q_len * q_row_stride;
-  const int64_t kv_batch_stride = sh.kv_len * kv_row_stride;
-  const T* gQ = static_cast<const T*>(p.q) + batch * q_batch_stride + r0 * q_row_stride + head * sh.head_dim;
-  const T* gK = static_cast<const T*>(p.k) + batch * kv_batch_stride + kv_head * sh.head_dim;
-  const T* gV = static_cast<const T*>(p.v) + batch * kv_batch_stride + kv_head * sh.head_dim;
+  const int head_dim = static_cast<int>(p.shape.head_dim);
 
   // Rows this warp owns: [warp_row0, warp_row0 + 16 * kMT) within the CTA.
   const int warp_row0 = warp * 16 * kMT;
@@ -226,7 +211,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     }
   }
 
-  tc::StoreOutput<T>(softmax, o, p, pol, batch, head, r0, warp_row0, lane);
+  tc::StoreOutput<T>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane);
 }
 
 // Launches the forward for one (dtype, head-dim bucket); defined per bucket in

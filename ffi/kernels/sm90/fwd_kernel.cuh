@@ -88,36 +88,24 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   const uint32_t sK0 = sQ + QTile::kBytes;                       // stage s: sK0 + s * KVTile::kBytes
   const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;     // stage s: sV0 + s * KVTile::kBytes
 
-  const AttentionShape& sh = p.shape;
-  const bool causal = p.mask.window_right >= 0;
   // Causal blocks further down the sequence visit more keys: start them first
   // so the short ones fill the tail of the grid.
+  const bool causal = p.mask.window_right >= 0;
   const int m_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int head = blockIdx.y;
-  const int batch = blockIdx.z;
-  const int kv_head = head / static_cast<int>(sh.q_heads / sh.kv_heads);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, m_block);
+  const MaskPolicy& pol = blk.pol;
+  const tc::KeyTiles tiles = blk.tiles;
+  const int r0 = blk.r0, r_end = blk.r_end;
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warpgroup = tid >> 7;
-  const int head_dim = static_cast<int>(sh.head_dim);
-
-  const MaskPolicy pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
-                                         p.q_lengths, p.kv_lengths, batch);
-  const int r0 = m_block * kM;
-  const int r_end = MinInt(r0 + kM, pol.q_valid);  // real query rows of this CTA: [r0, r_end)
-  const tc::KeyTiles tiles = tc::KeyTileRange<kN>(pol, r0, r_end);
-
-  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
-  const int64_t kv_row_stride = sh.kv_heads * sh.head_dim;
-  const T* gQ = static_cast<const T*>(p.q) + batch * sh.q_len * q_row_stride + r0 * q_row_stride + head * sh.head_dim;
-  const T* gK = static_cast<const T*>(p.k) + batch * sh.kv_len * kv_row_stride + kv_head * sh.head_dim;
-  const T* gV = static_cast<const T*>(p.v) + batch * sh.kv_len * kv_row_stride + kv_head * sh.head_dim;
+  const int head_dim = static_cast<int>(p.shape.head_dim);
 
   // Keys at or past kv_valid are zero-filled: masked scores multiply V rows by
   // exactly 0, and 0 * (garbage in padding) could be NaN.
   auto load_tile = [&](uint32_t stage_base, const T* g, int nb) {
     const int c0 = nb * kN;
-    LoadSwizzledTile<kN, kD, kThreads>(stage_base, g + int64_t(c0) * kv_row_stride, kv_row_stride,
+    LoadSwizzledTile<kN, kD, kThreads>(stage_base, g + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
                                        pol.kv_valid - c0, head_dim, tid);
   };
 
@@ -151,8 +139,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   };
 
   if (tiles.begin < tiles.end) {
-    LoadSwizzledTile<kM, kD, kThreads>(sQ, gQ, q_row_stride, r_end - r0, head_dim, tid);
-    load_tile(sK0, gK, tiles.begin);
+    LoadSwizzledTile<kM, kD, kThreads>(sQ, blk.q, blk.q_row_stride, r_end - r0, head_dim, tid);
+    load_tile(sK0, blk.k, tiles.begin);
     tc::CpAsyncCommit();
   }
   const float scale_log2 = p.scale * 1.4426950408889634f;
@@ -167,8 +155,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     tc::CpAsyncWait<0>();
     FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
     __syncthreads();             // K_n and V_{n-1} landed; iteration n - 1 is done everywhere
-    if (nb + 1 < tiles.end) load_tile(sK0 + ((it + 1) & 1) * KVTile::kBytes, gK, nb + 1);
-    load_tile(sV0 + (it & 1) * KVTile::kBytes, gV, nb);
+    if (nb + 1 < tiles.end) load_tile(sK0 + ((it + 1) & 1) * KVTile::kBytes, blk.k, nb + 1);
+    load_tile(sV0 + (it & 1) * KVTile::kBytes, blk.v, nb);
     tc::CpAsyncCommit();
 
     // ---- S = Q Kᵀ (the first k step overwrites s), then P_{n-1}·V_{n-1}
@@ -214,7 +202,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     FenceAccumulator(o_flat);
   }
 
-  tc::StoreOutput<T>(softmax, o, p, pol, batch, head, r0, warp_row0, lane);
+  tc::StoreOutput<T>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane);
 #endif  // JAXFLASH_SM90A
 }
 
