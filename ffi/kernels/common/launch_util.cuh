@@ -49,6 +49,21 @@ inline Status CheckLaunch(const char* what) {
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Launches a forward kernel over its grid (query blocks of `rows` x heads x
+// batch) with `threads` threads and `smem` bytes of dynamic shared memory,
+// opting in to that much shared memory once per device.
+template <auto Kernel>
+Status LaunchForwardGrid(const FwdParams& p, int rows, int threads, size_t smem, const CudaDevice& device,
+                         cudaStream_t stream, const char* what) {
+  Status st = EnsureDynamicSmem<Kernel>(smem, device);
+  if (!st.ok()) return st;
+  if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
+  const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, rows)), static_cast<unsigned>(p.shape.q_heads),
+                  static_cast<unsigned>(p.shape.batch));
+  Kernel<<<grid, threads, smem, stream>>>(p);
+  return CheckLaunch(what);
+}
+
 // A list of tile shapes a launcher may run: the candidates its tile table
 // picks from and the tuning script sweeps (tools/tune_tiles.py).
 template <typename... Tiles>

@@ -222,15 +222,8 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
   return FwdCandidates<kD>::type::With(index, [&](auto tile) {
     using Tile = decltype(tile);
-    constexpr auto kernel = FwdKernel<T, Tile>;
-    const size_t smem = Tile::template SmemBytes<T>();
-    Status st = EnsureDynamicSmem<kernel>(smem, device);
-    if (!st.ok()) return st;
-    if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
-    const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)),
-                    static_cast<unsigned>(p.shape.q_heads), static_cast<unsigned>(p.shape.batch));
-    kernel<<<grid, Tile::kThreads, smem, stream>>>(p);
-    return CheckLaunch("attention forward");
+    return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::template SmemBytes<T>(), device,
+                                                 stream, "attention forward");
   });
 }
 

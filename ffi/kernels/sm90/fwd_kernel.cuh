@@ -212,14 +212,8 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
   return FwdCandidates<kD>::type::With(index, [&](auto tile) {
     using Tile = decltype(tile);
-    constexpr auto kernel = FwdKernel<T, Tile>;
-    Status st = EnsureDynamicSmem<kernel>(Tile::kSmemBytes, device);
-    if (!st.ok()) return st;
-    if (p.shape.q_len == 0 || p.shape.batch == 0 || p.shape.q_heads == 0) return Status::Ok();
-    const dim3 grid(static_cast<unsigned>(CeilDiv(p.shape.q_len, Tile::kM)),
-                    static_cast<unsigned>(p.shape.q_heads), static_cast<unsigned>(p.shape.batch));
-    kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-    return CheckLaunch("attention forward (sm90)");
+    return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,
+                                                 "attention forward (sm90)");
   });
 }
 
