@@ -6,7 +6,8 @@
 Every head-dim bucket compiles a few forward tile shapes (FwdCandidates in
 ffi/kernels/sm80/fwd_kernel.cuh, and ffi/kernels/sm90/fwd_kernel.cuh for the Hopper forward);
 the launcher picks one from a table keyed by head dim and causality. The GPU's own family is
-swept unless --sm80 forces the mma.sync kernels. The backward has one shape per bucket, so "fwd+bwd" rows differ only in the forward.
+swept unless --sm80 forces the mma.sync kernels. The backward has one shape per bucket, so
+"fwd+bwd" rows differ only in the forward.
 This script forces each candidate in turn (1-based; `jaxflash._native.forced_tile`), times
 it on the §6 grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048) and prints TFLOP/s per
 candidate and the winner per (direction, D, causal). Copy the winners into the table

@@ -54,31 +54,30 @@ std::string TensorCoreRefusal(DType dtype, const AttentionShape& sh, const CudaD
   return std::string();
 }
 
-// Whether the Hopper forward takes this call. Its kernels are real code only
-// in the sm_90a binary (JAXFLASH_SM90A_BUILT), which is the one an arch-90
-// GPU loads; the sm80 family can be forced for testing (FwdParams::tile).
-bool UseSm90Forward(const FwdParams& p, const CudaDevice& device) {
+// Whether the Hopper forward may take this call (the switch below then picks
+// it for the buckets it has). Its kernels are real code only in the sm_90a
+// binary (JAXFLASH_SM90A_BUILT), which is the one an arch-90 GPU loads; the
+// sm80 family can be forced for testing (FwdParams::tile).
+bool Sm90ForwardAllowed(const FwdParams& p, const CudaDevice& device) {
 #if defined(JAXFLASH_SM90A_BUILT)
-  if (device.arch != 90 || p.tile >= FwdParams::kTileSm80) return false;
-  const int bucket = HeadDimBucket(p.shape.head_dim);
-  for (int b : sm90::kHeadDimBuckets) {
-    if (b == bucket) return true;
-  }
-#endif
+  return device.arch == 90 && p.tile < FwdParams::kTileSm80;
+#else
   return false;
+#endif
 }
 
 template <typename T>
 Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
-  if (UseSm90Forward(p, device)) {
-    switch (HeadDimBucket(p.shape.head_dim)) {
+  const int bucket = HeadDimBucket(p.shape.head_dim);
+  if (Sm90ForwardAllowed(p, device)) {
+    switch (bucket) {
       case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchForward<T, 128>(p, device, stream);
       case 256: return sm90::LaunchForward<T, 256>(p, device, stream);
     }
   }
   p.tile %= FwdParams::kTileSm80;  // the candidate index within the sm80 family
-  switch (HeadDimBucket(p.shape.head_dim)) {
+  switch (bucket) {
     case 32: return sm80::LaunchForward<T, 32>(p, device, stream);
     case 64: return sm80::LaunchForward<T, 64>(p, device, stream);
     case 96: return sm80::LaunchForward<T, 96>(p, device, stream);

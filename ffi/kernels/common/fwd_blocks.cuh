@@ -1,7 +1,8 @@
 // Pieces of the tensor-core forward that do not depend on how the products
 // are computed, shared by the sm80 (mma.sync) and sm90 (wgmma) mainloops:
-// which key tiles a block of query rows visits, the scale-and-mask step on a
-// tile of scores, and the epilogue that writes O and LSE.
+// the CTA's rows and the key tiles they visit (FwdBlock), the scale-and-mask
+// step on a tile of scores, P packed as an A operand, and the epilogue that
+// writes O and LSE.
 //
 // Scores and outputs are held in the mma.sync accumulator layout (mma.cuh):
 // a warp owns kMT m16 row tiles starting at CTA row `warp_row0`; lane (g, t)
@@ -54,6 +55,11 @@ struct FwdBlock {
   const T* k;  // key 0 of this head's K/V head
   const T* v;
 
+  // Element offset of row r0 of (batch, head) in q and o.
+  __device__ __forceinline__ static int64_t QOffset(const AttentionShape& sh, int batch, int head, int r0) {
+    return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
+  }
+
   template <int kM, int kN>
   __device__ __forceinline__ static FwdBlock At(const FwdParams& p, int m_block) {
     const AttentionShape& sh = p.shape;
@@ -68,7 +74,7 @@ struct FwdBlock {
     b.tiles = KeyTileRange<kN>(b.pol, b.r0, b.r_end);
     b.q_row_stride = sh.q_row_stride();
     b.kv_row_stride = sh.kv_row_stride();
-    b.q = static_cast<const T*>(p.q) + b.batch * sh.q_batch_stride() + b.r0 * b.q_row_stride + b.head * sh.head_dim;
+    b.q = static_cast<const T*>(p.q) + QOffset(sh, b.batch, b.head, b.r0);
     const int64_t kv_offset = b.batch * sh.kv_batch_stride() + kv_head * sh.head_dim;
     b.k = static_cast<const T*>(p.k) + kv_offset;
     b.v = static_cast<const T*>(p.v) + kv_offset;
@@ -123,6 +129,8 @@ __device__ __forceinline__ void PackAFragment(const float (&p)[kNT][4], int kk, 
 // (columns below head_dim) and LSE. Rows past q_len are not stored; rows past
 // the batch element's q_valid (padding queries) get O = 0 and LSE = -inf,
 // since tiles the policy found full for the real rows were not masked for them.
+// The addresses are recomputed from the parameters (constant memory) rather
+// than kept in registers through the main loop.
 template <typename T, int kMT, int kDT>
 __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (&o)[kMT][kDT][4],
                                             const FwdParams& p, const MaskPolicy& pol, int batch, int head,
@@ -130,10 +138,10 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(sh.head_dim);
-  const int64_t q_row_stride = sh.q_heads * sh.head_dim;
+  const int64_t q_row_stride = sh.q_row_stride();
   float lse[2 * kMT];
   softmax.Finalize(o, lse);
-  T* gO = static_cast<T*>(p.o) + batch * sh.q_len * q_row_stride + r0 * q_row_stride + head * sh.head_dim;
+  T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {

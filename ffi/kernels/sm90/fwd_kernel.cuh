@@ -7,8 +7,8 @@
 // K and V tiles of kN keys stream through two shared-memory stages each
 // (cp.async, 128-byte swizzled layout, see wgmma.cuh), one tile ahead of use.
 // Within a warpgroup the softmax of tile n overlaps the P·V product of tile
-// n - 1, which is still running on the tensor cores. Masking, the online softmax and the epilogue are
-// the same code as the sm80 kernel (common/fwd_blocks.cuh).
+// n - 1, which is still running on the tensor cores. Masking, the online
+// softmax and the epilogue are the sm80 kernel's code (common/fwd_blocks.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -85,8 +85,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t smem = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
   const uint32_t sQ = smem;
-  const uint32_t sK0 = sQ + QTile::kBytes;                       // stage s: sK0 + s * KVTile::kBytes
-  const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;     // stage s: sV0 + s * KVTile::kBytes
+  const uint32_t sK0 = sQ + QTile::kBytes;
+  const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;
+  // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
+  auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
   // Causal blocks further down the sequence visit more keys: start them first
   // so the short ones fill the tail of the grid.
@@ -155,12 +157,12 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     tc::CpAsyncWait<0>();
     FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
     __syncthreads();             // K_n and V_{n-1} landed; iteration n - 1 is done everywhere
-    if (nb + 1 < tiles.end) load_tile(sK0 + ((it + 1) & 1) * KVTile::kBytes, blk.k, nb + 1);
-    load_tile(sV0 + (it & 1) * KVTile::kBytes, blk.v, nb);
+    if (nb + 1 < tiles.end) load_tile(stage(sK0, it + 1), blk.k, nb + 1);
+    load_tile(stage(sV0, it), blk.v, nb);
     tc::CpAsyncCommit();
 
     // ---- S = Q Kᵀ (the first k step overwrites s), then P_{n-1}·V_{n-1}
-    const uint32_t sK = sK0 + (it & 1) * KVTile::kBytes;
+    const uint32_t sK = stage(sK0, it);
     float s[1][kNT][4];
     auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s[0]);
     WgmmaFence();
@@ -170,7 +172,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     }
     WgmmaCommit();
     if (it > 0) {
-      issue_pv(sV0 + ((it - 1) & 1) * KVTile::kBytes);
+      issue_pv(stage(sV0, it - 1));
       WgmmaWait<1>();  // S done; P·V may still run
     } else {
       WgmmaWait<0>();
@@ -197,7 +199,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     FenceSharedForAsyncProxy();
     __syncthreads();
     WgmmaFence();
-    issue_pv(sV0 + ((tiles.end - 1 - tiles.begin) & 1) * KVTile::kBytes);
+    issue_pv(stage(sV0, tiles.end - 1 - tiles.begin));
     WgmmaWait<0>();
     FenceAccumulator(o_flat);
   }

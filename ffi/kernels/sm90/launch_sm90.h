@@ -8,9 +8,8 @@
 namespace jaxflash {
 namespace sm90 {
 
-// Head-dim buckets with an sm90 forward; the others run the sm80 kernels.
-constexpr int kHeadDimBuckets[] = {64, 128, 256};
-
+// Instantiated for head-dim buckets 64, 128 and 256; the others run the sm80
+// kernels (the dispatch switch names each bucket).
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
