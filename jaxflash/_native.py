@@ -13,9 +13,9 @@ import jax
 FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
 
-# Tile candidate the CUDA tensor-core forward uses instead of its tile table
-# (0: the table; the backward has one tile per head dim), plus TILE_SM80 to run
-# the sm80 kernels where a newer path exists (FwdParams::tile). Only the tuning
+# Tile candidate the CUDA tensor-core kernels use instead of their tile tables
+# (0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
+# exists (FwdParams::tile, BwdParams::tile). Only the tuning
 # script and the tests set it, through `forced_tile`; it is read when a call is
 # traced, so jit a fresh function after changing it.
 TILE_SM80 = 64
@@ -30,8 +30,8 @@ def tile_attr() -> int:
 def forced_tile(index: int, *, sm80: bool = False):
   """Trace native calls inside the block with tile candidate `index` (1-based; 0 = the table).
 
-  With `sm80=True` the CUDA forward runs the sm80 (mma.sync) family even on a GPU
-  that has a newer path, so the Ampere kernels stay testable on Hopper.
+  With `sm80=True` the CUDA forward and backward run the sm80 (mma.sync) family even
+  on a GPU that has a newer path, so the Ampere kernels stay testable on Hopper.
   """
   global _forced_tile
   if not 0 <= index < TILE_SM80:

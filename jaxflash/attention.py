@@ -70,7 +70,7 @@ class _NativeKernels:
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
-                         deterministic=bool(spec.deterministic))
+                         deterministic=bool(spec.deterministic), tile=np.int64(_native.tile_attr()))
     return dq, dk, dv
 
 

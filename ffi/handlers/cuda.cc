@@ -27,11 +27,11 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
-                        int64_t window_right, bool bottom_right, bool deterministic) {
+                        int64_t window_right, bool bottom_right, bool deterministic, int64_t tile) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
                                           dk, dv, delta, scale, window_left, window_right,
-                                          bottom_right, deterministic, &p));
+                                          bottom_right, deterministic, tile, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
   // The launchers' workspace must fit in the delta output (launch.h): XLA's

@@ -164,6 +164,16 @@ inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_ri
     }                                      \
   } while (0)
 
+// tile: see FwdParams::tile (tools/tune_tiles.py, the tile tests).
+inline ffi::Error DecodeTile(int64_t tile, int* out) {
+  if (tile < 0 || tile >= 2 * FwdParams::kTileSm80) {
+    return Invalid("tile must be in [0, " + std::to_string(2 * FwdParams::kTileSm80 - 1) + "], got " +
+                   std::to_string(tile));
+  }
+  *out = static_cast<int>(tile);
+  return ffi::Error::Success();
+}
+
 // Everything both platforms decode for the forward call.
 inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
@@ -176,12 +186,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  // tile: see FwdParams::tile (tools/tune_tiles.py, the tile tests).
-  if (tile < 0 || tile >= 2 * FwdParams::kTileSm80) {
-    return Invalid("tile must be in [0, " + std::to_string(2 * FwdParams::kTileSm80 - 1) + "], got " +
-                   std::to_string(tile));
-  }
-  p->tile = static_cast<int>(tile);
+  JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
@@ -203,7 +208,7 @@ struct BackwardBuffers {
 inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
                                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                                  ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left, int64_t window_right,
-                                 bool bottom_right, bool deterministic, BwdParams* p) {
+                                 bool bottom_right, bool deterministic, int64_t tile, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
@@ -218,6 +223,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   p->scale = scale;
   p->deterministic = deterministic;
+  JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   p->q = in.q.untyped_data();
   p->k = in.k.untyped_data();
   p->v = in.v.untyped_data();
@@ -271,7 +277,8 @@ auto BindBackward(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
-      .template Attr<bool>("deterministic");
+      .template Attr<bool>("deterministic")
+      .template Attr<int64_t>("tile");
 }
 
 }  // namespace jaxflash::handlers

@@ -2,8 +2,8 @@
 // -> compiled variant. Masks are runtime policies inside every variant
 // (MaskPolicy), so they add no instantiations here.
 //
-//   fp16/bf16, arch == 90, forward, bucket 64, 128 or 256
-//       -> sm90 forward (wgmma), when the build has sm_90a code
+//   fp16/bf16, arch == 90, forward buckets 64, 128, 256, backward 64, 128
+//       -> sm90 kernels (wgmma), when the build has sm_90a code
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
 //       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
 //          head dim >= head_dim; the kernels zero-pad the rest.
@@ -54,13 +54,13 @@ std::string TensorCoreRefusal(DType dtype, const AttentionShape& sh, const CudaD
   return std::string();
 }
 
-// Whether the Hopper forward may take this call (the switch below then picks
-// it for the buckets it has). Its kernels are real code only in the sm_90a
+// Whether the Hopper kernels may take this call (the switches below then pick
+// them for the buckets they have). They are real code only in the sm_90a
 // binary (JAXFLASH_SM90A_BUILT), which is the one an arch-90 GPU loads; the
-// sm80 family can be forced for testing (FwdParams::tile).
-bool Sm90ForwardAllowed(const FwdParams& p, const CudaDevice& device) {
+// sm80 family can be forced for testing (the `tile` of FwdParams, BwdParams).
+bool Sm90Allowed(int tile, const CudaDevice& device) {
 #if defined(JAXFLASH_SM90A_BUILT)
-  return device.arch == 90 && p.tile < FwdParams::kTileSm80;
+  return device.arch == 90 && tile < FwdParams::kTileSm80;
 #else
   return false;
 #endif
@@ -69,7 +69,7 @@ bool Sm90ForwardAllowed(const FwdParams& p, const CudaDevice& device) {
 template <typename T>
 Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90ForwardAllowed(p, device)) {
+  if (Sm90Allowed(p.tile, device)) {
     switch (bucket) {
       case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchForward<T, 128>(p, device, stream);
@@ -90,7 +90,14 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
 
 template <typename T>
 Status BackwardBucket(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
-  switch (HeadDimBucket(p.shape.head_dim)) {
+  const int bucket = HeadDimBucket(p.shape.head_dim);
+  if (Sm90Allowed(p.tile, device)) {
+    switch (bucket) {
+      case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
+      case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);
+    }
+  }
+  switch (bucket) {
     case 32: return sm80::LaunchBackward<T, 32>(p, workspace, device, stream);
     case 64: return sm80::LaunchBackward<T, 64>(p, workspace, device, stream);
     case 96: return sm80::LaunchBackward<T, 96>(p, workspace, device, stream);

@@ -92,6 +92,7 @@ struct BwdParams {
   MaskParams mask;
   float scale = 1.0f;
   bool deterministic = false;  // bit-identical results run to run
+  int tile = 0;                // as FwdParams::tile, for the backward kernels
 
   const void* q = nullptr;
   const void* k = nullptr;
@@ -107,8 +108,8 @@ struct BwdParams {
   void* dk = nullptr;
   void* dv = nullptr;
 
-  // Scratch the handler allocates: delta = rowsum(dO * O) - dLSE, one float per
-  // (batch, q_head, row). GPU kernels may ask for more (see their launchers).
+  // Workspace the caller passes as an output: delta = rowsum(dO * O) - dLSE,
+  // one float per (batch, q_head, row), laid out like lse.
   float* delta = nullptr;
 };
 

@@ -41,9 +41,10 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
   return tiles;
 }
 
-// One CTA's share of the forward: query rows [r0, r_end) of (batch, head),
-// the key tiles those rows visit, and where their Q, K and V start in global
-// memory (K and V of the head's GQA group, found by index arithmetic).
+// One CTA's share of the forward (or of the dQ pass of the backward, which
+// walks keys the same way): query rows [r0, r_end) of (batch, head), the key
+// tiles those rows visit, and where their Q, K and V start in global memory
+// (K and V of the head's GQA group, found by index arithmetic).
 template <typename T>
 struct FwdBlock {
   int batch, head;
@@ -60,8 +61,8 @@ struct FwdBlock {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
   }
 
-  template <int kM, int kN>
-  __device__ __forceinline__ static FwdBlock At(const FwdParams& p, int m_block) {
+  template <int kM, int kN, typename Params>  // FwdParams or BwdParams
+  __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block) {
     const AttentionShape& sh = p.shape;
     FwdBlock b;
     b.batch = blockIdx.z;

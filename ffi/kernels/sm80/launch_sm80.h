@@ -21,8 +21,8 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream);
 
-// Backward scratch: none. delta is parked in the dQ output until the dQ
-// kernel overwrites it, and dQ is written directly (see bwd_kernel.cuh).
+// Backward scratch beyond the delta output: none (dQ is written directly,
+// see bwd_kernel.cuh).
 inline size_t BackwardWorkspaceBytes(const BwdParams&) { return 0; }
 
 }  // namespace sm80

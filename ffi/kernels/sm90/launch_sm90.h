@@ -1,5 +1,6 @@
 // Declarations of the sm90 (Hopper, wgmma) launchers, for the dispatch
-// switch; instantiated once per (dtype, head-dim bucket) in fwd_d*.cu.
+// switch; instantiated once per (dtype, head-dim bucket) in fwd_d*.cu and
+// bwd_d*.cu.
 #pragma once
 
 #include "jaxflash/launch.h"
@@ -12,6 +13,11 @@ namespace sm90 {
 // kernels (the dispatch switch names each bucket).
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
+
+// Instantiated for head-dim buckets 64 and 128. Needs no workspace beyond the
+// delta output (p.delta).
+template <typename T, int kD>
+Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
 }  // namespace sm90
 }  // namespace jaxflash

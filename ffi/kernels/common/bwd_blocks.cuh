@@ -1,0 +1,216 @@
+// Pieces of the tensor-core backward shared by the sm80 (mma.sync) and sm90
+// (wgmma) kernels: the delta pre-pass, the query tiles a key tile is seen by,
+// the two element-wise steps (P from the scores, dS from P and dP) in both
+// orientations, and the epilogues that write dK/dV and dQ.
+//
+// Gradient algebra (natural-log LSE L, scale c):
+//   P = exp(c·S - L),  dV = Pᵀ·dO,  dP = dO·Vᵀ,  dS = P ∘ (dP - delta),
+//   dK = c·dSᵀ·Q,  dQ = c·dS·K,  delta = rowsum(dO ∘ O) - dL.
+//
+// Tiles are held in the mma.sync accumulator layout (mma.cuh), which is also
+// one warp's share of a wgmma accumulator: lane (g, t) holds rows g and g + 8
+// of the warp's 16 rows, columns 8 nt + 2t and 8 nt + 2t + 1. The dK/dV
+// kernels compute Sᵀ and dPᵀ ("key-major": rows are keys, columns queries),
+// the dQ kernels S and dP ("query-major").
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "common/mma.cuh"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace tc {
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ------------------------------------------------------------ delta
+// delta[b][h][t] = rowsum(dO * O) - dLSE, one warp per row (rows walked in
+// O's [b][t][h] order so a warp reads one contiguous row).
+template <typename T>
+__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
+  const AttentionShape& sh = p.shape;
+  const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
+  const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
+  const T* d_o = static_cast<const T*>(p.dout) + row * sh.head_dim;
+  float acc = 0.f;
+  for (int c = lane * 8; c < sh.head_dim; c += 32 * 8) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+    const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const int64_t h = row % sh.q_heads;
+    const int64_t t = (row / sh.q_heads) % sh.q_len;
+    const int64_t b = row / (sh.q_heads * sh.q_len);
+    const int64_t idx = (b * sh.q_heads + h) * sh.q_len + t;
+    p.delta[idx] = acc - (p.dlse ? p.dlse[idx] : 0.f);
+  }
+}
+
+// Launches DeltaKernel on every (batch, row, head); nothing when there are none.
+template <typename T>
+Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
+  const AttentionShape& sh = p.shape;
+  const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
+  if (rows == 0) return Status::Ok();
+  DeltaKernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p);
+  return CheckLaunch("attention backward (delta)");
+}
+
+// ------------------------------------------------------------ query tiles of a key tile
+// Query tiles of kM rows that see at least one of keys [c0, c0 + kN):
+// [begin, begin + count) per query head of the group.
+struct QueryTiles {
+  int begin = 0;
+  int count = 0;
+};
+template <int kM, int kN>
+__device__ __forceinline__ QueryTiles QueryTileRange(const MaskPolicy& pol, int c0) {
+  QueryTiles tiles;
+  const int c_end = MinInt(c0 + kN, pol.kv_valid);
+  if (c_end > c0) {
+    const int row_begin = pol.RowBegin(c0);
+    const int row_end = pol.RowEnd(c_end - 1);
+    if (row_end > row_begin) {
+      tiles.begin = row_begin / kM;
+      tiles.count = (row_end + kM - 1) / kM - tiles.begin;
+    }
+  }
+  return tiles;
+}
+
+// ------------------------------------------------------------ key-major element-wise steps
+// Sᵀ -> Pᵀ in place for query tile [r0, r0 + 8 kQT) and this warp's keys from
+// `key0`. lse holds the tile's natural-log LSE values. `full`: the mask admits
+// the whole tile (queries past q_valid never make a tile full).
+template <int kQT>
+__device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
+                                              int key0, const float* lse, int lane, float scale_log2) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int qi = nt * 8 + 2 * t + (i & 1);
+      float pv = Exp2(s[nt][i] * scale_log2 - lse[qi] * kLog2e);
+      if (!full && !pol.Visible(r0 + qi, key0 + g + (i >> 1) * 8)) pv = 0.f;
+      s[nt][i] = pv;
+    }
+}
+
+// dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta holds the tile's values.
+template <int kQT>
+__device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
+                                           int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[nt * 8 + 2 * t + (i & 1)]);
+}
+
+// ------------------------------------------------------------ query-major element-wise steps
+// Per-row statistics of this lane's two rows (row0 + g and row0 + g + 8):
+// LSE in log2 units and delta; zeros for rows past q_valid.
+struct RowStats {
+  float lse_log2[2], delta[2];
+  __device__ __forceinline__ void Load(const BwdParams& p, const MaskPolicy& pol, int batch, int head, int row0,
+                                       int lane) {
+    const AttentionShape& sh = p.shape;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + (lane >> 2) + half * 8;
+      const int64_t idx = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
+      const bool ok = row < pol.q_valid;
+      lse_log2[half] = ok ? p.lse[idx] * kLog2e : 0.f;
+      delta[half] = ok ? p.delta[idx] : 0.f;
+    }
+  }
+};
+
+// S -> P and dP -> dS in place for this warp's rows from `row0` and key tile
+// [c0, c0 + 8 kNT).
+template <int kNT>
+__device__ __forceinline__ void QueryMajorDs(float (&s)[kNT][4], float (&dp)[kNT][4], const RowStats& rs,
+                                             const MaskPolicy& pol, bool full, int row0, int c0, int lane,
+                                             float scale_log2) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int half = i >> 1;
+      float pv = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[half]);
+      if (!full && !pol.Visible(row0 + g + half * 8, c0 + nt * 8 + 2 * t + (i & 1))) pv = 0.f;
+      dp[nt][i] = pv * (dp[nt][i] - rs.delta[half]);
+    }
+}
+
+// ------------------------------------------------------------ epilogues
+// Writes this warp's 16 rows of dK (times the scale) and dV: keys from `key0`
+// of (batch, kv_head), columns [d_base, d_base + 8 kDT). Keys past kv_len are
+// not stored; keys no query sees get their zero sums.
+template <typename T, int kDT>
+__device__ __forceinline__ void StoreKeyGrads(const float (&dk)[kDT][4], const float (&dv)[kDT][4],
+                                              const BwdParams& p, int batch, int kv_head, int key0, int d_base,
+                                              int lane) {
+  const AttentionShape& sh = p.shape;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t offset = batch * sh.kv_batch_stride() + kv_head * sh.head_dim + d_base;
+  T* gdK = static_cast<T*>(p.dk) + offset;
+  T* gdV = static_cast<T*>(p.dv) + offset;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key0 + g + half * 8;
+    if (key >= sh.kv_len) continue;
+    const int64_t row = key * sh.kv_row_stride();
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (d_base + col < sh.head_dim) {
+        *reinterpret_cast<uint32_t*>(gdK + row + col) =
+            ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(gdV + row + col) = ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
+      }
+    }
+  }
+}
+
+// Writes this warp's 16 rows of dQ (times the scale) from `row0` of
+// (batch, head); rows past q_valid (padding queries) get zeros.
+template <typename T, int kDT>
+__device__ __forceinline__ void StoreQueryGrad(const float (&dq)[kDT][4], const BwdParams& p,
+                                               const MaskPolicy& pol, int batch, int head, int row0, int lane) {
+  const AttentionShape& sh = p.shape;
+  const int g = lane >> 2, t = lane & 3;
+  T* gdQ = static_cast<T*>(p.dq) + batch * sh.q_batch_stride() + head * sh.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + half * 8;
+    if (row >= sh.q_len) continue;
+    const bool real = row < pol.q_valid;
+    T* dst = gdQ + row * sh.q_row_stride();
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      const int col = dt * 8 + 2 * t;
+      if (col < sh.head_dim) {
+        *reinterpret_cast<uint32_t*>(dst + col) =
+            real ? ElemTraits<T>::Pack(dq[dt][2 * half] * p.scale, dq[dt][2 * half + 1] * p.scale) : 0u;
+      }
+    }
+  }
+}
+
+}  // namespace tc
+}  // namespace jaxflash

@@ -1,0 +1,394 @@
+// FlashAttention backward for Hopper (sm_90a): warpgroup MMA (wgmma), after
+// the delta pre-pass (common/bwd_blocks.cuh), in the sm80 backward's two
+// kernels (no atomics, deterministic by construction; sm80/bwd_kernel.cuh):
+//
+//   DkDvKernel   one CTA per (key tile, kv head, batch[, column split]); each
+//                warpgroup owns 64 keys and walks the query tiles of every
+//                head of the GQA group that sees them:
+//                  Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ        (both operands in shared memory)
+//                  dV += Pᵀ·dO, dK += dSᵀ·Q      (Pᵀ, dSᵀ from registers)
+//   DqKernel     one CTA per (query tile, head, batch); each warpgroup owns
+//                64 query rows and walks the key tiles they see:
+//                  S = Q·Kᵀ, dP = dO·Vᵀ, dQ += dS·K
+//
+// The next query (or key) tile streams into the second of two shared-memory
+// stages while the current one is used. Inside a warpgroup the products are
+// ordered so the element-wise work overlaps the tensor cores: Pᵀ is computed
+// while dPᵀ runs, and dSᵀ while dV += Pᵀ·dO runs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/bwd_blocks.cuh"
+#include "common/fwd_blocks.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "jaxflash/params.h"
+#include "sm90/launch_sm90.h"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+// The widest wgmma compiled (wgmma.cuh): outputs wider than this are issued
+// in column chunks.
+constexpr int OutChunk(int cols) { return cols < 128 ? cols : 128; }
+
+// ------------------------------------------------------------ dK, dV
+template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1>
+struct DkDvTile {
+  static constexpr int kD = kD_;
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kN = 64 * kWarpGroups;  // keys per CTA
+  static constexpr int kM = kM_;               // query rows per step
+  static constexpr int kSplits = kSplits_;     // CTAs per key tile, each owning kD / kSplits columns of dK, dV
+  static constexpr int kDOut = kD / kSplits;
+  static constexpr int kOutN = OutChunk(kDOut);
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kStages = 2;
+  using KVTile = SwizzledTile<kN, kD>;
+  using QTile = SwizzledTile<kM, kD>;
+  // K, V, then per stage Q, dO and the tile's LSE and delta (kM floats each),
+  // each stage rounded up to keep the next one's tiles 1024-byte aligned;
+  // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
+  static constexpr size_t kStatsOffset = 2 * size_t(QTile::kBytes);
+  static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
+  static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
+  static_assert(kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
+  static_assert(kDOut % kOutN == 0 && kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
+};
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams p) {
+#if defined(JAXFLASH_SM90A)
+  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut, kOutN = Tile::kOutN;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kQT = kM / 8, kDT = kDOut / 8;
+  using KVTile = typename Tile::KVTile;
+  using QTile = typename Tile::QTile;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sK = smem;
+  const uint32_t sV = sK + KVTile::kBytes;
+  // Stage `it % 2`: Q, dO, LSE, delta of the query tile `it` steps into the walk.
+  auto stage = [&](unsigned it) {
+    return sV + KVTile::kBytes + uint32_t((it % Tile::kStages) * Tile::kStageBytes);
+  };
+  // The same stage's LSE values (then kM delta values) as a pointer.
+  auto stats = [&](unsigned it) {
+    return reinterpret_cast<const float*>(smem_raw + (stage(it) - tc::SmemAddr(smem_raw)) + Tile::kStatsOffset);
+  };
+
+  const AttentionShape& sh = p.shape;
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z / Tile::kSplits;
+  const int d_base = (blockIdx.z % Tile::kSplits) * kDOut;
+  const int group = static_cast<int>(sh.group_size());
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warpgroup = tid >> 7;
+  const int head_dim = static_cast<int>(sh.head_dim);
+  const int q_len = static_cast<int>(sh.q_len);
+  const int64_t q_row_stride = sh.q_row_stride(), kv_row_stride = sh.kv_row_stride();
+
+  const MaskPolicy pol =
+      MaskPolicy::For(p.mask, q_len, static_cast<int>(sh.kv_len), p.q_lengths, p.kv_lengths, batch);
+  const int c0 = blockIdx.x * kN;
+  const tc::QueryTiles q_tiles = tc::QueryTileRange<kM, kN>(pol, c0);
+  const int n_iters = group * q_tiles.count;
+  auto tile_row0 = [&](int it) { return (q_tiles.begin + it % q_tiles.count) * kM; };
+
+  // Copies query tile `it` (Q, dO, LSE, delta of its head and rows) into its stage.
+  auto load_q_tile = [&](int it) {
+    const int head = kv_head * group + it / q_tiles.count;
+    const int r0 = tile_row0(it);
+    const uint32_t st = stage(it);
+    const int64_t q_off = tc::FwdBlock<T>::QOffset(sh, batch, head, r0);
+    LoadSwizzledTile<kM, kD, kThreads>(st, static_cast<const T*>(p.q) + q_off, q_row_stride, q_len - r0, head_dim,
+                                       tid);
+    LoadSwizzledTile<kM, kD, kThreads>(st + QTile::kBytes, static_cast<const T*>(p.dout) + q_off, q_row_stride,
+                                       q_len - r0, head_dim, tid);
+    const int64_t row_off = (int64_t(batch) * sh.q_heads + head) * sh.q_len + r0;
+    const uint32_t stats = st + Tile::kStatsOffset;
+    for (int i = tid; i < kM; i += kThreads) {
+      const bool ok = r0 + i < q_len;  // rows past q_len read as zeros and are masked
+      tc::CpAsync4(stats + 4 * i, p.lse + (ok ? row_off + i : 0), ok);
+      tc::CpAsync4(stats + 4 * (kM + i), p.delta + (ok ? row_off + i : 0), ok);
+    }
+  };
+
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.f;
+
+  if (n_iters > 0) {
+    // Keys past kv_valid are zero-filled (and masked).
+    const int64_t kv_off = batch * sh.kv_batch_stride() + c0 * kv_row_stride + kv_head * sh.head_dim;
+    LoadSwizzledTile<kN, kD, kThreads>(sK, static_cast<const T*>(p.k) + kv_off, kv_row_stride, pol.kv_valid - c0,
+                                       head_dim, tid);
+    LoadSwizzledTile<kN, kD, kThreads>(sV, static_cast<const T*>(p.v) + kv_off, kv_row_stride, pol.kv_valid - c0,
+                                       head_dim, tid);
+    load_q_tile(0);
+    tc::CpAsyncCommit();
+  }
+
+  const float scale_log2 = p.scale * tc::kLog2e;
+  const int key_w = warp * 16;  // this warp's first key within the CTA's tile
+  // This warpgroup's 64 keys of K and V, as A operands.
+  const uint32_t sK_rows = sK + warpgroup * 64 * 128;
+  const uint32_t sV_rows = sV + warpgroup * 64 * 128;
+
+  for (int it = 0; it < n_iters; ++it) {
+    tc::CpAsyncWait<0>();
+    FenceSharedForAsyncProxy();  // this thread's copies, visible to wgmma
+    __syncthreads();             // tile `it` landed; iteration it - 1 is done everywhere
+    if (it + 1 < n_iters) load_q_tile(it + 1);
+    tc::CpAsyncCommit();
+
+    const uint32_t sQ = stage(it), sdO = sQ + QTile::kBytes;
+    const float* lse = stats(it);
+    const float* delta = lse + kM;
+    const int r0 = tile_row0(it);
+
+    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ (64 keys x kM queries per warpgroup)
+    float s[kQT][4], dp[kQT][4];
+    auto& s_flat = reinterpret_cast<float(&)[kM / 2]>(s);
+    auto& dp_flat = reinterpret_cast<float(&)[kM / 2]>(dp);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kM>::SS(s_flat, KMajorDescriptor<KVTile>(sK_rows, kk), KMajorDescriptor<QTile>(sQ, kk), kk > 0);
+    }
+    WgmmaCommit();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kM>::SS(dp_flat, KMajorDescriptor<KVTile>(sV_rows, kk), KMajorDescriptor<QTile>(sdO, kk), kk > 0);
+    }
+    WgmmaCommit();
+
+    // ---- Pᵀ while dPᵀ runs; then dV += Pᵀ dO is issued
+    WgmmaWait<1>();
+    FenceAccumulator(s_flat);
+    const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, lse, lane, scale_log2);
+    uint32_t pa[kM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(s, kk, pa[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk)
+#pragma unroll
+      for (int n0 = 0; n0 < kDOut; n0 += kOutN) {
+        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dv[n0 / 8]), pa[kk],
+                            MnMajorDescriptor<QTile>(sdO, kk, d_base + n0), true);
+      }
+    WgmmaCommit();
+
+    // ---- dSᵀ while dV runs; then dK += dSᵀ Q
+    WgmmaWait<1>();
+    FenceAccumulator(dp_flat);
+    tc::KeyMajorDs(s, dp, delta, lane);
+    uint32_t da[kM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk)
+#pragma unroll
+      for (int n0 = 0; n0 < kDOut; n0 += kOutN) {
+        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dk[n0 / 8]), da[kk],
+                            MnMajorDescriptor<QTile>(sQ, kk, d_base + n0), true);
+      }
+    WgmmaCommit();
+    // The stage is refilled after the next barrier, and pa / da are live
+    // until the products that read them are done.
+    WgmmaWait<0>();
+    FenceAccumulator(reinterpret_cast<float(&)[kDOut / 2]>(dv));
+    FenceAccumulator(reinterpret_cast<float(&)[kDOut / 2]>(dk));
+  }
+
+  tc::StoreKeyGrads<T>(dk, dv, p, batch, kv_head, c0 + key_w, d_base, lane);
+#endif  // JAXFLASH_SM90A
+}
+
+// ------------------------------------------------------------ dQ
+template <int kD_, int kWarpGroups_, int kN_>
+struct DqTile {
+  static constexpr int kD = kD_;
+  static constexpr int kWarpGroups = kWarpGroups_;
+  static constexpr int kM = 64 * kWarpGroups;  // query rows per CTA
+  static constexpr int kN = kN_;               // keys per step
+  static constexpr int kOutN = OutChunk(kD);
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kStages = 2;
+  using QTile = SwizzledTile<kM, kD>;
+  using KVTile = SwizzledTile<kN, kD>;
+  // Q, dO, then two stages of K and V; +1024 for the alignment of the base.
+  static constexpr size_t kSmemBytes = 2 * size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 1024;
+  static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
+  static_assert(kD % kOutN == 0, "dQ columns come in compiled wgmma widths");
+};
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p) {
+#if defined(JAXFLASH_SM90A)
+  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kOutN = Tile::kOutN;
+  constexpr int kThreads = Tile::kThreads;
+  constexpr int kNT = kN / 8, kDT = kD / 8;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t smem = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sQ = smem;
+  const uint32_t sdO = sQ + QTile::kBytes;
+  const uint32_t sK0 = sdO + QTile::kBytes;
+  const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;
+  auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
+
+  // Causal blocks further down the sequence visit more keys: start them first.
+  const bool causal = p.mask.window_right >= 0;
+  const int m_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, m_block);
+  const MaskPolicy& pol = blk.pol;
+  const tc::KeyTiles tiles = blk.tiles;
+  const int r0 = blk.r0;
+  const int tid = threadIdx.x, lane = tid & 31, warpgroup = tid >> 7;
+  const int head_dim = static_cast<int>(p.shape.head_dim);
+  const int warp_row0 = (tid >> 5) * 16;  // this warp's rows within the CTA (the wgmma layout)
+
+  auto load_kv = [&](unsigned it, int nb) {
+    const int c0 = nb * kN;
+    const int64_t off = int64_t(c0) * blk.kv_row_stride;
+    LoadSwizzledTile<kN, kD, kThreads>(stage(sK0, it), blk.k + off, blk.kv_row_stride, pol.kv_valid - c0, head_dim,
+                                       tid);
+    LoadSwizzledTile<kN, kD, kThreads>(stage(sV0, it), blk.v + off, blk.kv_row_stride, pol.kv_valid - c0, head_dim,
+                                       tid);
+  };
+
+  tc::RowStats rows;
+  rows.Load(p, pol, blk.batch, blk.head, r0 + warp_row0, lane);
+
+  float dq[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq[dt][i] = 0.f;
+  auto& dq_flat = reinterpret_cast<float(&)[kD / 2]>(dq);
+
+  if (tiles.begin < tiles.end) {
+    const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(p.shape, blk.batch, blk.head, r0);
+    LoadSwizzledTile<kM, kD, kThreads>(sQ, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+    LoadSwizzledTile<kM, kD, kThreads>(sdO, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+    load_kv(0, tiles.begin);
+    tc::CpAsyncCommit();
+  }
+  const float scale_log2 = p.scale * tc::kLog2e;
+  // This warpgroup's 64 rows of Q and dO, as A operands.
+  const uint32_t sQ_rows = sQ + warpgroup * 64 * 128;
+  const uint32_t sdO_rows = sdO + warpgroup * 64 * 128;
+
+  for (int nb = tiles.begin; nb < tiles.end; ++nb) {
+    const unsigned it = nb - tiles.begin;
+    tc::CpAsyncWait<0>();
+    FenceSharedForAsyncProxy();
+    __syncthreads();  // K_n, V_n landed; iteration n - 1 is done everywhere
+    if (nb + 1 < tiles.end) load_kv(it + 1, nb + 1);
+    tc::CpAsyncCommit();
+    const uint32_t sK = stage(sK0, it), sV = stage(sV0, it);
+    const int c0 = nb * kN;
+
+    // ---- S = Q Kᵀ, then dP = dO Vᵀ
+    float s[kNT][4], dp[kNT][4];
+    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s);
+    auto& dp_flat = reinterpret_cast<float(&)[kN / 2]>(dp);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
+    }
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      Wgmma<T, kN>::SS(dp_flat, KMajorDescriptor<QTile>(sdO_rows, kk), KMajorDescriptor<KVTile>(sV, kk), kk > 0);
+    }
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulator(s_flat);
+    FenceAccumulator(dp_flat);
+
+    // ---- dS = P ∘ (dP - delta), then dQ += dS K
+    const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+    tc::QueryMajorDs(s, dp, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2);
+    uint32_t da[kN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk)
+#pragma unroll
+      for (int n0 = 0; n0 < kD; n0 += kOutN) {
+        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dq[n0 / 8]), da[kk],
+                            MnMajorDescriptor<KVTile>(sK, kk, n0), true);
+      }
+    WgmmaCommit();
+    WgmmaWait<0>();  // the stage of K is refilled after the next barrier
+    FenceAccumulator(dq_flat);
+  }
+
+  tc::StoreQueryGrad<T>(dq, p, pol, blk.batch, blk.head, r0 + warp_row0, lane);
+#endif  // JAXFLASH_SM90A
+}
+
+// ------------------------------------------------------------ tile table
+// DkDvTile<kD, warpgroups, query rows per step, column splits> and
+// DqTile<kD, warpgroups, keys per step>. dK + dV hold kDOut floats per
+// thread, Sᵀ + dPᵀ another kM; dQ holds kD / 2, S + dP another kN.
+template <int kD>
+struct BwdTiles;
+template <>
+struct BwdTiles<64> {
+  using DkDv = DkDvTile<64, 2, 128>;
+  using Dq = DqTile<64, 2, 128>;
+};
+template <>
+struct BwdTiles<128> {
+  using DkDv = DkDvTile<128, 2, 64>;
+  using Dq = DqTile<128, 2, 64>;
+};
+
+template <typename T, int kD>
+Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using DkDv = typename BwdTiles<kD>::DkDv;
+  using Dq = typename BwdTiles<kD>::Dq;
+  const AttentionShape& sh = p.shape;
+  constexpr auto dkdv = DkDvKernel<T, DkDv>;
+  constexpr auto dq = DqKernel<T, Dq>;
+  Status st = EnsureDynamicSmem<dkdv>(DkDv::kSmemBytes, device);
+  if (!st.ok()) return st;
+  st = EnsureDynamicSmem<dq>(Dq::kSmemBytes, device);
+  if (!st.ok()) return st;
+  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
+
+  st = tc::LaunchDelta<T>(p, stream);
+  if (!st.ok()) return st;
+  // q_len == 0 or kv_len == 0 leaves a grid empty; the other kernel still
+  // writes its zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
+  if (sh.kv_len > 0) {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
+                    static_cast<unsigned>(sh.batch * DkDv::kSplits));
+    dkdv<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
+    st = CheckLaunch("attention backward (dK, dV; sm90)");
+    if (!st.ok()) return st;
+  }
+  if (sh.q_len > 0) {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, Dq::kM)), static_cast<unsigned>(sh.q_heads),
+                    static_cast<unsigned>(sh.batch));
+    dq<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
+    st = CheckLaunch("attention backward (dQ; sm90)");
+  }
+  return st;
+}
+
+}  // namespace sm90
+}  // namespace jaxflash
