@@ -150,9 +150,10 @@ BUCKETS = [32, 64, 96, 128, 192, 256]
 def test_every_tile_candidate(rng, D, candidate, sm80):
   """Each compiled tile shape, not just the table's pick, forward and backward.
 
-  "arch" runs the family the GPU dispatches to (the wgmma forward on Hopper for
-  D in {64, 128, 256}); "sm80" forces the mma.sync family, which Ampere and the
-  other buckets use, so both stay tested on a Hopper GPU.
+  "arch" runs the family the GPU dispatches to (the wgmma kernels on Hopper for
+  D in {64, 128, 256}, whose forward and backward each have their own candidate
+  lists); "sm80" forces the mma.sync family, which Ampere and the other buckets
+  use, so both stay tested on a Hopper GPU.
   """
   from jaxflash import _native
   _poison_allocator()

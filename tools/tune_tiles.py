@@ -1,17 +1,20 @@
 """Sweep the compiled tile candidates of the CUDA tensor-core kernels and print the winners.
 
     python tools/tune_tiles.py                         # D in {64, 128, 256}, S in {4k, 16k}, both masks
-    python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd
+    python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd,bwd
 
-Every head-dim bucket compiles a few forward tile shapes (FwdCandidates in
-ffi/kernels/sm80/fwd_kernel.cuh, and ffi/kernels/sm90/fwd_kernel.cuh for the Hopper forward);
-the launcher picks one from a table keyed by head dim and causality. The GPU's own family is
-swept unless --sm80 forces the mma.sync kernels. The backward has one shape per bucket, so
-"fwd+bwd" rows differ only in the forward.
+Every head-dim bucket compiles a few tile shapes (FwdCandidates in
+ffi/kernels/sm80/fwd_kernel.cuh and ffi/kernels/sm90/fwd_kernel.cuh, BwdCandidates in
+ffi/kernels/sm90/bwd_kernel.cuh for the Hopper backward; the sm80 backward has one shape per
+bucket); the launchers pick one from a table keyed by head dim and causality. The GPU's own
+family is swept unless --sm80 forces the mma.sync kernels.
 This script forces each candidate in turn (1-based; `jaxflash._native.forced_tile`), times
 it on the §6 grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048) and prints TFLOP/s per
-candidate and the winner per (direction, D, causal). Copy the winners into the table
-(FwdTilePick) and the numbers into docs/performance.md.
+candidate and the winner per (direction, D, causal). "fwd" times the forward; "fwd+bwd" the
+forward and backward, both with the candidate; "bwd" the same step with the forward at its
+table pick, so only the backward's tile changes (rates still count forward + backward FLOPs).
+Copy the winners into the tables (FwdTilePick, BwdTilePick) and the numbers into
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -28,14 +31,21 @@ from jaxflash import _measure, _native
 MAX_CANDIDATES = 8
 
 
-def build(direction, causal):
+def build(direction, causal, cand, sm80):
+  """The jitted step for one candidate, traced here (the tile is read at trace time)."""
   attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal, implementation="native")
   if direction == "fwd":
-    return jax.jit(attn)
+    def forward(q, k, v):
+      with _native.forced_tile(cand, sm80=sm80):
+        return attn(q, k, v)
+    return jax.jit(forward)
 
-  def loss(q, k, v, do):
-    return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  def step(q, k, v, do):
+    with _native.forced_tile(0 if direction == "bwd" else cand, sm80=sm80):
+      _, vjp = jax.vjp(attn, q, k, v)
+    with _native.forced_tile(cand, sm80=sm80):
+      return vjp(do)
+  return jax.jit(step)
 
 
 def main():
@@ -61,14 +71,13 @@ def main():
           flops = _measure.attention_flops(B, H, S, S, D, causal, direction != "fwd")
           rates = []
           for cand in range(1, MAX_CANDIDATES + 1):
-            with _native.forced_tile(cand, sm80=args.sm80):
-              fn = build(direction, causal)     # traced now, with this candidate
-              try:
-                t = _measure.time_jitted(fn, inputs, args.reps, args.repeats)
-              except Exception as e:            # past the last compiled candidate
-                if "does not exist" in str(e):
-                  break
-                raise
+            try:
+              t = _measure.time_jitted(build(direction, causal, cand, args.sm80), inputs, args.reps,
+                                       args.repeats)
+            except Exception as e:              # past the last compiled candidate
+              if "does not exist" in str(e):
+                break
+              raise
             rates.append(flops / t / 1e12)
           best = int(np.argmax(rates)) + 1
           cells = " | ".join(f"{r:.1f}" for r in rates)

@@ -2,7 +2,7 @@
 // -> compiled variant. Masks are runtime policies inside every variant
 // (MaskPolicy), so they add no instantiations here.
 //
-//   fp16/bf16, arch == 90, forward buckets 64, 128, 256, backward 64, 128
+//   fp16/bf16, arch == 90, buckets 64, 128, 256
 //       -> sm90 kernels (wgmma), when the build has sm_90a code
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
 //       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
@@ -95,6 +95,7 @@ Status BackwardBucket(const BwdParams& p, void* workspace, const CudaDevice& dev
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);
+      case 256: return sm90::LaunchBackward<T, 256>(p, device, stream);
     }
   }
   switch (bucket) {

@@ -35,13 +35,14 @@ namespace sm90 {
 constexpr int OutChunk(int cols) { return cols < 128 ? cols : 128; }
 
 // ------------------------------------------------------------ dK, dV
-template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1>
+template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1, int kCtasPerSm_ = 1>
 struct DkDvTile {
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kN = 64 * kWarpGroups;  // keys per CTA
   static constexpr int kM = kM_;               // query rows per step
   static constexpr int kSplits = kSplits_;     // CTAs per key tile, each owning kD / kSplits columns of dK, dV
+  static constexpr int kCtasPerSm = kCtasPerSm_;  // as FwdTile::kCtasPerSm
   static constexpr int kDOut = kD / kSplits;
   static constexpr int kOutN = OutChunk(kDOut);
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -54,12 +55,12 @@ struct DkDvTile {
   static constexpr size_t kStatsOffset = 2 * size_t(QTile::kBytes);
   static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
-  static_assert(kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
+  static_assert(kM == 32 || kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
   static_assert(kDOut % kOutN == 0 && kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
 };
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut, kOutN = Tile::kOutN;
   constexpr int kThreads = Tile::kThreads;
@@ -213,12 +214,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 }
 
 // ------------------------------------------------------------ dQ
-template <int kD_, int kWarpGroups_, int kN_>
+template <int kD_, int kWarpGroups_, int kN_, int kCtasPerSm_ = 1>
 struct DqTile {
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kM = 64 * kWarpGroups;  // query rows per CTA
   static constexpr int kN = kN_;               // keys per step
+  static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kOutN = OutChunk(kD);
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kStages = 2;
@@ -226,12 +228,12 @@ struct DqTile {
   using KVTile = SwizzledTile<kN, kD>;
   // Q, dO, then two stages of K and V; +1024 for the alignment of the base.
   static constexpr size_t kSmemBytes = 2 * size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 1024;
-  static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
+  static_assert(kN == 32 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
   static_assert(kD % kOutN == 0, "dQ columns come in compiled wgmma widths");
 };
 
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kOutN = Tile::kOutN;
   constexpr int kThreads = Tile::kThreads;
@@ -341,26 +343,45 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 }
 
 // ------------------------------------------------------------ tile table
-// DkDvTile<kD, warpgroups, query rows per step, column splits> and
-// DqTile<kD, warpgroups, keys per step>. dK + dV hold kDOut floats per
-// thread, Sᵀ + dPᵀ another kM; dQ holds kD / 2, S + dP another kN.
+// A backward tile is a pair: DkDvTile<kD, warpgroups, query rows per step,
+// column splits, CTAs per SM> and DqTile<kD, warpgroups, keys per step, CTAs
+// per SM>. Registers per thread: dK + dV hold kD / kSplits floats, Sᵀ + dPᵀ
+// another kM (dQ: kD / 2, S + dP another kN), plus a quarter of that packed.
+// At kD = 256 the dK/dV columns are split over two CTAs and the score tiles
+// are 32 wide, so K and V of 128 keys and two stages of Q and dO fit.
+template <typename DkDv_, typename Dq_>
+struct BwdTile {
+  using DkDv = DkDv_;
+  using Dq = Dq_;
+};
 template <int kD>
-struct BwdTiles;
+struct BwdCandidates;
 template <>
-struct BwdTiles<64> {
-  using DkDv = DkDvTile<64, 2, 128>;
-  using Dq = DqTile<64, 2, 128>;
+struct BwdCandidates<64> {
+  using type = TileList<BwdTile<DkDvTile<64, 2, 128>, DqTile<64, 2, 128>>,
+                        BwdTile<DkDvTile<64, 1, 128, 1, 2>, DqTile<64, 1, 128, 2>>,
+                        BwdTile<DkDvTile<64, 1, 64, 1, 2>, DqTile<64, 1, 64, 3>>,
+                        BwdTile<DkDvTile<64, 2, 64>, DqTile<64, 2, 64>>>;
 };
 template <>
-struct BwdTiles<128> {
-  using DkDv = DkDvTile<128, 2, 64>;
-  using Dq = DqTile<128, 2, 64>;
+struct BwdCandidates<128> {
+  using type = TileList<BwdTile<DkDvTile<128, 2, 64>, DqTile<128, 2, 64>>,
+                        BwdTile<DkDvTile<128, 1, 64, 1, 2>, DqTile<128, 1, 64, 2>>,
+                        BwdTile<DkDvTile<128, 1, 64, 1, 2>, DqTile<128, 2, 64>>>;
+};
+template <>
+struct BwdCandidates<256> {
+  using type = TileList<BwdTile<DkDvTile<256, 2, 32, 2>, DqTile<256, 2, 32>>,
+                        BwdTile<DkDvTile<256, 1, 64, 2>, DqTile<256, 1, 64>>>;
 };
 
-template <typename T, int kD>
-Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using DkDv = typename BwdTiles<kD>::DkDv;
-  using Dq = typename BwdTiles<kD>::Dq;
+// The tile table: index into BwdCandidates<kD> (tools/tune_tiles.py --direction bwd).
+inline int BwdTilePick(int /*head_dim_bucket*/, bool /*causal*/) { return 0; }
+
+template <typename T, typename Tile>
+Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using DkDv = typename Tile::DkDv;
+  using Dq = typename Tile::Dq;
   const AttentionShape& sh = p.shape;
   constexpr auto dkdv = DkDvKernel<T, DkDv>;
   constexpr auto dq = DqKernel<T, Dq>;
@@ -388,6 +409,14 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
     st = CheckLaunch("attention backward (dQ; sm90)");
   }
   return st;
+}
+
+template <typename T, int kD>
+Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const bool causal = p.mask.window_right >= 0;
+  const int index = TileIndex(p.tile, BwdTilePick(kD, causal));
+  return BwdCandidates<kD>::type::With(
+      index, [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 
 }  // namespace sm90

@@ -126,6 +126,7 @@ __device__ __forceinline__ void FenceAccumulator(float (&d)[kN]) {
 }
 
 // ------------------------------------------------------------ wgmma
+// Compiled for N = 32, 64 and 128.
 // Wgmma<T, N>::SS: d (+)= A·B with A (64 x 16) and B (16 x N) both K-major in
 // shared memory; RS: d += A·B with A from registers (mma.sync A fragment of
 // this warp's 16 rows) and B MN-major in shared memory. `accumulate` false
@@ -140,6 +141,7 @@ struct Wgmma;
 
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1); the other
 // operands follow them.
+#define JAXFLASH_REGS16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
 #define JAXFLASH_REGS32                                                                         \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
   "%25,%26,%27,%28,%29,%30,%31}"
@@ -173,6 +175,8 @@ struct Wgmma;
     }                                                                                                 \
   };
 
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 32, JAXFLASH_REGS16, JAXFLASH_ACC16(0), "%16", "%17", "%18", "{%16,%17,%18,%19}", "%20", "%21")
+JAXFLASH_WGMMA(__half, "f16", 32, JAXFLASH_REGS16, JAXFLASH_ACC16(0), "%16", "%17", "%18", "{%16,%17,%18,%19}", "%20", "%21")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
 JAXFLASH_WGMMA(__half, "f16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
@@ -181,6 +185,7 @@ JAXFLASH_WGMMA(__half, "f16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65"
 #undef JAXFLASH_WGMMA
 #undef JAXFLASH_REGS64
 #undef JAXFLASH_REGS32
+#undef JAXFLASH_REGS16
 #undef JAXFLASH_ACC64
 #undef JAXFLASH_ACC32
 #undef JAXFLASH_ACC16
