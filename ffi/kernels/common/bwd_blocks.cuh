@@ -139,12 +139,11 @@ struct RowStats {
   }
 };
 
-// S -> P and dP -> dS in place for this warp's rows from `row0` and key tile
+// S -> P in place for this warp's rows from `row0` and key tile
 // [c0, c0 + 8 kNT).
 template <int kNT>
-__device__ __forceinline__ void QueryMajorDs(float (&s)[kNT][4], float (&dp)[kNT][4], const RowStats& rs,
-                                             const MaskPolicy& pol, bool full, int row0, int c0, int lane,
-                                             float scale_log2) {
+__device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowStats& rs, const MaskPolicy& pol,
+                                                bool full, int row0, int c0, int lane, float scale_log2) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
@@ -153,8 +152,17 @@ __device__ __forceinline__ void QueryMajorDs(float (&s)[kNT][4], float (&dp)[kNT
       const int half = i >> 1;
       float pv = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[half]);
       if (!full && !pol.Visible(row0 + g + half * 8, c0 + nt * 8 + 2 * t + (i & 1))) pv = 0.f;
-      dp[nt][i] = pv * (dp[nt][i] - rs.delta[half]);
+      s[nt][i] = pv;
     }
+}
+
+// dP -> dS = P ∘ (dP - delta) in place.
+template <int kNT>
+__device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&dp)[kNT][4], const RowStats& rs) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dp[nt][i] = p[nt][i] * (dp[nt][i] - rs.delta[i >> 1]);
 }
 
 // ------------------------------------------------------------ epilogues

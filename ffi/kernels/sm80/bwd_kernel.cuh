@@ -281,7 +281,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorDs(s, dp, rows, pol, full, r0 + row_w, c0, lane, scale_log2);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2);
+    tc::QueryMajorDs(s, dp, rows);
 
     // ---- dQ += dS K
 #pragma unroll

@@ -13,8 +13,8 @@
 //
 // The next query (or key) tile streams into the second of two shared-memory
 // stages while the current one is used. Inside a warpgroup the products are
-// ordered so the element-wise work overlaps the tensor cores: Pᵀ is computed
-// while dPᵀ runs, and dSᵀ while dV += Pᵀ·dO runs.
+// ordered so the element-wise work overlaps the tensor cores: Pᵀ (P) is
+// computed while dPᵀ (dP) runs, and dSᵀ while dV += Pᵀ·dO runs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -310,18 +310,21 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     for (int kk = 0; kk < kD / 16; ++kk) {
       Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
     }
+    WgmmaCommit();
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       Wgmma<T, kN>::SS(dp_flat, KMajorDescriptor<QTile>(sdO_rows, kk), KMajorDescriptor<KVTile>(sV, kk), kk > 0);
     }
     WgmmaCommit();
-    WgmmaWait<0>();
-    FenceAccumulator(s_flat);
-    FenceAccumulator(dp_flat);
 
-    // ---- dS = P ∘ (dP - delta), then dQ += dS K
+    // ---- P while dP runs; then dS = P ∘ (dP - delta) and dQ += dS K
+    WgmmaWait<1>();
+    FenceAccumulator(s_flat);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorDs(s, dp, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2);
+    WgmmaWait<0>();
+    FenceAccumulator(dp_flat);
+    tc::QueryMajorDs(s, dp, rows);
     uint32_t da[kN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
@@ -372,11 +375,16 @@ struct BwdCandidates<128> {
 template <>
 struct BwdCandidates<256> {
   using type = TileList<BwdTile<DkDvTile<256, 2, 32, 2>, DqTile<256, 2, 32>>,
-                        BwdTile<DkDvTile<256, 1, 64, 2>, DqTile<256, 1, 64>>>;
+                        BwdTile<DkDvTile<256, 1, 64, 2>, DqTile<256, 1, 64>>,
+                        BwdTile<DkDvTile<256, 2, 32, 2>, DqTile<256, 1, 64>>>;
 };
 
-// The tile table: index into BwdCandidates<kD> (tools/tune_tiles.py --direction bwd).
-inline int BwdTilePick(int /*head_dim_bucket*/, bool /*causal*/) { return 0; }
+// The tile table: index into BwdCandidates<kD>, measured on an H100 with
+// tools/tune_tiles.py --direction bwd (2026-11-21, docs/performance.md): the
+// one-warpgroup CTAs win at D = 64 (+7%) and 128 (+2-4%), causal or not.
+inline int BwdTilePick(int head_dim_bucket, bool /*causal*/) {
+  return head_dim_bucket == 64 ? 2 : head_dim_bucket == 128 ? 1 : 0;
+}
 
 template <typename T, typename Tile>
 Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
