@@ -68,6 +68,46 @@ Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   return CheckLaunch("attention backward (delta)");
 }
 
+// The launch shape of one backward kernel: rows (keys for dK/dV, queries for
+// dQ) per CTA, CTAs sharing those rows (column splits), threads, shared memory.
+struct BwdLaunch {
+  int rows, splits, threads;
+  size_t smem;
+};
+
+// The backward of either tensor-core family: delta, then the dK/dV kernel
+// over (key blocks, kv heads, batch x splits) and the dQ kernel over (query
+// blocks, heads, batch). q_len == 0 or kv_len == 0 leaves one grid empty; the
+// other kernel still writes its zeros (dK = dV = 0 with no queries, dQ = 0
+// with no keys).
+template <typename T, auto DkDvKernel, auto DqKernel>
+Status LaunchBackwardKernels(const BwdParams& p, BwdLaunch dkdv, BwdLaunch dq, const CudaDevice& device,
+                             cudaStream_t stream) {
+  const AttentionShape& sh = p.shape;
+  Status st = EnsureDynamicSmem<DkDvKernel>(dkdv.smem, device);
+  if (!st.ok()) return st;
+  st = EnsureDynamicSmem<DqKernel>(dq.smem, device);
+  if (!st.ok()) return st;
+  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
+
+  st = LaunchDelta<T>(p, stream);
+  if (!st.ok()) return st;
+  if (sh.kv_len > 0) {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
+                    static_cast<unsigned>(sh.batch * dkdv.splits));
+    DkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
+    st = CheckLaunch("attention backward (dK, dV)");
+    if (!st.ok()) return st;
+  }
+  if (sh.q_len > 0) {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, dq.rows)), static_cast<unsigned>(sh.q_heads),
+                    static_cast<unsigned>(sh.batch));
+    DqKernel<<<grid, dq.threads, dq.smem, stream>>>(p);
+    st = CheckLaunch("attention backward (dQ)");
+  }
+  return st;
+}
+
 // ------------------------------------------------------------ query tiles of a key tile
 // Query tiles of kM rows that see at least one of keys [c0, c0 + kN):
 // [begin, begin + count) per query head of the group.

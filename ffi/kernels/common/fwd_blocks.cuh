@@ -83,6 +83,13 @@ struct FwdBlock {
   }
 };
 
+// The query block this CTA takes when blocks are launched heavy-first: with a
+// causal mask, blocks further down the sequence visit more keys, so they start
+// first and the short ones fill the tail of the grid.
+__device__ __forceinline__ int HeavyFirstBlock(const MaskParams& mask) {
+  return mask.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+}
+
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
 // and sets the entries the mask hides to -inf. `full` (the policy admits the
 // whole tile for the CTA's rows) skips the per-element test; `r0` is the

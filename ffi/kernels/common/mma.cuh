@@ -69,6 +69,15 @@ __device__ __forceinline__ void Mma<__nv_bfloat16>(float (&d)[4], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Sets accumulator tiles (one float[4] per m16n8 tile, the layout above) to zero.
+template <int kTiles>
+__device__ __forceinline__ void Zero(float (&d)[kTiles][4]) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) d[i][j] = 0.f;
+}
+
 // ------------------------------------------------------------ ldmatrix
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

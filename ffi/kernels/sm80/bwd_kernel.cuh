@@ -104,10 +104,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
   };
 
   float dk[kDT][4], dv[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.f;
+  tc::Zero(dk);
+  tc::Zero(dv);
 
   if (n_iters > 0) {
     // Keys past kv_valid are zero-filled (and masked below).
@@ -133,10 +131,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (16 keys x kM queries per warp)
     float s[kQT][4], dp[kQT][4];
-#pragma unroll
-    for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.f;
+    tc::Zero(s);
+    tc::Zero(dp);
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t ak[4], av[4];
@@ -232,10 +228,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
   rows.Load(p, pol, blk.batch, blk.head, r0 + row_w, lane);
 
   float dq[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq[dt][i] = 0.f;
+  tc::Zero(dq);
 
   if (blk.tiles.begin < blk.tiles.end) {
     const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(p.shape, blk.batch, blk.head, r0);
@@ -258,10 +251,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 
     // ---- S = Q Kᵀ, dP = dO Vᵀ
     float s[kNT][4], dp[kNT][4];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = dp[nt][i] = 0.f;
+    tc::Zero(s);
+    tc::Zero(dp);
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t aq[4], ado[4];
@@ -315,43 +306,12 @@ struct BwdTilesFor {
 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
-  using Tiles = BwdTilesFor<kD>;
-  using DkDv = typename Tiles::DkDv;
-  using Dq = typename Tiles::Dq;
+  using DkDv = typename BwdTilesFor<kD>::DkDv;
+  using Dq = typename BwdTilesFor<kD>::Dq;
   (void)workspace;  // BackwardWorkspaceBytes is 0: delta is the caller's output (p.delta)
-  const AttentionShape& sh = p.shape;
-
-  constexpr auto dkdv = DkDvKernel<T, DkDv>;
-  constexpr auto dq = DqKernel<T, Dq>;
-  const size_t dkdv_smem = DkDv::template SmemBytes<T>();
-  const size_t dq_smem = Dq::template SmemBytes<T>();
-  Status st = EnsureDynamicSmem<dkdv>(dkdv_smem, device);
-  if (!st.ok()) return st;
-  st = EnsureDynamicSmem<dq>(dq_smem, device);
-  if (!st.ok()) return st;
-
-  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
-
-  // q_len == 0 or kv_len == 0 leaves a grid empty; the other kernel still
-  // writes its zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
-  st = tc::LaunchDelta<T>(p, stream);
-  if (!st.ok()) return st;
-
-  if (sh.kv_len > 0) {
-    const dim3 grid_kv(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
-                       static_cast<unsigned>(sh.batch * DkDv::kSplits));
-    dkdv<<<grid_kv, DkDv::kThreads, dkdv_smem, stream>>>(p);
-    st = CheckLaunch("attention backward (dK, dV)");
-    if (!st.ok()) return st;
-  }
-
-  if (sh.q_len > 0) {
-    const dim3 grid_q(static_cast<unsigned>(CeilDiv(sh.q_len, Dq::kM)), static_cast<unsigned>(sh.q_heads),
-                      static_cast<unsigned>(sh.batch));
-    dq<<<grid_q, Dq::kThreads, dq_smem, stream>>>(p);
-    st = CheckLaunch("attention backward (dQ)");
-  }
-  return st;
+  return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
+      p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::template SmemBytes<T>()},
+      {Dq::kM, 1, Dq::kThreads, Dq::template SmemBytes<T>()}, device, stream);
 }
 
 }  // namespace sm80

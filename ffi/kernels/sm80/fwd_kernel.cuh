@@ -122,11 +122,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
   float o[kMT][kDT][4];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) o[mt][dt][i] = 0.f;
+  for (int mt = 0; mt < kMT; ++mt) tc::Zero(o[mt]);
   tc::OnlineSoftmax<kMT> softmax;
   softmax.Init();
 
@@ -152,11 +148,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     // ---- S = Q Kᵀ
     float s[kMT][kNT][4];
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) s[mt][nt][i] = 0.f;
+    for (int mt = 0; mt < kMT; ++mt) tc::Zero(s[mt]);
 #pragma unroll
     for (int kk = 0; kk < kD / 16; ++kk) {
       uint32_t a[kMT][4];

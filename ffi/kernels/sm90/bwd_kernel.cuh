@@ -30,10 +30,6 @@
 namespace jaxflash {
 namespace sm90 {
 
-// The widest wgmma compiled (wgmma.cuh): outputs wider than this are issued
-// in column chunks.
-constexpr int OutChunk(int cols) { return cols < 128 ? cols : 128; }
-
 // ------------------------------------------------------------ dK, dV
 template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1, int kCtasPerSm_ = 1>
 struct DkDvTile {
@@ -44,7 +40,6 @@ struct DkDvTile {
   static constexpr int kSplits = kSplits_;     // CTAs per key tile, each owning kD / kSplits columns of dK, dV
   static constexpr int kCtasPerSm = kCtasPerSm_;  // as FwdTile::kCtasPerSm
   static constexpr int kDOut = kD / kSplits;
-  static constexpr int kOutN = OutChunk(kDOut);
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kStages = 2;
   using KVTile = SwizzledTile<kN, kD>;
@@ -56,13 +51,13 @@ struct DkDvTile {
   static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
   static_assert(kM == 32 || kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
-  static_assert(kDOut % kOutN == 0 && kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
+  static_assert(kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
 };
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
-  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut, kOutN = Tile::kOutN;
+  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kQT = kM / 8, kDT = kDOut / 8;
   using KVTile = typename Tile::KVTile;
@@ -118,10 +113,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   };
 
   float dk[kDT][4], dv[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dk[dt][i] = dv[dt][i] = 0.f;
+  tc::Zero(dk);
+  tc::Zero(dv);
 
   if (n_iters > 0) {
     // Keys past kv_valid are zero-filled (and masked).
@@ -154,59 +147,39 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
 
     // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ (64 keys x kM queries per warpgroup)
     float s[kQT][4], dp[kQT][4];
-    auto& s_flat = reinterpret_cast<float(&)[kM / 2]>(s);
-    auto& dp_flat = reinterpret_cast<float(&)[kM / 2]>(dp);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kM>::SS(s_flat, KMajorDescriptor<KVTile>(sK_rows, kk), KMajorDescriptor<QTile>(sQ, kk), kk > 0);
-    }
+    ProductSS<T, KVTile, QTile, kD, kM>(s, sK_rows, sQ);
     WgmmaCommit();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kM>::SS(dp_flat, KMajorDescriptor<KVTile>(sV_rows, kk), KMajorDescriptor<QTile>(sdO, kk), kk > 0);
-    }
+    ProductSS<T, KVTile, QTile, kD, kM>(dp, sV_rows, sdO);
     WgmmaCommit();
 
     // ---- Pᵀ while dPᵀ runs; then dV += Pᵀ dO is issued
     WgmmaWait<1>();
-    FenceAccumulator(s_flat);
+    FenceAccumulator(s);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, lse, lane, scale_log2);
     uint32_t pa[kM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(s, kk, pa[kk]);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk)
-#pragma unroll
-      for (int n0 = 0; n0 < kDOut; n0 += kOutN) {
-        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dv[n0 / 8]), pa[kk],
-                            MnMajorDescriptor<QTile>(sdO, kk, d_base + n0), true);
-      }
+    ProductRS<T, QTile, kM, kDOut>(dv, pa, sdO, d_base);
     WgmmaCommit();
 
     // ---- dSᵀ while dV runs; then dK += dSᵀ Q
     WgmmaWait<1>();
-    FenceAccumulator(dp_flat);
+    FenceAccumulator(dp);
     tc::KeyMajorDs(s, dp, delta, lane);
     uint32_t da[kM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk)
-#pragma unroll
-      for (int n0 = 0; n0 < kDOut; n0 += kOutN) {
-        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dk[n0 / 8]), da[kk],
-                            MnMajorDescriptor<QTile>(sQ, kk, d_base + n0), true);
-      }
+    ProductRS<T, QTile, kM, kDOut>(dk, da, sQ, d_base);
     WgmmaCommit();
     // The stage is refilled after the next barrier, and pa / da are live
     // until the products that read them are done.
     WgmmaWait<0>();
-    FenceAccumulator(reinterpret_cast<float(&)[kDOut / 2]>(dv));
-    FenceAccumulator(reinterpret_cast<float(&)[kDOut / 2]>(dk));
+    FenceAccumulator(dv);
+    FenceAccumulator(dk);
   }
 
   tc::StoreKeyGrads<T>(dk, dv, p, batch, kv_head, c0 + key_w, d_base, lane);
@@ -221,7 +194,6 @@ struct DqTile {
   static constexpr int kM = 64 * kWarpGroups;  // query rows per CTA
   static constexpr int kN = kN_;               // keys per step
   static constexpr int kCtasPerSm = kCtasPerSm_;
-  static constexpr int kOutN = OutChunk(kD);
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kStages = 2;
   using QTile = SwizzledTile<kM, kD>;
@@ -229,13 +201,12 @@ struct DqTile {
   // Q, dO, then two stages of K and V; +1024 for the alignment of the base.
   static constexpr size_t kSmemBytes = 2 * size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 1024;
   static_assert(kN == 32 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
-  static_assert(kD % kOutN == 0, "dQ columns come in compiled wgmma widths");
 };
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
-  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kOutN = Tile::kOutN;
+  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kNT = kN / 8, kDT = kD / 8;
   using QTile = typename Tile::QTile;
@@ -247,12 +218,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
   const uint32_t sdO = sQ + QTile::kBytes;
   const uint32_t sK0 = sdO + QTile::kBytes;
   const uint32_t sV0 = sK0 + Tile::kStages * KVTile::kBytes;
+  // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
   auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
-  // Causal blocks further down the sequence visit more keys: start them first.
-  const bool causal = p.mask.window_right >= 0;
-  const int m_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, m_block);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, tc::HeavyFirstBlock(p.mask));
   const MaskPolicy& pol = blk.pol;
   const tc::KeyTiles tiles = blk.tiles;
   const int r0 = blk.r0;
@@ -273,11 +242,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
   rows.Load(p, pol, blk.batch, blk.head, r0 + warp_row0, lane);
 
   float dq[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq[dt][i] = 0.f;
-  auto& dq_flat = reinterpret_cast<float(&)[kD / 2]>(dq);
+  tc::Zero(dq);
 
   if (tiles.begin < tiles.end) {
     const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(p.shape, blk.batch, blk.head, r0);
@@ -303,42 +268,28 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
 
     // ---- S = Q Kᵀ, then dP = dO Vᵀ
     float s[kNT][4], dp[kNT][4];
-    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s);
-    auto& dp_flat = reinterpret_cast<float(&)[kN / 2]>(dp);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
-    }
+    ProductSS<T, QTile, KVTile, kD, kN>(s, sQ_rows, sK);
     WgmmaCommit();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kN>::SS(dp_flat, KMajorDescriptor<QTile>(sdO_rows, kk), KMajorDescriptor<KVTile>(sV, kk), kk > 0);
-    }
+    ProductSS<T, QTile, KVTile, kD, kN>(dp, sdO_rows, sV);
     WgmmaCommit();
 
     // ---- P while dP runs; then dS = P ∘ (dP - delta) and dQ += dS K
     WgmmaWait<1>();
-    FenceAccumulator(s_flat);
+    FenceAccumulator(s);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2);
     WgmmaWait<0>();
-    FenceAccumulator(dp_flat);
+    FenceAccumulator(dp);
     tc::QueryMajorDs(s, dp, rows);
     uint32_t da[kN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk)
-#pragma unroll
-      for (int n0 = 0; n0 < kD; n0 += kOutN) {
-        Wgmma<T, kOutN>::RS(reinterpret_cast<float(&)[kOutN / 2]>(dq[n0 / 8]), da[kk],
-                            MnMajorDescriptor<KVTile>(sK, kk, n0), true);
-      }
+    ProductRS<T, KVTile, kN, kD>(dq, da, sK, 0);
     WgmmaCommit();
     WgmmaWait<0>();  // the stage of K is refilled after the next barrier
-    FenceAccumulator(dq_flat);
+    FenceAccumulator(dq);
   }
 
   tc::StoreQueryGrad<T>(dq, p, pol, blk.batch, blk.head, r0 + warp_row0, lane);
@@ -390,33 +341,9 @@ template <typename T, typename Tile>
 Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename Tile::DkDv;
   using Dq = typename Tile::Dq;
-  const AttentionShape& sh = p.shape;
-  constexpr auto dkdv = DkDvKernel<T, DkDv>;
-  constexpr auto dq = DqKernel<T, Dq>;
-  Status st = EnsureDynamicSmem<dkdv>(DkDv::kSmemBytes, device);
-  if (!st.ok()) return st;
-  st = EnsureDynamicSmem<dq>(Dq::kSmemBytes, device);
-  if (!st.ok()) return st;
-  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
-
-  st = tc::LaunchDelta<T>(p, stream);
-  if (!st.ok()) return st;
-  // q_len == 0 or kv_len == 0 leaves a grid empty; the other kernel still
-  // writes its zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
-  if (sh.kv_len > 0) {
-    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, DkDv::kN)), static_cast<unsigned>(sh.kv_heads),
-                    static_cast<unsigned>(sh.batch * DkDv::kSplits));
-    dkdv<<<grid, DkDv::kThreads, DkDv::kSmemBytes, stream>>>(p);
-    st = CheckLaunch("attention backward (dK, dV; sm90)");
-    if (!st.ok()) return st;
-  }
-  if (sh.q_len > 0) {
-    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, Dq::kM)), static_cast<unsigned>(sh.q_heads),
-                    static_cast<unsigned>(sh.batch));
-    dq<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p);
-    st = CheckLaunch("attention backward (dQ; sm90)");
-  }
-  return st;
+  return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
+      p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::kSmemBytes}, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes},
+      device, stream);
 }
 
 template <typename T, int kD>

@@ -36,15 +36,12 @@ struct FwdTile {
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kNT = kN / 8;  // n8 tiles of scores per warp
   static constexpr int kDT = kD / 8;  // n8 tiles of output per warp
-  // P·V is issued in column chunks of at most 128 (the widest wgmma compiled).
-  static constexpr int kOutN = kD < 128 ? kD : 128;
   static constexpr int kStages = 2;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
   static constexpr size_t kSmemBytes = size_t(QTile::kBytes) + 2 * kStages * KVTile::kBytes + 1024;
   static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
-  static_assert(kD % kOutN == 0 && (kOutN == 64 || kOutN == 128), "output chunks use the compiled wgmma widths");
 };
 
 // Tile candidates per head-dim bucket: FwdTile<kD, warpgroups, keys per tile,
@@ -77,7 +74,7 @@ template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
 #if defined(JAXFLASH_SM90A)
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
-  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kOutN = Tile::kOutN;
+  constexpr int kNT = Tile::kNT, kDT = Tile::kDT;
   constexpr int kThreads = Tile::kThreads;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
@@ -90,11 +87,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
   auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
-  // Causal blocks further down the sequence visit more keys: start them first
-  // so the short ones fill the tail of the grid.
-  const bool causal = p.mask.window_right >= 0;
-  const int m_block = causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, m_block);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, tc::HeavyFirstBlock(p.mask));
   const MaskPolicy& pol = blk.pol;
   const tc::KeyTiles tiles = blk.tiles;
   const int r0 = blk.r0, r_end = blk.r_end;
@@ -118,25 +111,14 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   const uint32_t sQ_rows = sQ + warpgroup * 64 * 128;
 
   float o[1][kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) o[0][dt][i] = 0.f;
-  auto& o_flat = reinterpret_cast<float(&)[kD / 2]>(o[0]);
+  tc::Zero(o[0]);
   tc::OnlineSoftmax<1> softmax;
   softmax.Init();
   uint32_t pa[kN / 16][4];  // P of the previous key tile, packed as the A operand of P·V
 
   // O += P·V for the previous tile, V read MN-major from stage `sV`.
   auto issue_pv = [&](uint32_t sV) {
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-#pragma unroll
-      for (int n0 = 0; n0 < kD; n0 += kOutN) {
-        auto& o_chunk = reinterpret_cast<float(&)[kOutN / 2]>(o[0][n0 / 8]);
-        Wgmma<T, kOutN>::RS(o_chunk, pa[kk], MnMajorDescriptor<KVTile>(sV, kk, n0), true);
-      }
-    }
+    ProductRS<T, KVTile, kN, kD>(o[0], pa, sV, 0);
     WgmmaCommit();
   };
 
@@ -164,12 +146,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     // ---- S = Q Kᵀ (the first k step overwrites s), then P_{n-1}·V_{n-1}
     const uint32_t sK = stage(sK0, it);
     float s[1][kNT][4];
-    auto& s_flat = reinterpret_cast<float(&)[kN / 2]>(s[0]);
     WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      Wgmma<T, kN>::SS(s_flat, KMajorDescriptor<QTile>(sQ_rows, kk), KMajorDescriptor<KVTile>(sK, kk), kk > 0);
-    }
+    ProductSS<T, QTile, KVTile, kD, kN>(s[0], sQ_rows, sK);
     WgmmaCommit();
     if (it > 0) {
       issue_pv(stage(sV0, it - 1));
@@ -177,7 +155,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     } else {
       WgmmaWait<0>();
     }
-    FenceAccumulator(s_flat);
+    FenceAccumulator(s[0]);
 
     // ---- scale into log2 units, mask, online softmax
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
@@ -187,7 +165,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- once P·V is done: rescale O to the new row max, keep P for the next step
     WgmmaWait<0>();
-    FenceAccumulator(o_flat);
+    FenceAccumulator(o[0]);
     softmax.Rescale(o, alpha);
 #pragma unroll
     for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(s[0], kk, pa[kk]);
@@ -201,7 +179,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     WgmmaFence();
     issue_pv(stage(sV0, tiles.end - 1 - tiles.begin));
     WgmmaWait<0>();
-    FenceAccumulator(o_flat);
+    FenceAccumulator(o[0]);
   }
 
   tc::StoreOutput<T>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane);

@@ -119,10 +119,12 @@ __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 // The accumulator registers are written by the tensor cores until the wait
 // returns; re-defining them in an empty volatile statement after the wait
 // keeps the compiler from moving any read of them above it.
-template <int kN>
-__device__ __forceinline__ void FenceAccumulator(float (&d)[kN]) {
+template <int kTiles>
+__device__ __forceinline__ void FenceAccumulator(float (&d)[kTiles][4]) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
 
 // ------------------------------------------------------------ wgmma
@@ -190,6 +192,38 @@ JAXFLASH_WGMMA(__half, "f16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65"
 #undef JAXFLASH_ACC32
 #undef JAXFLASH_ACC16
 #undef JAXFLASH_ACC4
+
+// ------------------------------------------------------------ whole products
+// The loops every kernel issues (callers fence before and commit after).
+//
+// d = A·Bᵀ over a reduction of kK columns: A is the 64 rows at `a` of a
+// K-major ATile (a warpgroup's row block), B the kN rows of the K-major BTile
+// at `b`; d is this warp's share of the 64 x kN accumulator.
+template <typename T, typename ATile, typename BTile, int kK, int kN>
+__device__ __forceinline__ void ProductSS(float (&d)[kN / 8][4], uint32_t a, uint32_t b) {
+  auto& flat = reinterpret_cast<float(&)[kN / 2]>(d);
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    Wgmma<T, kN>::SS(flat, KMajorDescriptor<ATile>(a, kk), KMajorDescriptor<BTile>(b, kk), kk > 0);
+  }
+}
+
+// d += A·B over a reduction of kK rows: A from registers (one packed fragment
+// per 16 rows, PackAFragment), B columns [n0, n0 + kCols) of the MN-major
+// BTile at `b`, issued in chunks of at most 128 columns (the widest wgmma).
+template <typename T, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void ProductRS(float (&d)[kCols / 8][4], const uint32_t (&a)[kK / 16][4], uint32_t b,
+                                          int n0) {
+  constexpr int kChunk = kCols < 128 ? kCols : 128;
+  static_assert(kCols % kChunk == 0 && kChunk % 32 == 0, "output columns come in compiled wgmma widths");
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk)
+#pragma unroll
+    for (int c = 0; c < kCols; c += kChunk) {
+      Wgmma<T, kChunk>::RS(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), a[kk],
+                           MnMajorDescriptor<BTile>(b, kk, n0 + c), true);
+    }
+}
 
 }  // namespace sm90
 }  // namespace jaxflash
