@@ -286,6 +286,29 @@ def _fused_unsupported(call: _Call, name: str, explicit: bool = True) -> str | N
   return None
 
 
+# The automatic order (implementation=None) follows same-run measurements
+# (docs/performance.md, fourth session, bf16, S = 4k and 16k): on Hopper the
+# Pallas kernels beat the native ones at head_dim <= 64 in 16-bit types, in the
+# forward (+11-14%) and forward+backward (+29-33%); at 128 and 256 the native
+# kernels win forward+backward (+6-10%, 2x). Elsewhere native comes first.
+_PALLAS_FIRST_DEVICES = ("H100", "H200")
+_PALLAS_FIRST_MAX_HEAD_DIM = 64
+_PALLAS_FIRST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def _device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def _automatic_order(call: _Call) -> tuple[str, str]:
+  """The fused implementations in the order `implementation=None` tries them."""
+  if (_platform() == "gpu" and call.q.dtype in _PALLAS_FIRST_DTYPES
+      and call.q.shape[-1] <= _PALLAS_FIRST_MAX_HEAD_DIM
+      and any(kind in _device_kind() for kind in _PALLAS_FIRST_DEVICES)):
+    return ("pallas", "native")
+  return ("native", "pallas")
+
+
 def _choose(call: _Call, implementation) -> str:
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
@@ -296,7 +319,7 @@ def _choose(call: _Call, implementation) -> str:
     return implementation
   if implementation is not None:
     return implementation
-  for name in ("native", "pallas"):
+  for name in _automatic_order(call):
     if _fused_unsupported(call, name, explicit=False) is None:
       return name
   return "xla"
@@ -324,10 +347,10 @@ def dot_product_attention(
   top-left ``is_causal``, ``(left, right)`` ``local_window_size`` and sequence
   lengths. ``implementation``:
 
-  * ``None`` — the first implementation that supports the call here:
-    ``native``, else ``pallas``, else ``xla``. (On an H100 the Pallas kernels
-    currently measure faster than the native ones at head_dim 128; see
-    docs/performance.md. The order will follow a measured table.)
+  * ``None`` — the first implementation that supports the call here, in
+    a measured order: ``native``, else ``pallas``, else ``xla``; on H100/H200
+    GPUs with float16/bfloat16 and head_dim <= 64, ``pallas`` before
+    ``native`` (faster there; docs/performance.md).
   * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
   * ``"pallas"`` — the jaxflash Pallas kernels.
   * ``"xla"`` — plain ``jax.numpy`` (materialises the scores; supports
