@@ -89,7 +89,7 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
 }
 
 template <typename T>
-Status BackwardBucket(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const int bucket = HeadDimBucket(p.shape.head_dim);
   if (Sm90Allowed(p.tile, device)) {
     switch (bucket) {
@@ -99,12 +99,12 @@ Status BackwardBucket(const BwdParams& p, void* workspace, const CudaDevice& dev
     }
   }
   switch (bucket) {
-    case 32: return sm80::LaunchBackward<T, 32>(p, workspace, device, stream);
-    case 64: return sm80::LaunchBackward<T, 64>(p, workspace, device, stream);
-    case 96: return sm80::LaunchBackward<T, 96>(p, workspace, device, stream);
-    case 128: return sm80::LaunchBackward<T, 128>(p, workspace, device, stream);
-    case 192: return sm80::LaunchBackward<T, 192>(p, workspace, device, stream);
-    case 256: return sm80::LaunchBackward<T, 256>(p, workspace, device, stream);
+    case 32: return sm80::LaunchBackward<T, 32>(p, device, stream);
+    case 64: return sm80::LaunchBackward<T, 64>(p, device, stream);
+    case 96: return sm80::LaunchBackward<T, 96>(p, device, stream);
+    case 128: return sm80::LaunchBackward<T, 128>(p, device, stream);
+    case 192: return sm80::LaunchBackward<T, 192>(p, device, stream);
+    case 256: return sm80::LaunchBackward<T, 256>(p, device, stream);
   }
   return Status::Unimplemented("no tensor-core backward for head_dim " + std::to_string(p.shape.head_dim));
 }
@@ -151,13 +151,13 @@ Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaSt
 
 size_t CudaBackwardWorkspaceBytes(const BwdParams& p, const CudaDevice& device) {
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtBackwardWorkspaceBytes(p);
-  return sm80::BackwardWorkspaceBytes(p);
+  return 0;  // the tensor-core backwards use only the delta output (p.delta)
 }
 
 Status CudaAttentionBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionBackward(p, workspace, stream);
-  if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, workspace, device, stream);
-  return BackwardBucket<__nv_bfloat16>(p, workspace, device, stream);
+  if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, device, stream);
+  return BackwardBucket<__nv_bfloat16>(p, device, stream);
 }
 
 }  // namespace jaxflash

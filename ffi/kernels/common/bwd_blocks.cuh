@@ -24,8 +24,6 @@
 namespace jaxflash {
 namespace tc {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // ------------------------------------------------------------ delta
 // delta[b][h][t] = rowsum(dO * O) - dLSE, one warp per row (rows walked in
 // O's [b][t][h] order so a warp reads one contiguous row).
@@ -64,7 +62,7 @@ Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
   if (rows == 0) return Status::Ok();
-  DeltaKernel<T><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(p);
+  DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p);
   return CheckLaunch("attention backward (delta)");
 }
 

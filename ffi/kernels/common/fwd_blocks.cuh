@@ -133,6 +133,13 @@ __device__ __forceinline__ void PackAFragment(const float (&p)[kNT][4], int kk, 
   a[3] = ElemTraits<T>::Pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
 }
 
+// All kNT / 2 A fragments of a tile of probabilities, one per k step.
+template <typename T, int kNT>
+__device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_t (&a)[kNT / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kNT / 2; ++kk) PackAFragment<T>(p, kk, a[kk]);
+}
+
 // Normalises the output accumulator, then writes this warp's rows of O
 // (columns below head_dim) and LSE. Rows past q_len are not stored; rows past
 // the batch element's q_valid (padding queries) get O = 0 and LSE = -inf,

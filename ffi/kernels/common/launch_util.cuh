@@ -70,10 +70,12 @@ template <typename... Tiles>
 struct TileList {
   static constexpr int kSize = sizeof...(Tiles);
 
-  // Calls launch(Tile{}) for the index-th tile (0-based): the one place a
-  // runtime tile index becomes a compiled kernel.
+  // Calls launch(Tile{}) for the tile `forced` names (> 0, 1-based, from the
+  // tuning script and the tests) or else the table's pick (0-based): the one
+  // place a runtime tile index becomes a compiled kernel.
   template <typename Launch>
-  static Status With(int index, Launch&& launch) {
+  static Status With(int forced, int table_pick, Launch&& launch) {
+    const int index = forced > 0 ? forced - 1 : table_pick;
     if (index < 0 || index >= kSize) {
       return Status::Unimplemented("tile candidate " + std::to_string(index + 1) + " does not exist (" +
                                    std::to_string(kSize) + " compiled)");
@@ -84,9 +86,5 @@ struct TileList {
     return st;
   }
 };
-
-// Index into a TileList: `forced` (> 0, 1-based, from the tuning script) or
-// the table's pick.
-inline int TileIndex(int forced, int table_pick) { return forced > 0 ? forced - 1 : table_pick; }
 
 }  // namespace jaxflash

@@ -69,6 +69,9 @@ __device__ __forceinline__ void Mma<__nv_bfloat16>(float (&d)[4], const uint32_t
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Scores are scaled into log2 units so the softmax can use exp2.
+constexpr float kLog2e = 1.4426950408889634f;
+
 // Sets accumulator tiles (one float[4] per m16n8 tile, the layout above) to zero.
 template <int kTiles>
 __device__ __forceinline__ void Zero(float (&d)[kTiles][4]) {

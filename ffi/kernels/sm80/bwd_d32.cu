@@ -3,7 +3,7 @@
 
 namespace jaxflash {
 namespace sm80 {
-template Status LaunchBackward<__half, 32>(const BwdParams&, void*, const CudaDevice&, cudaStream_t);
-template Status LaunchBackward<__nv_bfloat16, 32>(const BwdParams&, void*, const CudaDevice&, cudaStream_t);
+template Status LaunchBackward<__half, 32>(const BwdParams&, const CudaDevice&, cudaStream_t);
+template Status LaunchBackward<__nv_bfloat16, 32>(const BwdParams&, const CudaDevice&, cudaStream_t);
 }  // namespace sm80
 }  // namespace jaxflash

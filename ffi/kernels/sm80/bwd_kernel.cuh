@@ -305,10 +305,9 @@ struct BwdTilesFor {
 };
 
 template <typename T, int kD>
-Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename BwdTilesFor<kD>::DkDv;
   using Dq = typename BwdTilesFor<kD>::Dq;
-  (void)workspace;  // BackwardWorkspaceBytes is 0: delta is the caller's output (p.delta)
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
       p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::template SmemBytes<T>()},
       {Dq::kM, 1, Dq::kThreads, Dq::template SmemBytes<T>()}, device, stream);

@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     tc::CpAsyncCommit();
   }
 
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = p.scale * tc::kLog2e;
 
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int c0 = nb * kN;
@@ -211,8 +211,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool causal = p.mask.window_right >= 0;
-  const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
-  return FwdCandidates<kD>::type::With(index, [&](auto tile) {
+  return FwdCandidates<kD>::type::With(p.tile, FwdTilePick(kD, causal), [&](auto tile) {
     using Tile = decltype(tile);
     return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::template SmemBytes<T>(), device,
                                                  stream, "attention forward");

@@ -19,11 +19,7 @@ template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
 template <typename T, int kD>
-Status LaunchBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream);
-
-// Backward scratch beyond the delta output: none (dQ is written directly,
-// see bwd_kernel.cuh).
-inline size_t BackwardWorkspaceBytes(const BwdParams&) { return 0; }
+Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
 }  // namespace sm80
 }  // namespace jaxflash

@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, lse, lane, scale_log2);
     uint32_t pa[kM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(s, kk, pa[kk]);
+    tc::PackAFragments<T>(s, pa);
     WgmmaFence();
     ProductRS<T, QTile, kM, kDOut>(dv, pa, sdO, d_base);
     WgmmaCommit();
@@ -170,8 +169,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     FenceAccumulator(dp);
     tc::KeyMajorDs(s, dp, delta, lane);
     uint32_t da[kM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
+    tc::PackAFragments<T>(dp, da);
     WgmmaFence();
     ProductRS<T, QTile, kM, kDOut>(dk, da, sQ, d_base);
     WgmmaCommit();
@@ -283,8 +281,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     FenceAccumulator(dp);
     tc::QueryMajorDs(s, dp, rows);
     uint32_t da[kN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(dp, kk, da[kk]);
+    tc::PackAFragments<T>(dp, da);
     WgmmaFence();
     ProductRS<T, KVTile, kN, kD>(dq, da, sK, 0);
     WgmmaCommit();
@@ -350,9 +347,8 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool causal = p.mask.window_right >= 0;
-  const int index = TileIndex(p.tile, BwdTilePick(kD, causal));
   return BwdCandidates<kD>::type::With(
-      index, [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
+      p.tile, BwdTilePick(kD, causal), [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 
 }  // namespace sm90

@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     load_tile(sK0, blk.k, tiles.begin);
     tc::CpAsyncCommit();
   }
-  const float scale_log2 = p.scale * 1.4426950408889634f;
+  const float scale_log2 = p.scale * tc::kLog2e;
 
   // Software pipeline, one barrier per key tile: iteration n computes
   // S_n = Q·K_nᵀ and, while its softmax runs, P_{n-1}·V_{n-1} on the tensor
@@ -167,8 +167,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     WgmmaWait<0>();
     FenceAccumulator(o[0]);
     softmax.Rescale(o, alpha);
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) tc::PackAFragment<T>(s[0], kk, pa[kk]);
+    tc::PackAFragments<T>(s[0], pa);
   }
 
   // ---- the last tile's P·V
@@ -189,8 +188,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool causal = p.mask.window_right >= 0;
-  const int index = TileIndex(p.tile, FwdTilePick(kD, causal));
-  return FwdCandidates<kD>::type::With(index, [&](auto tile) {
+  return FwdCandidates<kD>::type::With(p.tile, FwdTilePick(kD, causal), [&](auto tile) {
     using Tile = decltype(tile);
     return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,
                                                  "attention forward (sm90)");
