@@ -360,10 +360,13 @@ def dot_product_attention(
   Naming an implementation that cannot serve the call raises ``ValueError``; it
   never silently falls back.
 
-  Differences from ``jax.nn``: a query row that can see no key (all masked, or
-  beyond ``query_seq_lengths``) returns zeros with zero gradients and a
-  residual of ``-inf``; ``jax.nn`` averages the values of such a row (except
-  for padded query rows, which it also zeroes). The residual is differentiable.
+  Differences from ``jax.nn`` (README): a query row that can see no key (all
+  masked, or beyond ``query_seq_lengths``) returns zeros with zero gradients
+  and a residual of the dtype's lowest finite value (log 0 without an inf);
+  ``jax.nn`` averages the values of such a row. NaN and Inf in the inputs reach
+  the rows that can see them, as in ``jax.nn``, and never a row that cannot
+  (``jax.nn`` lets 0 * NaN of masked keys through). The residual is
+  differentiable.
 
   Keyword-only extras:
     causal_alignment: ``"top_left"`` (``jax.nn``'s) or ``"bottom_right"``: put
@@ -399,9 +402,9 @@ def dot_product_attention(
         return_residual=return_residual)
 
   if B * T * N == 0 or S == 0:
-    # Nothing to attend to (or nothing asks): zeros, and -inf row statistics.
+    # Nothing to attend to (or nothing asks): zeros, and empty-row statistics.
     out = jnp.zeros_like(q)
-    lse = jnp.full((B, N, T), -jnp.inf, jnp.float32)
+    lse = jnp.full((B, N, T), reference.empty_lse(jnp.float32))
   elif chosen == "xla":
     out, lse = reference.attention(
         q, call.k, call.v, scale=call.spec.scale, bias=call.bias, mask=call.mask,
@@ -409,7 +412,6 @@ def dot_product_attention(
         causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths)
-    lse = lse.astype(jnp.float32)
   else:
     q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
@@ -419,4 +421,4 @@ def dot_product_attention(
   if not return_residual:
     return out
   lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
-  return out, lse.astype(residual_dtype if residual_dtype is not None else q.dtype)
+  return out, reference.cast_lse(lse, residual_dtype if residual_dtype is not None else q.dtype)

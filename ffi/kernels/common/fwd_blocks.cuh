@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "common/exact_rows.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
@@ -141,9 +142,11 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
 }
 
 // Normalises the output accumulator, then writes this warp's rows of O
-// (columns below head_dim) and LSE. Rows past q_len are not stored; rows past
-// the batch element's q_valid (padding queries) get O = 0 and LSE = -inf,
-// since tiles the policy found full for the real rows were not masked for them.
+// (columns below head_dim) and LSE. Rows past q_len are not stored; rows that
+// see no key (padding queries past q_valid among them) get O = 0 and
+// kEmptyRowLse, since tiles the policy found full for the real rows were not
+// masked for them. A row whose O has a NaN while its LSE is finite may hold a
+// masked pair's 0 * NaN from P·V: it is recomputed exactly (exact_rows.cuh).
 // The addresses are recomputed from the parameters (constant memory) rather
 // than kept in registers through the main loop.
 template <typename T, int kMT, int kDT>
@@ -158,25 +161,35 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
   softmax.Finalize(o, lse);
   T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
+  bool redo[2 * kMT];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
       const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
+      const bool keys = pol.HasKeys(r0 + row);
+      bool nan = false;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) nan |= isnan(o[mt][dt][2 * half]) || isnan(o[mt][dt][2 * half + 1]);
+      redo[r] = keys && QuadAny(nan) && isfinite(lse[r]);
       if (r0 + row >= sh.q_len) continue;
-      const bool real = r0 + row < pol.q_valid;
+      if (t == 0) gLse[r0 + row] = keys ? lse[r] : kEmptyRowLse;
+      if (redo[r]) continue;
       T* dst = gO + row * q_row_stride;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const int col = dt * 8 + 2 * t;
         if (col < head_dim) {
           *reinterpret_cast<uint32_t*>(dst + col) =
-              real ? ElemTraits<T>::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
+              keys ? ElemTraits<T>::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
         }
       }
-      if (t == 0) gLse[r0 + row] = real ? lse[mt * 2 + half] : -INFINITY;
     }
   }
+  ForEachFlaggedRow(redo, warp_row0, lane, [&](int r, int row, int src) {
+    ExactOutputRow<T>(p, batch, head, r0 + row, __shfl_sync(0xffffffffu, lse[r], src), lane);
+  });
 }
 
 }  // namespace tc

@@ -46,11 +46,12 @@ struct OnlineSoftmax {
         float mx = m[r];
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         }
         mx = QuadMax(mx);
-        // A row that has seen only masked scores keeps m = -inf; subtracting 0
-        // instead keeps exp2(-inf - ...) at 0 rather than NaN.
+        // A row that has seen only masked (or -inf) scores keeps m = -inf;
+        // subtracting 0 instead keeps exp2(-inf - ...) at 0 rather than NaN.
+        // A NaN score makes m, and so the whole row, NaN.
         const float ref = mx == -INFINITY ? 0.f : mx;
         alpha[r] = Exp2(m[r] - ref);
         m[r] = mx;
@@ -86,8 +87,11 @@ struct OnlineSoftmax {
     Rescale(o, alpha);
   }
 
-  // Normalises o by the row sums and returns the natural-log LSE per row
-  // (-inf, with o = 0, for rows that saw no visible key).
+  // Normalises o by the row sums and returns the natural-log LSE per row, as
+  // a dense softmax over the scores seen would: a +inf or NaN score leaves the
+  // row and its LSE NaN, and a row whose scores were all -inf (or masked) has
+  // sum 0, so 0 / 0 = NaN and LSE -inf. Which rows see no key at all is the
+  // mask's business, not the sum's: the caller zeroes those (StoreOutput).
   template <int kDT>
   __device__ __forceinline__ void Finalize(float (&o)[kMT][kDT][4], float (&lse)[kRows]) {
     constexpr float kLn2 = 0.6931471805599453f;
@@ -97,9 +101,8 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
         const float sum = QuadSum(l[r]);
-        const bool empty = m[r] == -INFINITY || !(sum > 0.f);
-        const float inv = empty ? 0.f : 1.f / sum;
-        lse[r] = empty ? -INFINITY : (m[r] + __log2f(sum)) * kLn2;
+        const float inv = 1.f / sum;
+        lse[r] = (m[r] + __log2f(sum)) * kLn2;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
           o[mt][dt][2 * half] *= inv;
