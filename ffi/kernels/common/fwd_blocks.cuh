@@ -61,12 +61,18 @@ struct FwdBlock {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
   }
 
+  // Row block m_block of (batch, head); the grid-shaped kernels take head and
+  // batch from blockIdx.y and .z, the persistent ones from their scheduler.
   template <int kM, int kN, typename Params>  // FwdParams or BwdParams
   __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block) {
+    return At<kM, kN>(p, m_block, blockIdx.y, blockIdx.z);
+  }
+  template <int kM, int kN, typename Params>
+  __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block, int head, int batch) {
     const AttentionShape& sh = p.shape;
     FwdBlock b;
-    b.batch = blockIdx.z;
-    b.head = blockIdx.y;
+    b.batch = batch;
+    b.head = head;
     const int kv_head = b.head / static_cast<int>(sh.group_size());
     b.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, b.batch);
