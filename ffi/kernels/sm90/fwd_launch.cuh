@@ -24,25 +24,26 @@ template <int kD>
 struct FwdCandidates;
 template <>
 struct FwdCandidates<64> {
-  using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 64, 6, 3>, WsFwdTile<64, 128, 4, 2, false>,
-                        FwdTile<64, 1, 128, 3>, FwdTile<64, 2, 128>>;
+  using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 176, 4>, WsFwdTile<64, 128, 4, 2, false>,
+                        WsFwdTile<64, 64, 6, 3>, FwdTile<64, 1, 128, 3>>;
 };
 template <>
 struct FwdCandidates<128> {
-  using type = TileList<WsFwdTile<128, 128, 2>, WsFwdTile<128, 128, 2, 2, false>, WsFwdTile<128, 64, 4>,
-                        FwdTile<128, 2, 128>, FwdTile<128, 1, 64, 2>>;
+  using type = TileList<WsFwdTile<128, 128, 2>, WsFwdTile<128, 128, 2, 2, false>,
+                        FwdTile<128, 2, 128>>;
 };
 template <>
 struct FwdCandidates<256> {
-  using type = TileList<WsFwdTile<256, 64, 2>, WsFwdTile<256, 64, 2, 2, false>, FwdTile<256, 2, 64>>;
+  using type = TileList<WsFwdTile<256, 64, 2>, WsFwdTile<256, 64, 2, 2, false>,
+                        FwdTile<256, 2, 64>>;
 };
 
-// The tile table: index into FwdCandidates<kD>. Until the warp-specialised
-// candidates are measured on a GPU the table keeps the cp.async picks
-// (2026-11-21: one-warpgroup CTAs at D = 64, two-warpgroup CTAs above).
-inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) {
-  return head_dim_bucket == 64 ? 3 : head_dim_bucket == 128 ? 3 : 2;
-}
+// The tile table: index into FwdCandidates<kD>, measured on an H100 with
+// tools/tune_tiles.py (2026-11-23, docs/performance.md): the warp-specialised
+// kernel without ping-pong turns won or tied at every head dim (at D = 64 the
+// 176-key tile tied it; it is not the pick because it is the newest and least
+// tested shape).
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 2 : 1; }
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {

@@ -28,6 +28,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <type_traits>
 
 #include "common/fwd_blocks.cuh"
 #include "common/launch_util.cuh"
@@ -68,7 +69,7 @@ struct WsFwdTile {
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
   static constexpr size_t kSmemBytes =
       size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
-  static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
+  static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
   // Named barriers: the consumers' turns, then one per consumer's epilogue.
   static constexpr int kTurnBarrier = 1;
@@ -251,43 +252,83 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       MBarrier::Wait(sm.QFull(), q_parity);
       q_parity ^= 1;
       uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
-      RingPosition<Tile::kStages> prev;
-      for (int nb = w.keys.begin; nb < w.keys.end; ++nb) {
-        const bool first = nb == w.keys.begin;
+      float s[1][kNT][4];
+      // Masks (if kMasked) and folds S_n into the softmax state; returns the
+      // factor the output must be rescaled by. A positive scale rides in the
+      // exponent's FFMA (the usual case); any other is applied first.
+      auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
+        constexpr bool kMasked = decltype(masked)::value;
         const int c0 = nb * kN;
-        float s[1][kNT][4];
+        if (scale_log2 > 0.f) {
+          if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
+          softmax.Scores(s, alpha, scale_log2);
+        } else {
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+          softmax.Scores(s, alpha);
+        }
+      };
+      // Q's address passes through an empty asm before each use, so the
+      // compiler rebuilds its kD / 16 descriptors per product instead of
+      // holding them (two registers each) across the loop.
+      auto q_rows = [&] {
+        uint32_t a = sQ_rows;
+        asm volatile("" : "+r"(a));
+        return a;
+      };
+      // Every product is issued right after its wgmma.fence, in one basic
+      // block with no wait loop between: otherwise the compiler adds fences
+      // of its own on a path it cannot prove uniform and serialises the
+      // wgmma (ptxas C7520). So all waits come first.
+      // The first key tile: S only.
+      float alpha[2];
+      MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+      await_turn();
+      WgmmaFence();
+      ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
+      WgmmaCommit();
+      pass_turn();
+      WgmmaWait<0>();
+      FenceAccumulator(s[0]);
+      release(sm.KEmpty(ring.stage));
+      softmax_step(w.keys.begin, std::true_type{}, alpha);
+      tc::PackAFragments<T>(s[0], pa);
+      RingPosition<Tile::kStages> prev = ring;
+      ring.Advance();
+      // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
+      // S_n runs while P·V is still on the tensor cores.
+      auto steady_step = [&](int nb, auto masked) {
         MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+        MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
         await_turn();
         WgmmaFence();
-        ProductSS<T, QTile, KVTile, kD, kN>(s[0], sQ_rows, sm.K(ring.stage));
+        ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
         WgmmaCommit();
-        if (!first) {
-          MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
-          ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
-          WgmmaCommit();
-          pass_turn();
-          WgmmaWait<1>();  // S is done; P·V may still run
-        } else {
-          pass_turn();
-          WgmmaWait<0>();
-        }
+        ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<1>();  // S is done; P·V may still run
         FenceAccumulator(s[0]);
         release(sm.KEmpty(ring.stage));
-
-        const bool full = w.pol.TileIsFull(r0, w.r_end, c0, c0 + kN);
-        tc::ScaleAndMask(s, w.pol, full, r0, warp_row0, c0, lane, scale_log2);
-        float alpha[2];
-        softmax.Scores(s, alpha);
-        if (!first) {
-          WgmmaWait<0>();
-          FenceAccumulator(o[0]);
-          release(sm.VEmpty(prev.stage));
-        }
+        softmax_step(nb, masked, alpha);
+        WgmmaWait<0>();
+        FenceAccumulator(o[0]);
+        release(sm.VEmpty(prev.stage));
         softmax.Rescale(o, alpha);
         tc::PackAFragments<T>(s[0], pa);
         prev = ring;
         ring.Advance();
+      };
+      // Tiles every row sees whole skip the mask: three loops rather than a
+      // branch per tile, which the compiler would turn into selects. At
+      // kD = 256 the three copies' register demand spills; one masked loop
+      // costs little there (the products are long).
+      int nb = w.keys.begin + 1;
+      if constexpr (Tile::kD <= 128) {
+        const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
+        for (; nb < MinInt(full.begin, w.keys.end); ++nb) steady_step(nb, std::true_type{});
+        for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
       }
+      for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
       // The last tile's P·V.
       MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
       await_turn();
