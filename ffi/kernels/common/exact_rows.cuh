@@ -63,10 +63,11 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
   return batch * sh.kv_batch_stride() + kv_head * sh.head_dim;
 }
 
-// Row `row` of O for (batch, head), given its (correct) natural-log LSE.
-template <typename T>
+// Row `row` of O for (batch, head), given its (correct) natural-log LSE;
+// store(d, value) writes column d (global memory, or a kernel's staging tile).
+template <typename T, typename Store>
 __device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, int head, int row, float lse,
-                                               int lane) {
+                                               int lane, Store&& store) {
   const AttentionShape& sh = p.shape;
   const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
   const int dim = static_cast<int>(sh.head_dim);
@@ -82,7 +83,7 @@ __device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, in
       const ExactPair pair = PairOf(q_row, k + j * sh.kv_row_stride(), p.scale, lse, dim);
       if (d < dim) acc += pair.prob * At(v + j * sh.kv_row_stride(), d);
     }
-    if (d < dim) static_cast<T*>(p.o)[q_off + d] = ElemTraits<T>::FromFloat(acc);
+    if (d < dim) store(d, acc);
   }
 }
 
