@@ -338,6 +338,7 @@ def dot_product_attention(
     return_residual: bool = False,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     residual_dtype=None,
+    differentiable_residual: bool = False,
     deterministic: bool = False,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
@@ -365,8 +366,7 @@ def dot_product_attention(
   and a residual of the dtype's lowest finite value (log 0 without an inf);
   ``jax.nn`` averages the values of such a row. NaN and Inf in the inputs reach
   the rows that can see them, as in ``jax.nn``, and never a row that cannot
-  (``jax.nn`` lets 0 * NaN of masked keys through). The residual is
-  differentiable.
+  (``jax.nn`` lets 0 * NaN of masked keys through).
 
   Keyword-only extras:
     causal_alignment: ``"top_left"`` (``jax.nn``'s) or ``"bottom_right"``: put
@@ -376,6 +376,10 @@ def dot_product_attention(
     residual_dtype: dtype of the returned log-sum-exp; ``None`` keeps
       ``jax.nn``'s (the input dtype). ``jnp.float32`` returns the exact value
       the kernels keep.
+    differentiable_residual: with ``return_residual=True``, let gradients flow
+      through the log-sum-exp (its cotangent reaches q and k), for code that
+      merges partial attention results. By default the residual carries no
+      gradient, as in ``jax.nn``: a cotangent for it is ignored.
     deterministic: ask GPU kernels for a bit-reproducible backward (the CPU
       kernels always are).
 
@@ -386,13 +390,18 @@ def dot_product_attention(
   """
   call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                    key_value_seq_lengths, local_window_size, causal_alignment, deterministic)
+  if not isinstance(differentiable_residual, (bool, np.bool_)):
+    raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
+  if differentiable_residual and not return_residual:
+    raise ValueError("differentiable_residual=True needs return_residual=True")
   chosen = _choose(call, implementation)
   q = call.q
   B, T, N, _ = q.shape
   S = call.k.shape[1]
 
   if chosen == "cudnn":
-    if call.spec.bottom_right or residual_dtype is not None or deterministic:
+    if (call.spec.bottom_right or residual_dtype is not None or deterministic
+        or differentiable_residual):
       raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
                        "takes none of jaxflash's extra keywords")
     return jax.nn.dot_product_attention(
@@ -421,4 +430,5 @@ def dot_product_attention(
   if not return_residual:
     return out
   lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
-  return out, reference.cast_lse(lse, residual_dtype if residual_dtype is not None else q.dtype)
+  lse = reference.cast_lse(lse, residual_dtype if residual_dtype is not None else q.dtype)
+  return out, (lse if differentiable_residual else jax.lax.stop_gradient(lse))

@@ -22,8 +22,10 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
 def attention(q, k, v, implementation="native", **kw):
+  """(out, lse) with a differentiable fp32 LSE, so the gradient checks cover dLSE too."""
   return jaxflash.dot_product_attention(q, k, v, implementation=implementation,
-                                        return_residual=True, residual_dtype=jnp.float32, **kw)
+                                        return_residual=True, residual_dtype=jnp.float32,
+                                        differentiable_residual=True, **kw)
 
 
 def baseline(q, k, v, **kw):
