@@ -9,7 +9,9 @@ See `dot_product_attention` for the API (a drop-in for
 
 from jaxflash import reference
 from jaxflash.attention import MAX_FUSED_HEAD_DIM, MaskSpec, dot_product_attention
+from jaxflash.checks import checked
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM", "__version__"]
+__all__ = ["dot_product_attention", "checked", "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM",
+           "__version__"]

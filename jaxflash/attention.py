@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, pallas as _pallas, reference
+from jaxflash import _native, checks, pallas as _pallas, reference
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -359,7 +359,9 @@ def dot_product_attention(
   * ``"cudnn"`` — forwarded to ``jax.nn.dot_product_attention``.
 
   Naming an implementation that cannot serve the call raises ``ValueError``; it
-  never silently falls back.
+  never silently falls back. Sequence lengths outside ``[0, length]`` are
+  clamped, as ``jax.nn``'s masks treat them; run under
+  :func:`jaxflash.checked` to get a ``ValueError`` instead.
 
   Differences from ``jax.nn`` (README): a query row that can see no key (all
   masked, or beyond ``query_seq_lengths``) returns zeros with zero gradients
@@ -394,6 +396,10 @@ def dot_product_attention(
     raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
   if differentiable_residual and not return_residual:
     raise ValueError("differentiable_residual=True needs return_residual=True")
+  # Lengths outside [0, len] are clamped (as jax.nn's masks treat them);
+  # jaxflash.checked turns these into errors.
+  checks.lengths_in_range(call.q_lengths, "query_seq_lengths", call.q.shape[1])
+  checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
   chosen = _choose(call, implementation)
   q = call.q
   B, T, N, _ = q.shape
