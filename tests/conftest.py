@@ -39,6 +39,18 @@ def rng(request):
   return np.random.default_rng(seed)
 
 
+def tiered(values, fast):
+  """`values` as parametrize arguments, each one not in `fast` marked `slow`.
+
+  The GPU suite runs in two tiers: `-m "gpu and not slow"` covers every
+  family, dtype and mask at least once and must stay under five minutes on an
+  H100 with -n 8; `-m "gpu and slow"` is the rest of the sweep. Marks of
+  several parametrize axes add up, so a test is fast only where every axis is.
+  """
+  return [v if any(v is f or v == f for f in fast) else pytest.param(v, marks=pytest.mark.slow)
+          for v in values]
+
+
 def max_abs(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
 
@@ -65,4 +77,5 @@ def random_inputs(rng, B, T, S, N, K, D, dtype, magnitude=1.0):
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-__all__ = ["HAS_GPU", "assert_within_budget", "max_abs", "numpy_reference", "random_inputs"]
+__all__ = ["HAS_GPU", "assert_within_budget", "max_abs", "numpy_reference", "random_inputs",
+           "tiered"]

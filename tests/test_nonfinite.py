@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from conftest import numpy_reference
+from conftest import numpy_reference, tiered
 from jaxflash import _native
 
 POISONS = {  # (tensor, value)
@@ -248,9 +248,9 @@ _ids = lambda x: getattr(x, "__name__", str(x))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mask_name", GPU_MASKS)
+@pytest.mark.parametrize("mask_name", tiered(GPU_MASKS, ["causal", "window", "lengths_causal"]))
 @pytest.mark.parametrize("poison", list(POISONS))
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", tiered([64, 128], [128]))
 def test_nonfinite_cuda_tensor_cores(rng, D, poison, mask_name):
   check_case(rng, "native", poison, mask_name, jnp.bfloat16, GPU_SHAPES[D])
 
@@ -258,7 +258,7 @@ def test_nonfinite_cuda_tensor_cores(rng, D, poison, mask_name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", ["causal", "window", "lengths_causal"])
 @pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan", "v_inf", "do_nan"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=_ids)
+@pytest.mark.parametrize("dtype", tiered([jnp.bfloat16, jnp.float16], [jnp.bfloat16]), ids=_ids)
 def test_nonfinite_cuda_sm80_family(rng, dtype, poison, mask_name):
   with _native.forced_tile(0, sm80=True):
     check_case(rng, "native", poison, mask_name, dtype, GPU_SHAPES[128])

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import tiered
 from jaxflash.pallas import PallasConfig
 from jaxflash.pallas import default_config
 from jaxflash.pallas import pallas_backward
@@ -634,7 +635,7 @@ def test_gpu_matches_reference(case, request):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("index", range(16))
+@pytest.mark.parametrize("index", tiered(range(16), range(4)))
 def test_gpu_random_sweep(index, request):
   rng = np.random.default_rng(2000 + index)
   _run(_random_case(rng, None, max_len=700), request, grads=True)
@@ -642,6 +643,7 @@ def test_gpu_random_sweep(index, request):
 
 @gpu
 @requires_gpu
+@pytest.mark.slow
 def test_gpu_long_sequence(request):
   """16k keys: the forward in bf16 against the float64 reference."""
   case = Case(b=1, t=64, s=16384, hq=4, hkv=1, d=128, dtype=BF16, right=0,
