@@ -51,12 +51,56 @@ def forward(q, k, v, *, scale, **mask):
   return o, lse, p
 
 
-def backward(q, k, v, do, dlse=None, *, scale, **mask):
-  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v."""
+def in_dtype(q, k, v, do, dlse, dtype, *, scale, **mask):
+  """Forward and backward computed in `dtype`: every operation rounded to it.
+
+  The error yardstick of the tolerance rule (docs/design.md §5) without a
+  JAX compilation per shape: the same formulas as `forward` / `backward`,
+  each intermediate rounded to the input dtype (sums and products taken in
+  float64 first, then rounded once, as an accumulator would). Returns
+  (o, lse [B, N, T], dq, dk, dv) as float64; empty rows get EMPTY_LSE.
+  """
+  r = lambda x: np.asarray(x, np.float64).astype(dtype).astype(np.float64)
+  q, k, v, do = (r(x) for x in (q, k, v, do))
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  ke, ve = _expand(k, N), _expand(v, N)
+  vis = visible(B, T, S, **mask)[:, None]
+  sees = vis.any(-1)
+  with np.errstate(all="ignore"):
+    s = np.where(vis, r(r(np.einsum("btnd,bsnd->bnts", q, ke)) * r(scale)), -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(vis, r(np.exp(r(s - m))), 0.0)
+    l = r(e.sum(-1, keepdims=True))
+    p = r(e / np.where(l > 0, l, 1.0))
+    o = r(np.einsum("bnts,bsnd->btnd", p, ve))
+    lse = np.where(sees, r(m[..., 0] + r(np.log(np.where(sees, l[..., 0], 1.0)))), EMPTY_LSE)
+    dv = r(np.einsum("bnts,btnd->bsnd", p, do))
+    dp = r(np.einsum("btnd,bsnd->bnts", do, ve))
+    delta = r(np.einsum("btnd,btnd->bnt", do, o))
+    if dlse is not None:
+      delta = r(delta - np.asarray(dlse, np.float64))
+    ds = r(p * r(dp - delta[..., None]))
+    dq = r(r(np.einsum("bnts,bsnd->btnd", ds, ke)) * scale)
+    dk = r(r(np.einsum("bnts,btnd->bsnd", ds, q)) * scale)
+  fold = lambda x: r(x.reshape(B, S, K, N // K, D).sum(3))
+  return o, lse, dq, fold(dk), fold(dv)
+
+
+def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, **mask):
+  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v.
+
+  `o_stored` (the output as an implementation stored it, say rounded to
+  bfloat16) replaces the exact output in delta = rowsum(dO * O): the
+  gradients a fused backward that reads its stored output computes at best.
+  """
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   B, T, N, D = q.shape
   K = k.shape[2]
   o, lse, p = forward(q, k, v, scale=scale, **mask)
+  if o_stored is not None:
+    o = np.asarray(o_stored, np.float64)
   ke, ve = _expand(k, N), _expand(v, N)
   dv = np.einsum("bnts,btnd->bsnd", p, do)
   dp = np.einsum("btnd,bsnd->bnts", do, ve)

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [sanitize] [bench] [main]
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [sanitize] [bench] [main]
 #                                          (default: build tests sanitize bench main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
 # tests-slow  the rest of the sweep, -m "gpu and slow" (every tile candidate, float16 grids, 32k
 #             sequences, more non-finite cases); tests + tests-slow = the whole GPU suite
+# fuzz        the contract fuzzing alone (tests/test_contract.py on the GPU: 2000 native calls in
+#             8 shards and 200 Pallas ones; JAXFLASH_FUZZ_GPU_EXAMPLES sets the native count)
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
@@ -63,6 +65,10 @@ fi
 
 if has tests-slow; then
   gpu_tier "gpu tests (slow tier)" "gpu and slow" 560 tests_slow.log
+fi
+
+if has fuzz; then
+  PYTEST_K="contract" gpu_tier "contract fuzzing on gpu" "gpu" 560 fuzz.log
 fi
 
 if has sanitize; then
