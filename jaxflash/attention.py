@@ -3,8 +3,12 @@
 `dot_product_attention` validates and normalises its arguments (every bad input
 raises here, at trace time, before any kernel can see it), picks an
 implementation, and for the fused ones (`native`, `pallas`) runs them inside one
-`custom_vjp` whose forward saves (q, k, v, o, lse) and whose backward calls the
-implementation's backward kernels.
+`custom_jvp` (`_fused`): its value comes from the implementation's forward
+kernels, its tangent from a primitive that is linear in the input tangents
+and whose transpose is the implementation's backward kernels
+(derivatives.py). Reverse mode therefore saves (q, k, v, o, lse) and runs the
+backward kernels, as a custom_vjp would; forward mode and Hessian-vector
+products work too.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, checks, pallas as _pallas, reference
+from jaxflash import _native, checks, derivatives, pallas as _pallas, reference
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -95,25 +99,20 @@ class _PallasKernels:
                                    **cls._kw(spec))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def _fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
   return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
 
 
-def _fused_fwd(q, k, v, q_lengths, kv_lengths, kernels, spec):
-  o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
-  return (o, lse), (q, k, v, o, lse, q_lengths, kv_lengths)
-
-
-def _fused_bwd(kernels, spec, residuals, cotangents):
-  q, k, v, o, lse, q_lengths, kv_lengths = residuals
-  do, dlse = cotangents
-  dq, dk, dv = kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                                q_lengths, kv_lengths, spec)
-  return dq, dk, dv, None, None
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+@_fused.defjvp
+def _fused_jvp(kernels, spec, primals, tangents):
+  q, k, v, q_lengths, kv_lengths = primals
+  tq, tk, tv = tangents[:3]  # the lengths' tangents are float0
+  # The value through _fused itself, so that an outer jvp (a Hessian-vector
+  # product) differentiates it by this rule rather than the FFI call.
+  o, lse = _fused(q, k, v, q_lengths, kv_lengths, kernels, spec)
+  return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                                               kernels=kernels, spec=spec)
 
 
 def _kernels(name: str):

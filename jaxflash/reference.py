@@ -31,14 +31,18 @@ import jax.numpy as jnp
 
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
                  window_left: int | None = None, window_right: int | None = None,
-                 bottom_right: bool = False, batch: int = 1) -> jax.Array:
-  """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends."""
+                 bottom_right: bool = False, batch: int = 1, keys=None) -> jax.Array:
+  """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends.
+
+  `keys` (int32 key indices) restricts the columns to those keys: a block of
+  a computation that walks the keys block by block (forward_mode.py).
+  """
   qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
         else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
   kv = (jnp.full((batch,), kv_len, jnp.int32) if key_value_seq_lengths is None
         else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, kv_len))
   i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
-  j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+  j = (jnp.arange(kv_len, dtype=jnp.int32) if keys is None else keys)[None, None, :]
   qv3, kv3 = qv[:, None, None], kv[:, None, None]
   diag = i + (kv3 - qv3 if bottom_right else 0)
   visible = (i < qv3) & (j < kv3)
