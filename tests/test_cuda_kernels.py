@@ -93,9 +93,11 @@ def test_gqa_gradients(rng, group, dtype):
   check_gradients(rng, (1, 200, 200, 2 * group, 2, 128), "causal", dtype)
 
 
-@pytest.mark.parametrize("dtype", LOW, ids=_ids)
-def test_large_logits(rng, dtype):
-  check_forward(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=6.0)
+@pytest.mark.parametrize("magnitude", [6.0, 50.0])  # scores up to ~1e3 and ~1e4 (D = 64)
+@pytest.mark.parametrize("dtype", LOW + [jnp.float32], ids=_ids)
+def test_large_logits(rng, dtype, magnitude):
+  check_forward(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=magnitude)
+  check_gradients(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=magnitude)
 
 
 @pytest.mark.parametrize("D", tiered([64, 128, 256], [128]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [sanitize] [bench] [main]
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [main]
 #                                          (default: build tests sanitize bench main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
@@ -10,6 +10,9 @@
 #             sequences, more non-finite cases); tests + tests-slow = the whole GPU suite
 # fuzz        the contract fuzzing alone (tests/test_contract.py on the GPU: 2000 native calls in
 #             8 shards and 200 Pallas ones; JAXFLASH_FUZZ_GPU_EXAMPLES sets the native count)
+# long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
+#             bf16, B 1, 8 heads, D 128), finite and checked against a chunked float32 reference
+#             on sampled rows; sizes that do not fit in the GPU's memory are skipped
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
@@ -69,6 +72,13 @@ fi
 
 if has fuzz; then
   PYTEST_K="contract" gpu_tier "contract fuzzing on gpu" "gpu" 560 fuzz.log
+fi
+
+if has long; then
+  start=$SECONDS
+  run_py timeout 560 python3 "$repo/tools/long_sequences.py" > "$OUT/long.log" 2>&1
+  cat "$OUT/long.log"
+  note "long sequences: $(tail -n 1 "$OUT/long.log") [$((SECONDS - start)) s]"
 fi
 
 if has sanitize; then
