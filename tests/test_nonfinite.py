@@ -67,10 +67,11 @@ def _poison(rng, arrays, poison, kw, padding: bool):
   name, value = POISONS[poison]
   x = np.array(arrays[name], np.float64)
   B, L = x.shape[:2]
-  b = int(rng.integers(B))
   lengths = kw.get("key_value_seq_lengths" if name in "kv" else "query_seq_lengths")
-  valid = L if lengths is None else int(lengths[b])
-  pos = int(rng.integers(valid, L)) if padding else int(rng.integers(valid))
+  valid = np.full(B, L) if lengths is None else np.asarray(lengths)
+  # A batch element with something to poison (padding, or a real row/key).
+  b = int(rng.choice(np.flatnonzero(valid < L) if padding else np.flatnonzero(valid > 0)))
+  pos = int(rng.integers(valid[b], L)) if padding else int(rng.integers(valid[b]))
   x[b, pos, int(rng.integers(x.shape[2])), int(rng.integers(x.shape[3]))] = value
   arrays[name] = x
 

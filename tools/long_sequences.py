@@ -50,6 +50,16 @@ def _chunk(length):
   return min(1 << 15, length)
 
 
+def _slice(x, start, size):
+  """x[start:start + size] along the sequence axis, in float32."""
+  return jax.lax.dynamic_slice_in_dim(x, start, size).astype(jnp.float32)
+
+
+def _probs(s, visible, lse):
+  """exp(s - lse) on the visible pairs, exactly 0 on the others."""
+  return jnp.where(visible, jnp.exp(jnp.where(visible, s - lse, 0)), 0)
+
+
 @jax.jit
 def _reference_rows(q_rows, rows, k, v, do_rows, scale):
   """O, LSE and dQ of the sampled causal rows in float32, keys in chunks."""
@@ -59,8 +69,7 @@ def _reference_rows(q_rows, rows, k, v, do_rows, scale):
 
   def lse_step(carry, j0):
     m, l = carry
-    kc = jax.lax.dynamic_slice_in_dim(k, j0, CHUNK).astype(jnp.float32)
-    s = jnp.einsum("rhd,shd->rhs", q, kc, precision=HIGHEST)
+    s = jnp.einsum("rhd,shd->rhs", q, _slice(k, j0, CHUNK), precision=HIGHEST)
     s = jnp.where(j0 + jnp.arange(CHUNK)[None, None, :] <= rows[:, None, None], s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(-1))
     l = l * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(-1)
@@ -72,11 +81,10 @@ def _reference_rows(q_rows, rows, k, v, do_rows, scale):
   lse = m + jnp.log(l)
 
   def probabilities(j0):  # P of the sampled rows and key chunk j0, and the chunk
-    kc = jax.lax.dynamic_slice_in_dim(k, j0, CHUNK).astype(jnp.float32)
-    vc = jax.lax.dynamic_slice_in_dim(v, j0, CHUNK).astype(jnp.float32)
+    kc, vc = _slice(k, j0, CHUNK), _slice(v, j0, CHUNK)
     s = jnp.einsum("rhd,shd->rhs", q, kc, precision=HIGHEST)
     vis = j0 + jnp.arange(CHUNK)[None, None, :] <= rows[:, None, None]
-    return jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0), kc, vc
+    return _probs(s, vis, lse[..., None]), kc, vc
 
   def out_step(o, j0):
     p, _, vc = probabilities(j0)
@@ -105,13 +113,11 @@ def _reference_keys(keys, q, k_keys, v_keys, do, lse, delta, scale):
 
   def step(carry, i0):
     dk, dv = carry
-    qc = jax.lax.dynamic_slice_in_dim(q, i0, CHUNK).astype(jnp.float32)
-    doc = jax.lax.dynamic_slice_in_dim(do, i0, CHUNK).astype(jnp.float32)
-    lc = jax.lax.dynamic_slice_in_dim(lse, i0, CHUNK)           # [chunk, H]
-    dc = jax.lax.dynamic_slice_in_dim(delta, i0, CHUNK)
+    qc, doc = _slice(q, i0, CHUNK), _slice(do, i0, CHUNK)
+    lc, dc = _slice(lse, i0, CHUNK), _slice(delta, i0, CHUNK)  # [chunk, H]
     s = jnp.einsum("chd,thd->cht", kk, qc, precision=HIGHEST)
     vis = i0 + jnp.arange(CHUNK)[None, None, :] >= keys[:, None, None]
-    p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lc.T[None], 0)), 0)
+    p = _probs(s, vis, lc.T[None])
     dp = jnp.einsum("chd,thd->cht", v_keys.astype(jnp.float32), doc, precision=HIGHEST)
     ds = p * (dp - dc.T[None])
     return (dk + scale * jnp.einsum("cht,thd->chd", ds, qc, precision=HIGHEST),

@@ -63,52 +63,64 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
   return batch * sh.kv_batch_stride() + kv_head * sh.head_dim;
 }
 
+// Query row `row` of (batch, head) with the keys it sees, [begin, end), and
+// the K and V rows of its head (FwdParams or BwdParams).
+template <typename T>
+struct ExactQueryRow {
+  int begin, end, dim;
+  int64_t q_off, kv_stride;
+  const T *k, *v;
+
+  template <typename Params>
+  __device__ __forceinline__ ExactQueryRow(const Params& p, int batch, int head, int row) {
+    const AttentionShape& sh = p.shape;
+    const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
+    begin = pol.KeyBegin(row);
+    end = pol.KeyEnd(row);
+    dim = static_cast<int>(sh.head_dim);
+    q_off = ExactQOffset(sh, batch, head, row);
+    kv_stride = sh.kv_row_stride();
+    const int64_t kv_off = ExactKvOffset(sh, batch, head / static_cast<int>(sh.group_size()));
+    k = static_cast<const T*>(p.k) + kv_off;
+    v = static_cast<const T*>(p.v) + kv_off;
+  }
+  __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
+  __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
+};
+
 // Row `row` of O for (batch, head), given its (correct) natural-log LSE;
 // store(d, value) writes column d (global memory, or a kernel's staging tile).
 template <typename T, typename Store>
 __device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, int head, int row, float lse,
                                                int lane, Store&& store) {
-  const AttentionShape& sh = p.shape;
-  const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
-  const int dim = static_cast<int>(sh.head_dim);
-  const int64_t q_off = ExactQOffset(sh, batch, head, row);
-  const T* q_row = static_cast<const T*>(p.q) + q_off;
-  const int64_t kv_off = ExactKvOffset(sh, batch, head / static_cast<int>(sh.group_size()));
-  const T* k = static_cast<const T*>(p.k) + kv_off;
-  const T* v = static_cast<const T*>(p.v) + kv_off;
-  for (int c0 = 0; c0 < dim; c0 += 32) {
+  const ExactQueryRow<T> r(p, batch, head, row);
+  const T* q_row = static_cast<const T*>(p.q) + r.q_off;
+  for (int c0 = 0; c0 < r.dim; c0 += 32) {
     const int d = c0 + lane;
     float acc = 0.f;
-    for (int j = pol.KeyBegin(row); j < pol.KeyEnd(row); ++j) {
-      const ExactPair pair = PairOf(q_row, k + j * sh.kv_row_stride(), p.scale, lse, dim);
-      if (d < dim) acc += pair.prob * At(v + j * sh.kv_row_stride(), d);
+    for (int j = r.begin; j < r.end; ++j) {
+      const ExactPair pair = PairOf(q_row, r.Key(j), p.scale, lse, r.dim);
+      if (d < r.dim) acc += pair.prob * At(r.Value(j), d);
     }
-    if (d < dim) store(d, acc);
+    if (d < r.dim) store(d, acc);
   }
 }
 
 // Row `row` of dQ for (batch, head).
 template <typename T>
 __device__ __forceinline__ void ExactQueryGradRow(const BwdParams& p, int batch, int head, int row, int lane) {
-  const AttentionShape& sh = p.shape;
-  const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
-  const int dim = static_cast<int>(sh.head_dim);
-  const int64_t q_off = ExactQOffset(sh, batch, head, row);
-  const int64_t stat = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
-  const T* q_row = static_cast<const T*>(p.q) + q_off;
-  const T* do_row = static_cast<const T*>(p.dout) + q_off;
-  const int64_t kv_off = ExactKvOffset(sh, batch, head / static_cast<int>(sh.group_size()));
-  const T* k = static_cast<const T*>(p.k) + kv_off;
-  const T* v = static_cast<const T*>(p.v) + kv_off;
-  for (int c0 = 0; c0 < dim; c0 += 32) {
+  const ExactQueryRow<T> r(p, batch, head, row);
+  const int64_t stat = (int64_t(batch) * p.shape.q_heads + head) * p.shape.q_len + row;
+  const T* q_row = static_cast<const T*>(p.q) + r.q_off;
+  const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
+  for (int c0 = 0; c0 < r.dim; c0 += 32) {
     const int d = c0 + lane;
     float acc = 0.f;
-    for (int j = pol.KeyBegin(row); j < pol.KeyEnd(row); ++j) {
-      const T* k_row = k + j * sh.kv_row_stride();
-      const ExactPair pair = PairOf(p, q_row, do_row, k_row, v + j * sh.kv_row_stride(), stat);
-      if (d < dim) acc += pair.ds * At(k_row, d);
+    for (int j = r.begin; j < r.end; ++j) {
+      const ExactPair pair = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat);
+      if (d < r.dim) acc += pair.ds * At(r.Key(j), d);
     }
-    if (d < dim) static_cast<T*>(p.dq)[q_off + d] = ElemTraits<T>::FromFloat(acc * p.scale);
+    if (d < r.dim) static_cast<T*>(p.dq)[r.q_off + d] = ElemTraits<T>::FromFloat(acc * p.scale);
   }
 }
 

@@ -167,18 +167,9 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
       // only the rows that see it.
       Transpose(t.s, kKeysPerTile, rows, valid_cols, 1.f, t.st, kRowsPerTile);
       Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
-      if (full) {
-        AccumulateProduct(t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim);
-        AccumulateProduct(t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim);
-        continue;
-      }
-      for (int c = 0; c < valid_cols; ++c) {
-        const Span vis = VisibleRowsOf(mask, c0 + c, r0, rows);
-        AccumulateProduct(t.st + c * kRowsPerTile + vis.begin, kRowsPerTile, 1, vis.end - vis.begin,
-                          t.dout + vis.begin * dim, dim, dim, t.acc_b + c * dim, dim);
-        AccumulateProduct(t.dst + c * kRowsPerTile + vis.begin, kRowsPerTile, 1, vis.end - vis.begin,
-                          t.q + vis.begin * dim, dim, dim, t.acc_a + c * dim, dim);
-      }
+      const auto rows_of = [&](int c) { return VisibleRowsOf(mask, c0 + c, r0, rows); };
+      AccumulateVisible(full, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of);
+      AccumulateVisible(full, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of);
     }
   }
   const int64_t kv_off = g.KvOffset(b, kv_head, c0);
@@ -214,15 +205,9 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
     LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
     LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
     const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
-    if (full) {  // dQ += dS K, over each row's visible keys when the tile is partly masked
-      AccumulateProduct(t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim);
-      continue;
-    }
-    for (int r = 0; r < valid_rows; ++r) {
-      const Span vis = VisibleColsOf(mask, r0 + r, c0, cols);
-      AccumulateProduct(t.ds + r * kKeysPerTile + vis.begin, kKeysPerTile, 1, vis.end - vis.begin,
-                        t.k + vis.begin * dim, dim, dim, t.acc_a + r * dim, dim);
-    }
+    // dQ += dS K, over each row's visible keys when the tile is partly masked.
+    AccumulateVisible(full, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
+                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
   }
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);

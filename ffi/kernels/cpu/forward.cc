@@ -85,15 +85,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     }
     // O += P V; in a partly visible tile each row multiplies only the keys it
     // sees, so a NaN or Inf in the value of a masked key never reaches it.
-    if (full) {
-      AccumulateProduct(t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim);
-    } else {
-      for (int r = 0; r < valid_rows; ++r) {
-        const Span vis = VisibleColsOf(mask, r0 + r, c0, cols);
-        AccumulateProduct(t.s + r * kKeysPerTile + vis.begin, kKeysPerTile, 1, vis.end - vis.begin,
-                          t.v + vis.begin * dim, dim, dim, t.acc + r * dim, dim);
-      }
-    }
+    AccumulateVisible(full, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim,
+                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
   }
 
   for (int r = 0; r < rows; ++r) {

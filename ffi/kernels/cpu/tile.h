@@ -262,4 +262,21 @@ JAXFLASH_CPU_INLINE Span VisibleRowsOf(const MaskPolicy& mask, int col, int r0, 
   return {begin, std::max(begin, std::min(mask.RowEnd(col) - r0, rows))};
 }
 
+// AccumulateProduct over `rows` x `inner` of a partly masked tile: output row m
+// sums only the inner indices span_of(m) (all of them when the tile is full).
+template <typename SpanOf>
+JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stride, int rows, int inner,
+                                           const float* b, int b_stride, int n, float* out, int out_stride,
+                                           SpanOf&& span_of) {
+  if (full) {
+    AccumulateProduct(a, a_stride, rows, inner, b, b_stride, n, out, out_stride);
+    return;
+  }
+  for (int m = 0; m < rows; ++m) {
+    const Span s = span_of(m);
+    AccumulateProduct(a + m * a_stride + s.begin, a_stride, 1, s.end - s.begin, b + s.begin * b_stride, b_stride,
+                      n, out + m * out_stride, out_stride);
+  }
+}
+
 }  // namespace jaxflash::cpu
