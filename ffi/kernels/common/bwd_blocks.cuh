@@ -210,33 +210,27 @@ __device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&d
 // ------------------------------------------------------------ epilogues
 // A NaN in a row of dQ, dK or dV may be a masked pair's 0 * NaN from a tile
 // product (a non-finite value, query, cotangent or delta of a pair the mask
-// hides): such rows are recomputed exactly (exact_rows.cuh) instead of stored.
-template <int kDT>
-__device__ __forceinline__ bool QuadHasNan(const float (&a)[kDT][4], int half) {
-  bool nan = false;
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) nan |= isnan(a[dt][2 * half]) || isnan(a[dt][2 * half + 1]);
-  return QuadAny(nan);
-}
+// hides): a lane that finds one among its entries recomputes them exactly
+// (exact_rows.cuh) before the store, with no warp collective.
 
 // Writes this warp's 16 rows of dK (times the scale) and dV: keys from `key0`
 // of (batch, kv_head), columns [d_base, d_base + 8 kDT). Keys past kv_len are
 // not stored; keys no query sees get their zero sums.
 template <typename T, int kDT>
-__device__ __forceinline__ void StoreKeyGrads(const float (&dk)[kDT][4], const float (&dv)[kDT][4],
-                                              const BwdParams& p, int batch, int kv_head, int key0, int d_base,
-                                              int lane) {
+__device__ __forceinline__ void StoreKeyGrads(float (&dk)[kDT][4], float (&dv)[kDT][4], const BwdParams& p,
+                                              int batch, int kv_head, int key0, int d_base, int lane) {
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
   const int64_t offset = batch * sh.kv_batch_stride() + kv_head * sh.head_dim + d_base;
   T* gdK = static_cast<T*>(p.dk) + offset;
   T* gdV = static_cast<T*>(p.dv) + offset;
-  bool redo[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key0 + g + half * 8;
-    redo[half] = (QuadHasNan(dk, half) || QuadHasNan(dv, half)) && key < sh.kv_len;
-    if (key >= sh.kv_len || redo[half]) continue;
+    if (key >= sh.kv_len) continue;
+    if (LaneHasNan(dk, half) || LaneHasNan(dv, half)) {
+      ExactKeyGradLane<T>(p, batch, kv_head, key, d_base, t, dk, dv, half);
+    }
     const int64_t row = key * sh.kv_row_stride();
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -248,30 +242,26 @@ __device__ __forceinline__ void StoreKeyGrads(const float (&dk)[kDT][4], const f
       }
     }
   }
-  ForEachFlaggedRow(redo, key0, lane, [&](int, int key, int) {
-    ExactKeyGradRow<T>(p, batch, kv_head, key, d_base, MinInt(d_base + 8 * kDT, static_cast<int>(sh.head_dim)), lane);
-  });
 }
 
 // Writes this warp's 16 rows of dQ (times the scale) from `row0` of
 // (batch, head); rows past q_valid (padding queries) get zeros.
 template <typename T, int kDT>
-__device__ __forceinline__ void StoreQueryGrad(const float (&dq)[kDT][4], const BwdParams& p,
-                                               const MaskPolicy& pol, int batch, int head, int row0, int lane) {
+__device__ __forceinline__ void StoreQueryGrad(float (&dq)[kDT][4], const BwdParams& p, const MaskPolicy& pol,
+                                               int batch, int head, int row0, int lane) {
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
   T* gdQ = static_cast<T*>(p.dq) + batch * sh.q_batch_stride() + head * sh.head_dim;
-  bool redo[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + g + half * 8;
+    if (row >= sh.q_len) continue;
     const bool real = row < pol.q_valid;
-    redo[half] = QuadHasNan(dq, half) && real;
-    if (redo[half]) {  // a row with a NaN LSE or delta is NaN throughout anyway
+    if (real && LaneHasNan(dq, half)) {
+      // A row with a NaN LSE or delta is NaN throughout anyway.
       const int64_t stat = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
-      redo[half] = isfinite(p.lse[stat]) && isfinite(p.delta[stat]);
+      if (isfinite(p.lse[stat]) && isfinite(p.delta[stat])) ExactQueryGradLane<T>(p, batch, head, row, t, dq, half);
     }
-    if (row >= sh.q_len || redo[half]) continue;
     T* dst = gdQ + row * sh.q_row_stride();
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -282,8 +272,6 @@ __device__ __forceinline__ void StoreQueryGrad(const float (&dq)[kDT][4], const 
       }
     }
   }
-  ForEachFlaggedRow(redo, row0, lane,
-                    [&](int, int row, int) { ExactQueryGradRow<T>(p, batch, head, row, lane); });
 }
 
 }  // namespace tc

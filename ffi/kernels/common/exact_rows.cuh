@@ -5,13 +5,17 @@
 // exact zero weight, and 0 * NaN (or Inf) from the value, query or cotangent
 // of a pair the mask hides would be NaN: a non-finite input would leak into
 // rows that cannot see it. Every such leak leaves a NaN in the result, so the
-// epilogues check their rows and hand the ones with a NaN to these functions,
-// which recompute them pair by pair over the visible pairs only (the contract
-// in params.h). They run only when an input is not finite, so they are written
-// for clarity and for few registers, not for speed: one warp per row, 32
-// output columns at a time (lane = column), every score and dP a dot product
-// each lane computes whole from global memory, recomputed for each group of
-// 32 columns. Nothing here stays live through the kernels' main loops.
+// epilogues check the accumulator entries each lane holds and a lane that
+// finds a NaN recomputes its own entries of that row pair by pair over the
+// visible pairs only (the contract in params.h), into the same registers,
+// before the usual store. They run only when an input is not finite, so they
+// are written for clarity and few registers, not for speed: every score and
+// dP is a dot product the lane computes whole from global memory.
+//
+// Each lane works alone: no shuffle, vote or barrier. A warp collective placed
+// after the epilogue's row-dependent branches hung the H100 whenever a warp
+// held both real and padding query rows (q_len not a multiple of 16), so the
+// recomputation must not need the other lanes.
 #pragma once
 
 #include "common/mask.h"
@@ -88,48 +92,74 @@ struct ExactQueryRow {
   __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
 };
 
-// Row `row` of O for (batch, head), given its (correct) natural-log LSE;
-// store(d, value) writes column d (global memory, or a kernel's staging tile).
-template <typename T, typename Store>
-__device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, int head, int row, float lse,
-                                               int lane, Store&& store) {
-  const ExactQueryRow<T> r(p, batch, head, row);
-  const T* q_row = static_cast<const T*>(p.q) + r.q_off;
-  for (int c0 = 0; c0 < r.dim; c0 += 32) {
-    const int d = c0 + lane;
-    float acc = 0.f;
-    for (int j = r.begin; j < r.end; ++j) {
-      const ExactPair pair = PairOf(q_row, r.Key(j), p.scale, lse, r.dim);
-      if (d < r.dim) acc += pair.prob * At(r.Value(j), d);
-    }
-    if (d < r.dim) store(d, acc);
+// The columns lane `t` of a quad holds in an m16 accumulator row:
+// d_base + dt * 8 + 2t + {0, 1} for dt < kDT (those below `dim` are real).
+template <int kDT, typename F>
+__device__ __forceinline__ void ForLaneColumns(int t, int d_base, int dim, F&& f) {
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = d_base + dt * 8 + 2 * t;
+    if (col < dim) f(dt, col);
   }
 }
 
-// Row `row` of dQ for (batch, head).
-template <typename T>
-__device__ __forceinline__ void ExactQueryGradRow(const BwdParams& p, int batch, int head, int row, int lane) {
+// True when one of this lane's entries of accumulator row `half` is NaN.
+template <int kDT>
+__device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
+  bool nan = false;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) nan |= isnan(a[dt][2 * half]) || isnan(a[dt][2 * half + 1]);
+  return nan;
+}
+
+// This lane's entries of row `row` of O for (batch, head), given the row's
+// (correct) natural-log LSE: store(dt, x) receives columns dt * 8 + 2t + {0, 1}
+// as x.x, x.y. One column pair at a time, in a loop the compiler keeps rolled,
+// so the registers stay few: the callers hold a whole accumulator tile or have
+// just staged it.
+template <typename T, int kDT, typename Store>
+__device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, int head, int row, float lse, int t,
+                                                Store&& store) {
+  const ExactQueryRow<T> r(p, batch, head, row);
+  const T* q_row = static_cast<const T*>(p.q) + r.q_off;
+#pragma unroll 1
+  for (int dt = 0; dt < kDT; ++dt) {
+    const int col = dt * 8 + 2 * t;
+    if (col >= r.dim) break;
+    float2 acc = make_float2(0.f, 0.f);
+    for (int j = r.begin; j < r.end; ++j) {
+      const float prob = PairOf(q_row, r.Key(j), p.scale, lse, r.dim).prob;
+      acc.x += prob * At(r.Value(j), col);
+      acc.y += prob * At(r.Value(j), col + 1);
+    }
+    store(dt, acc);
+  }
+}
+
+// This lane's entries of row `row` of dQ / scale for (batch, head).
+template <typename T, int kDT>
+__device__ __forceinline__ void ExactQueryGradLane(const BwdParams& p, int batch, int head, int row, int t,
+                                                float (&dq)[kDT][4], int half) {
   const ExactQueryRow<T> r(p, batch, head, row);
   const int64_t stat = (int64_t(batch) * p.shape.q_heads + head) * p.shape.q_len + row;
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
-  for (int c0 = 0; c0 < r.dim; c0 += 32) {
-    const int d = c0 + lane;
-    float acc = 0.f;
-    for (int j = r.begin; j < r.end; ++j) {
-      const ExactPair pair = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat);
-      if (d < r.dim) acc += pair.ds * At(r.Key(j), d);
-    }
-    if (d < r.dim) static_cast<T*>(p.dq)[r.q_off + d] = ElemTraits<T>::FromFloat(acc * p.scale);
+  ForLaneColumns<kDT>(t, 0, r.dim, [&](int dt, int) { dq[dt][2 * half] = dq[dt][2 * half + 1] = 0.f; });
+  for (int j = r.begin; j < r.end; ++j) {
+    const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat).ds;
+    const T* k = r.Key(j);
+    ForLaneColumns<kDT>(t, 0, r.dim, [&](int dt, int col) {
+      dq[dt][2 * half] += ds * At(k, col);
+      dq[dt][2 * half + 1] += ds * At(k, col + 1);
+    });
   }
 }
 
-// Key `key` of dK and dV for (batch, kv_head), summed over the GQA group;
-// only the columns [d_begin, d_end) are written (a CTA that owns a column
-// split writes its own).
-template <typename T>
-__device__ __forceinline__ void ExactKeyGradRow(const BwdParams& p, int batch, int kv_head, int key, int d_begin,
-                                                int d_end, int lane) {
+// This lane's entries (columns from d_base) of key `key`'s rows of dK / scale
+// and dV for (batch, kv_head), summed over the GQA group.
+template <typename T, int kDT>
+__device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, int kv_head, int key, int d_base,
+                                              int t, float (&dk)[kDT][4], float (&dv)[kDT][4], int half) {
   const AttentionShape& sh = p.shape;
   const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
   const int dim = static_cast<int>(sh.head_dim);
@@ -137,48 +167,24 @@ __device__ __forceinline__ void ExactKeyGradRow(const BwdParams& p, int batch, i
   const int64_t kv_off = ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
   const T* k_row = static_cast<const T*>(p.k) + kv_off;
   const T* v_row = static_cast<const T*>(p.v) + kv_off;
+  ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int) {
+    dk[dt][2 * half] = dk[dt][2 * half + 1] = dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f;
+  });
   // The rows that see the key, in every query head of the group, as one loop.
   const int row_begin = pol.RowBegin(key), rows = MaxInt(pol.RowEnd(key) - row_begin, 0);
-  for (int c0 = d_begin; c0 < d_end; c0 += 32) {
-    const int d = c0 + lane;
-    float dk = 0.f, dv = 0.f;
-    for (int i = 0; i < group * rows; ++i) {
-      const int head = kv_head * group + i / rows, row = row_begin + i % rows;
-      const int64_t q_off = ExactQOffset(sh, batch, head, row);
-      const T* q_row = static_cast<const T*>(p.q) + q_off;
-      const T* do_row = static_cast<const T*>(p.dout) + q_off;
-      const ExactPair pair =
-          PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row);
-      if (d < d_end) {
-        dk += pair.ds * At(q_row, d);
-        dv += pair.prob * At(do_row, d);
-      }
-    }
-    if (d < d_end) {
-      static_cast<T*>(p.dk)[kv_off + d] = ElemTraits<T>::FromFloat(dk * p.scale);
-      static_cast<T*>(p.dv)[kv_off + d] = ElemTraits<T>::FromFloat(dv);
-    }
-  }
-}
-
-// Calls redo(r, row, src) once per row of this warp's accumulator tiles whose
-// flag is set, with the whole warp: flags[r] (r = 2 mt + half) belongs to row
-// row0 + 16 mt + g + 8 half, the four lanes of a quad agree on it, and lane
-// `src` holds it (its per-row values can be shuffled from there).
-template <int kRows, typename Redo>
-__device__ __forceinline__ void ForEachFlaggedRow(const bool (&flags)[kRows], int row0, int lane, Redo&& redo) {
-  bool any = false;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) any |= flags[r];
-  if (__builtin_expect(!__any_sync(0xffffffffu, any), 1)) return;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    unsigned rows = __ballot_sync(0xffffffffu, flags[r] && (lane & 3) == 0);
-    while (rows != 0) {
-      const int src = __ffs(rows) - 1;
-      rows &= rows - 1;
-      redo(r, row0 + (r >> 1) * 16 + (src >> 2) + (r & 1) * 8, src);
-    }
+  for (int i = 0; i < group * rows; ++i) {
+    const int head = kv_head * group + i / rows, row = row_begin + i % rows;
+    const int64_t q_off = ExactQOffset(sh, batch, head, row);
+    const T* q_row = static_cast<const T*>(p.q) + q_off;
+    const T* do_row = static_cast<const T*>(p.dout) + q_off;
+    const ExactPair pair =
+        PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row);
+    ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int col) {
+      dk[dt][2 * half] += pair.ds * At(q_row, col);
+      dk[dt][2 * half + 1] += pair.ds * At(q_row, col + 1);
+      dv[dt][2 * half] += pair.prob * At(do_row, col);
+      dv[dt][2 * half + 1] += pair.prob * At(do_row, col + 1);
+    });
   }
 }
 

@@ -172,9 +172,10 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
 // The rules every forward applies to this warp's rows once Finalize has run
 // (o, lse in the accumulator layout; row0 is the warp's first row in the
 // sequence): a row that sees no key (padding queries past q_valid among them,
-// which full tiles did not mask) gets O = 0 and kEmptyRowLse; a row whose O
-// has a NaN while its LSE is finite may hold a masked pair's 0 * NaN from P·V
-// and is flagged in redo[] for ExactOutputRow.
+// which full tiles did not mask) gets O = 0 and kEmptyRowLse; redo[r] is set
+// where this lane's entries of a row with a finite LSE show a NaN (possibly a
+// masked pair's 0 * NaN from P·V): the lane recomputes them exactly
+// (ExactOutputLane). Lane by lane, no warp collective.
 template <int kMT, int kDT>
 __device__ __forceinline__ void FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT], const MaskPolicy& pol,
                                            int row0, int lane, bool (&redo)[2 * kMT]) {
@@ -184,14 +185,12 @@ __device__ __forceinline__ void FinishRows(float (&o)[kMT][kDT][4], float (&lse)
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 2 + half;
       const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8);
-      bool nan = false;
+      redo[r] = keys && isfinite(lse[r]) && LaneHasNan(o[mt], half);
+      if (!keys) {
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        nan |= isnan(o[mt][dt][2 * half]) || isnan(o[mt][dt][2 * half + 1]);
-        if (!keys) o[mt][dt][2 * half] = o[mt][dt][2 * half + 1] = 0.f;
+        for (int dt = 0; dt < kDT; ++dt) o[mt][dt][2 * half] = o[mt][dt][2 * half + 1] = 0.f;
+        lse[r] = kEmptyRowLse;
       }
-      redo[r] = keys && QuadAny(nan) && isfinite(lse[r]);
-      if (!keys) lse[r] = kEmptyRowLse;
     }
   }
 }
@@ -222,8 +221,13 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
       const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
       if (r0 + row >= sh.q_len) continue;
       if (t == 0) gLse[r0 + row] = lse[r];
-      if (redo[r]) continue;
       T* dst = gO + row * q_row_stride;
+      if (redo[r]) {  // this lane's entries, exactly and straight to memory
+        ExactOutputLane<T, kDT>(p, batch, head, r0 + row, lse[r], t, [&](int dt, float2 x) {
+          *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * t) = ElemTraits<T>::Pack(x.x, x.y);
+        });
+        continue;
+      }
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const int col = dt * 8 + 2 * t;
@@ -233,11 +237,6 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
       }
     }
   }
-  ForEachFlaggedRow(redo, warp_row0, lane, [&](int r, int row, int src) {
-    T* dst = gO + row * q_row_stride;
-    ExactOutputRow<T>(p, batch, head, r0 + row, __shfl_sync(0xffffffffu, lse[r], src), lane,
-                      [&](int d, float x) { dst[d] = ElemTraits<T>::FromFloat(x); });
-  });
 }
 
 }  // namespace tc

@@ -234,12 +234,6 @@ __device__ __forceinline__ float QuadSum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 2);
   return x;
 }
-__device__ __forceinline__ bool QuadAny(bool x) {
-  int v = x;
-  v |= __shfl_xor_sync(0xffffffffu, v, 1);
-  v |= __shfl_xor_sync(0xffffffffu, v, 2);
-  return v != 0;
-}
 __device__ __forceinline__ float WarpSum(float x) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);

@@ -24,13 +24,12 @@ template <int kD>
 struct FwdCandidates;
 template <>
 struct FwdCandidates<64> {
-  using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 176, 4>, WsFwdTile<64, 128, 4, 2, false>,
-                        WsFwdTile<64, 64, 6, 3>, FwdTile<64, 1, 128, 3>>;
+  using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 128, 4, 2, false>, WsFwdTile<64, 64, 6, 3>,
+                        FwdTile<64, 1, 128, 3>>;
 };
 template <>
 struct FwdCandidates<128> {
-  using type = TileList<WsFwdTile<128, 128, 2>, WsFwdTile<128, 128, 2, 2, false>,
-                        FwdTile<128, 2, 128>>;
+  using type = TileList<WsFwdTile<128, 128, 2, 2, false>, FwdTile<128, 2, 128>>;
 };
 template <>
 struct FwdCandidates<256> {
@@ -40,10 +39,11 @@ struct FwdCandidates<256> {
 
 // The tile table: index into FwdCandidates<kD>, measured on an H100 with
 // tools/tune_tiles.py (2026-11-23, docs/performance.md): the warp-specialised
-// kernel without ping-pong turns won or tied at every head dim (at D = 64 the
-// 176-key tile tied it; it is not the pick because it is the newest and least
-// tested shape).
-inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 2 : 1; }
+// kernel without ping-pong turns won or tied at every head dim. Two ping-pong
+// shapes measured then (<64, 176, 4> and <128, 128, 2>) left the list when the
+// exact recomputation of non-finite entries (common/exact_rows.cuh) made them
+// spill; neither was the pick.
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 128 ? 0 : 1; }
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {

@@ -18,9 +18,9 @@
 //   epilogue   each consumer stages its normalised O rows in its (now unused)
 //              rows of the Q buffer and one thread stores them with the TMA;
 //              the producer loads the next Q only after those stores have read
-//              the buffer. LSE goes straight to global memory. Rows whose O
-//              shows a NaN (common/exact_rows.cuh) are redone exactly after
-//              the last tile, when no loop state is live.
+//              the buffer. LSE goes straight to global memory. Entries of O
+//              that show a NaN are recomputed exactly by their lane into the
+//              staged tile (tc::FinishRows, common/exact_rows.cuh).
 //
 // Masking, the online softmax and the P packing are the other forwards' code
 // (common/fwd_blocks.cuh, common/softmax.cuh).
@@ -242,7 +242,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 
   RingPosition<Tile::kStages> ring;
   uint32_t q_parity = 0;
-  bool redo_rows = false;  // a row of this thread's had a NaN: see the end
   for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
     const WsWork w = WsWork::At<kM, kN>(p, sched, index);
     const int r0 = w.r0;
@@ -349,9 +348,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     const int head_dim = static_cast<int>(sh.head_dim);
     float lse[2];
     softmax.Finalize(o, lse);
-    bool redo[2];  // rows that see no key are zeroed; rows with a NaN are redone at the end
+    bool redo[2];
     tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane, redo);
-    redo_rows |= redo[0] || redo[1];
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + warp_row0 + g + half * 8;
@@ -380,6 +378,18 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
       }
     }
+    // Entries FinishRows flagged are recomputed into the staged tile, where
+    // the accumulator is no longer live (in registers, D = 256 spills).
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      if (!redo[half]) continue;
+      const int row = warp_row0 + g + half * 8;
+      tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
+        const uint32_t at = sm.q + QTile::ChunkOffset(row, dt) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::ElemTraits<T>::Pack(x.x, x.y)) : "memory");
+      });
+    }
+    __syncwarp();
     FenceSharedForAsyncProxy();
     NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
     if (tid == 0) {
@@ -397,28 +407,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   }
   if (consumer == 0) await_turn();  // the last consumer's final pass, so no turn is left pending
   if (tid == 0) TmaStoreWait<0>();
-
-  // Rows FinishRows flagged (O has a NaN, the LSE is finite: possibly a masked
-  // pair's 0 * NaN in P·V) are recomputed exactly once this warpgroup's O
-  // stores have landed: here, after the loop, nothing of it is live, so the
-  // rare path costs the loop no registers. The flags are not kept; each warp
-  // walks its tiles again and looks at what was stored.
-  if (tid == 0) asm volatile("fence.proxy.async.global;\n" ::: "memory");  // TMA writes, then plain reads
-  NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
-  if (!__any_sync(0xffffffffu, redo_rows)) return;
-  for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
-    const WsWork w = WsWork::At<kM, kN>(p, sched, index);
-    for (int row = w.r0 + warp_row0; row < w.r0 + warp_row0 + 16; ++row) {
-      if (!w.pol.HasKeys(row)) continue;
-      const float lse = p.lse[(int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len + row];
-      T* o_row = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, row);
-      bool nan = false;
-      for (int d = lane; d < sh.head_dim; d += 32) nan |= isnan(tc::ElemTraits<T>::ToFloat(o_row[d]));
-      if (!isfinite(lse) || !__any_sync(0xffffffffu, nan)) continue;
-      tc::ExactOutputRow<T>(p, w.tile.batch, w.tile.head, row, lse, lane,
-                            [&](int d, float x) { o_row[d] = tc::ElemTraits<T>::FromFloat(x); });
-    }
-  }
 }
 
 template <typename T, typename Tile>
