@@ -42,8 +42,17 @@ class MaskSpec:
 
 # ------------------------------------------------------------------ kernels
 
+def _diagonal_offsets(offsets, batch: int) -> jax.Array:
+  """The kernels' per-batch diagonal shift (params.h); zero outside ring attention."""
+  return jnp.zeros((batch,), jnp.int32) if offsets is None else offsets
+
+
 class _NativeKernels:
-  """The XLA FFI targets: CUDA on GPU, C++ on CPU."""
+  """The XLA FFI targets: CUDA on GPU, C++ on CPU.
+
+  `offsets` ([batch] int32, default 0) moves the mask's diagonal; ring
+  attention uses it to place one (query shard, key shard) block.
+  """
 
   name = "native"
 
@@ -53,23 +62,26 @@ class _NativeKernels:
                 window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
     B, T, N, _ = q.shape
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32))
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, q_lengths, kv_lengths, **cls._attrs(spec), tile=np.int64(_native.tile_attr()))
+    return call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, B), **cls._attrs(spec),
+                tile=np.int64(_native.tile_attr()))
 
   @classmethod
-  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
     # The fourth result is the kernels' O(B * N * T) workspace (delta); passing
     # it as an output keeps the handlers free of run-time allocation.
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
+    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                         _diagonal_offsets(offsets, q.shape[0]), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic), tile=np.int64(_native.tile_attr()))
     return dq, dk, dv
 
@@ -85,14 +97,16 @@ class _PallasKernels:
                 window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right))
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
-    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec))
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
+    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
+                                  diagonal_offsets=offsets)
 
   @classmethod
-  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                                   **cls._kw(spec))
+                                   **cls._kw(spec), diagonal_offsets=offsets)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
