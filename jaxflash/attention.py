@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, pallas as _pallas, reference
+from jaxflash import _native, pallas as _pallas, reference, sharding
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -130,8 +130,11 @@ def _fused_bwd(kernels, spec, residuals, cotangents):
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def _kernels(name: str):
-  return {"native": _NativeKernels, "pallas": _PallasKernels}[name]
+def _kernels(name: str, *, sharded: bool = True):
+  """The kernels of implementation `name`; `sharded` wraps them in the partition
+  rules (sharding.py) that keep sharded calls local under jit."""
+  kernels = {"native": _NativeKernels, "pallas": _PallasKernels}[name]
+  return sharding.partitioned(kernels) if sharded else kernels
 
 
 # ------------------------------------------------------------------ validation
@@ -428,9 +431,13 @@ def dot_product_attention(
     q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
     out, lse = _fused(q, call.k, call.v, q_lengths, kv_lengths, _kernels(chosen), call.spec)
+  return _finish(call, out, lse, return_residual, residual_dtype)
 
+
+def _finish(call: _Call, out, lse, return_residual: bool, residual_dtype):
+  """The caller's layout: the output shaped like the query, the residual [B, T, N]."""
   out = out.reshape(call.output_shape)
   if not return_residual:
     return out
   lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
-  return out, lse.astype(residual_dtype if residual_dtype is not None else q.dtype)
+  return out, lse.astype(residual_dtype if residual_dtype is not None else call.q.dtype)
