@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main]    (default: all)
+#   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main] [sharding]
+#                                    (default: all but sharding, which wants two GPUs)
 #
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, GPU tests ~5 min, sanitizer sweep ~2 min, a D=128 slice of the
@@ -74,6 +75,16 @@ if has main; then
   run_py python3 -m jaxflash > "$OUT/main.log" 2>&1
   note "python -m jaxflash exit $?"
   cat "$OUT/main.log"
+fi
+
+if has sharding; then
+  # Batch sharding, ring attention at 64k/128k and its overlap on every visible GPU
+  # against one (benchmarks/bench_sharding.py); about 4 min on two H200s.
+  start=$SECONDS
+  run_py timeout 470 python3 "$repo/benchmarks/bench_sharding.py" --trace "$OUT/sharding_trace" \
+      > "$OUT/sharding.log" 2>&1
+  note "sharding benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/sharding.log"
 fi
 
 printf '%s\n' "${summary[@]}"
