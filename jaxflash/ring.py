@@ -189,16 +189,17 @@ def _like(x, value, dtype=None):
   return jnp.full_like(x, value, dtype=dtype)
 
 
-def _when(visible, compute, skipped):
-  """compute() if `visible`, else `skipped`, deciding at run time.
+def _accumulate(visible, update, acc):
+  """update(acc) if `visible`, else acc unchanged, decided at run time.
 
-  Inside shard_map the branches must agree on which manual axes their values
-  vary over; an FFI call's results vary over none, so they gain the skipped
-  values' axes through an added zero (which XLA folds away).
+  A block's kernel runs and its result is folded into the accumulators inside
+  the taken branch, so the blocks of a step form one chain through the
+  accumulators: each result dies where it is made, and XLA cannot schedule
+  every block's output to be alive at once. The skipped branch returns the
+  accumulators untouched, which also keeps both branches' types (and, inside
+  shard_map, their varying axes) equal.
   """
-  zeros = jax.tree.map(jnp.zeros_like, skipped)
-  return lax.cond(visible, lambda: jax.tree.map(jnp.add, tuple(compute()), zeros),
-                  lambda: skipped)
+  return lax.cond(visible, update, lambda acc: acc, acc)
 
 
 def _merge(acc, o, lse):
@@ -270,12 +271,11 @@ class Ring:
       acc = list(acc)
       for a, c, lq, lk, off, visible in blocks(r):
         (k_c, v_c), q_a = kv[c], q_pieces[a]
-        o, lse = _when(
+        acc[a] = _accumulate(
             visible,
-            lambda q_a=q_a, k_c=k_c, v_c=v_c, lq=lq, lk=lk, off=off: self.kernels.forward(
-                q_a, k_c, v_c, lq, lk, block_spec, off),
-            (_like(q_a, 0), _like(acc[a][1], -jnp.inf)))
-        acc[a] = _merge(acc[a], o, lse)
+            lambda acc, q_a=q_a, k_c=k_c, v_c=v_c, lq=lq, lk=lk, off=off: _merge(
+                acc, *self.kernels.forward(q_a, k_c, v_c, lq, lk, block_spec, off)),
+            acc[a])
       return nxt, tuple(acc)
 
     acc = tuple((_like(q_a, 0, jnp.float32),
@@ -300,27 +300,30 @@ class Ring:
       # shard while this step's kernels run.
       arrived = pending if first else ks.send(pending)
       nxt = kv if last else ks.send(kv)
-      dq, dkv = list(dq), [list(x) for x in arrived]
+      dq, dkv = list(dq), list(arrived)
       for a, c, lq, lk, off, visible in blocks(r):
         (k_c, v_c), (q_a, o_a, do_a, lse_a, dlse_a) = kv[c], rows[a]
-        g = _when(
-            visible,
-            lambda q_a=q_a, k_c=k_c, v_c=v_c, o_a=o_a, lse_a=lse_a, do_a=do_a, dlse_a=dlse_a,
-            lq=lq, lk=lk, off=off: self.kernels.backward(
-                q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk, block_spec, off),
-            (_like(q_a, 0), _like(k_c, 0), _like(v_c, 0)))
-        dq[a] = dq[a] + g[0].astype(jnp.float32)
-        dkv[c] = [acc + x.astype(jnp.float32) for acc, x in zip(dkv[c], g[1:])]
-      return nxt, tuple(tuple(x) for x in dkv), tuple(dq)
+
+        def update(acc, q_a=q_a, k_c=k_c, v_c=v_c, o_a=o_a, lse_a=lse_a, do_a=do_a,
+                   dlse_a=dlse_a, lq=lq, lk=lk, off=off):
+          grads = self.kernels.backward(q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk,
+                                        block_spec, off)
+          return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, grads))
+        dq[a], *dkv[c] = _accumulate(visible, update, (dq[a],) + tuple(dkv[c]))
+        dkv[c] = tuple(dkv[c])
+      return nxt, tuple(dkv), tuple(dq)
 
     kv = self._kv(k, v)
     pending = jax.tree.map(lambda x: _like(x, 0, jnp.float32), kv)
     dq = tuple(_like(row[0], 0, jnp.float32) for row in rows)
     _, pending, dq = _steps(ks.shards, step, (kv, pending, dq))
+    # The finished sums return to their owner in the input dtype (they are
+    # rounded to it there anyway): half the bytes of the last hop.
+    pending = jax.tree.map(lambda x: x.astype(k.dtype), pending)
     if ks.shards > 1:
-      pending = ks.send(pending)               # the sums return to their owner
+      pending = ks.send(pending)
     dk, dv = (jnp.concatenate([x[i] for x in pending], axis=1) for i in (0, 1))
-    return (jnp.concatenate(dq, axis=1).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype))
+    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk, dv
 
 
 # ------------------------------------------------------------------ entry point
