@@ -10,6 +10,8 @@ Sections (bf16, H = 16, D = 128 as in the DESIGN.md §6 grid; n = the number of 
 2. ring attention: forward+backward at S = 64k and 128k, causal and not, B = 1, the sequence
    sharded over n GPUs (the partition rule runs the ring) against the whole sequence on one
    GPU: speed-up and peak memory per GPU (targets at 128k on 2 GPUs: >= 1.8x, <= 0.55x).
+   At 128k causal also `ring_attention` under shard_map with the data in the zigzag layout
+   (no re-layout), and the automatic ring with 4 K/V heads.
 3. overlap: the 128k causal ring once more with XLA's asynchronous collective permutes
    turned off (`--xla_gpu_disable_async_collectives=COLLECTIVEPERMUTE`) and once with the
    latency-hiding scheduler on; the time the transfers cost when they are not hidden is the
@@ -49,10 +51,20 @@ def attn(q, k, v):
 def loss(q, k, v, do):
   return jnp.sum(attn(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
 
+if cfg.get("explicit"):
+  # ring_attention in shard_map, the zigzag layout given (data order does not
+  # change the timing of random inputs): no re-layout inside.
+  import functools
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=spec, out_specs=P())
+  def loss(q, k, v, do):
+    o = jaxflash.ring_attention(q, k, v, axis_name="x", is_causal=causal, layout="zigzag")
+    return jax.lax.psum(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), "x")
+
 step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), out_shardings=(rows, rows, rows))
 keys = jax.random.split(jax.random.key(0), 4)
-q, k, v, do = (jax.device_put(jax.random.normal(kk, (B, S, H, D), jnp.bfloat16), rows)
-               for kk in keys)
+K = cfg.get("K", H)
+q, k, v, do = (jax.device_put(jax.random.normal(kk, (B, S, h, D), jnp.bfloat16), rows)
+               for kk, h in zip(keys, (H, K, K, H)))
 jax.block_until_ready((q, k, v, do))
 compiled = step.lower(q, k, v, do).compile()
 hlo = compiled.as_text()
@@ -112,6 +124,17 @@ def _gib(b):
   return b / 2**30
 
 
+def _ring_row(label, one, many):
+  if "error" in one or "error" in many:
+    print(f"| {label} | failed: {one.get('error', '')} {many.get('error', '')} |", flush=True)
+    return
+  ratio = many["peak"] / one["peak"] if one["peak"] else float("nan")
+  print(f"| {label} | {one['seconds'] * 1e3:.1f} | {_gib(one['peak']):.2f} | "
+        f"{many['seconds'] * 1e3:.1f} | {_gib(many['peak']):.2f} | "
+        f"{one['seconds'] / many['seconds']:.2f}x | {ratio:.2f} | "
+        f"{', '.join(many['collectives']) or 'none'} |", flush=True)
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -143,20 +166,25 @@ def main():
   print("| S | causal | 1 GPU ms | 1 GPU peak GiB | n GPUs ms | peak GiB per GPU | speed-up | "
         "memory ratio | collectives |\n|---|---|---|---|---|---|---|---|---|")
   seqs = [int(x) for x in args.seqs.split(",")][:1 if args.quick else None]
+  overlapped = {"error": "not measured"}
   for S in seqs:
     for causal in (True, False):
       one = _run(_CHILD, dict(devices=1, B=1, S=S, H=H, D=D, causal=causal, split="seq", reps=2))
       trace = args.trace if (S == seqs[-1] and causal) else ""
       many = _run(_CHILD, dict(devices=n, B=1, S=S, H=H, D=D, causal=causal, split="seq", reps=2,
                                trace=trace))
-      if "error" in one or "error" in many:
-        print(f"| {S} | {causal} | failed: {one.get('error', '')} {many.get('error', '')} |")
-        continue
-      print(f"| {S} | {causal} | {one['seconds'] * 1e3:.1f} | {_gib(one['peak']):.2f} | "
-            f"{many['seconds'] * 1e3:.1f} | {_gib(many['peak']):.2f} | "
-            f"{one['seconds'] / many['seconds']:.2f}x | "
-            f"{many['peak'] / one['peak'] if one['peak'] else float('nan'):.2f} | "
-            f"{', '.join(many['collectives']) or 'none'} |", flush=True)
+      _ring_row(f"{S} | {causal}", one, many)
+      if S == seqs[-1] and causal:
+        overlapped = many
+      if S == seqs[-1] and causal and not args.quick:
+        # The same call as ring_attention in shard_map with the data already in
+        # the zigzag layout, and with 4 K/V heads (GQA 4).
+        explicit = _run(_CHILD, dict(devices=n, B=1, S=S, H=H, D=D, causal=True, split="seq",
+                                     reps=2, explicit=True))
+        _ring_row(f"{S} | True, ring_attention zigzag", one, explicit)
+        gqa = [_run(_CHILD, dict(devices=d, B=1, S=S, H=H, K=4, D=D, causal=True, split="seq",
+                                 reps=2)) for d in (1, n)]
+        _ring_row(f"{S} | True, GQA 4", *gqa)
 
   if not args.quick and n > 1:
     print(f"\n## overlap: S = {seqs[-1]} causal ring, forward+backward")
@@ -164,7 +192,7 @@ def main():
     base = dict(devices=n, B=1, S=seqs[-1], H=H, D=D, causal=True, split="seq", reps=2)
     for flags in ("", "--xla_gpu_enable_latency_hiding_scheduler=true",
                   "--xla_gpu_disable_async_collectives=COLLECTIVEPERMUTE"):
-      r = _run(_CHILD, base, flags)
+      r = overlapped if not flags else _run(_CHILD, base, flags)
       print(f"| {flags or '(default)'} | " +
             (f"{r['seconds'] * 1e3:.1f} |" if "error" not in r else f"failed: {r['error']} |"),
             flush=True)
