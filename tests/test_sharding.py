@@ -302,6 +302,24 @@ def test_ring_attention_in_shard_map(rng, case):
   _check_against_truth(run(*inputs), inputs, kw, blocks=2 * shards)
 
 
+@child_only
+def test_example_trains_on_a_mesh():
+  """examples/train_transformer.py --mesh 2x4: the same loss curve as on one device."""
+  pytest.importorskip("flax")
+  pytest.importorskip("optax")
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+  try:
+    import train_transformer as example
+  finally:
+    sys.path.pop(0)
+  data = example.CharData(example.make_corpus(20_000, seed=5))
+  cfg = example.Config(vocab_size=data.vocab_size, seq_len=64, d_model=32, layers=2, heads=4,
+                       kv_heads=2, batch=4, steps=6, lr=3e-3, warmup=2)
+  _, on_mesh, _ = example.train(cfg, "jaxflash", data, mesh=example.make_mesh("2x4"))
+  _, single, _ = example.train(cfg, "jaxflash", data)
+  np.testing.assert_allclose(on_mesh, single, rtol=1e-4, atol=1e-5)
+
+
 def test_zigzag_order_round_trip():
   x = jnp.arange(2 * 24 * 3).reshape(2, 24, 3)
   z = jaxflash.zigzag_order(x, 3)
@@ -318,3 +336,19 @@ def test_ring_attention_refuses_bad_calls():
     jaxflash.ring_attention(q, q, q, axis_name="s", layout="striped")
   with pytest.raises(ValueError, match="implementation"):
     jaxflash.ring_attention(q, q, q, axis_name="s", implementation="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["causal", "window", "lengths_causal_bottom_right"])
+def test_ring_on_gpus(rng, mask_name):
+  """The automatic ring over every GPU (two or more), bf16, against float64 truth."""
+  gpus = jax.devices("gpu")
+  if len(gpus) < 2:
+    pytest.skip("needs two GPUs")
+  mesh = jax.make_mesh((len(gpus),), ("s",), devices=gpus, axis_types=(AxisType.Auto,))
+  shape = (2, 1024, 1024, 8, 2, 128)
+  kw = _mask_kwargs(mask_name, rng, shape[0], shape[1], shape[2])
+  inputs = _inputs(rng, shape, jnp.bfloat16, kw)
+  rows = NamedSharding(mesh, P(None, "s"))
+  placed = [jax.device_put(x, rows) for x in inputs]
+  _check_against_truth(jax.jit(_call(kw))(*placed), inputs, kw, blocks=2 * len(gpus))
