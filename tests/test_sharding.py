@@ -193,6 +193,21 @@ def test_fewer_kv_heads_than_shards(rng, partitioner):
 
 
 @child_only
+def test_vmap_of_a_sharded_call(rng):
+  """vmap folds its axis into the batch, in front of it (custom_vmap): a call
+  sharded over heads (or over the vmapped axis) stays local. (Sharded over the
+  batch behind the vmapped axis, the fold gathers: documented in README.)"""
+  mesh = _mesh((2,), ("x",))
+  q, k, v = (jnp.stack([x] * 3) for x in random_inputs(rng, 4, 16, 16, 4, 2, 16, jnp.float32))
+  sh = NamedSharding(mesh, P(None, None, None, "x"))
+  placed = [jax.device_put(x, sh) for x in (q, k, v)]
+  f = jax.jit(jax.vmap(lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, implementation="native")))
+  assert _collectives(f.lower(*placed).compile()) == []
+  np.testing.assert_allclose(f(*placed), f(q, k, v), rtol=1e-6, atol=1e-6)
+
+
+@child_only
 def test_sharded_head_dim_is_gathered(rng):
   """head_dim is never split: the rule replicates it, and the result is right."""
   mesh = _mesh((2,), ("x",))
