@@ -31,7 +31,6 @@ beyond the lengths) are skipped with `lax.cond` before any kernel runs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Literal
 
 import jax
