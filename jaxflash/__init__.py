@@ -10,9 +10,10 @@ See `dot_product_attention` for the API (a drop-in for
 
 from jaxflash import reference
 from jaxflash.attention import MAX_FUSED_HEAD_DIM, MaskSpec, dot_product_attention
+from jaxflash.checks import checked
 from jaxflash.ring import ring_attention, zigzag_order, zigzag_restore
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "ring_attention", "zigzag_order", "zigzag_restore",
+__all__ = ["dot_product_attention", "checked", "ring_attention", "zigzag_order", "zigzag_restore",
            "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM", "__version__"]

@@ -3,8 +3,12 @@
 `dot_product_attention` validates and normalises its arguments (every bad input
 raises here, at trace time, before any kernel can see it), picks an
 implementation, and for the fused ones (`native`, `pallas`) runs them inside one
-`custom_vjp` whose forward saves (q, k, v, o, lse) and whose backward calls the
-implementation's backward kernels.
+`custom_jvp` (`_fused`): its value comes from the implementation's forward
+kernels, its tangent from a primitive that is linear in the input tangents
+and whose transpose is the implementation's backward kernels
+(derivatives.py). Reverse mode therefore saves (q, k, v, o, lse) and runs the
+backward kernels, as a custom_vjp would; forward mode and Hessian-vector
+products work too.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, pallas as _pallas, reference, sharding
+from jaxflash import _native, checks, derivatives, pallas as _pallas, reference, sharding
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -109,25 +113,20 @@ class _PallasKernels:
                                    **cls._kw(spec), diagonal_offsets=offsets)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def _fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
   return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
 
 
-def _fused_fwd(q, k, v, q_lengths, kv_lengths, kernels, spec):
-  o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
-  return (o, lse), (q, k, v, o, lse, q_lengths, kv_lengths)
-
-
-def _fused_bwd(kernels, spec, residuals, cotangents):
-  q, k, v, o, lse, q_lengths, kv_lengths = residuals
-  do, dlse = cotangents
-  dq, dk, dv = kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                                q_lengths, kv_lengths, spec)
-  return dq, dk, dv, None, None
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+@_fused.defjvp
+def _fused_jvp(kernels, spec, primals, tangents):
+  q, k, v, q_lengths, kv_lengths = primals
+  tq, tk, tv = tangents[:3]  # the lengths' tangents are float0
+  # The value through _fused itself, so that an outer jvp (a Hessian-vector
+  # product) differentiates it by this rule rather than the FFI call.
+  o, lse = _fused(q, k, v, q_lengths, kv_lengths, kernels, spec)
+  return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                                               kernels=kernels, spec=spec)
 
 
 def _kernels(name: str, *, sharded: bool = True):
@@ -355,6 +354,7 @@ def dot_product_attention(
     return_residual: bool = False,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     residual_dtype=None,
+    differentiable_residual: bool = False,
     deterministic: bool = False,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
@@ -375,12 +375,16 @@ def dot_product_attention(
   * ``"cudnn"`` — forwarded to ``jax.nn.dot_product_attention``.
 
   Naming an implementation that cannot serve the call raises ``ValueError``; it
-  never silently falls back.
+  never silently falls back. Sequence lengths outside ``[0, length]`` are
+  clamped, as ``jax.nn``'s masks treat them; run under
+  :func:`jaxflash.checked` to get a ``ValueError`` instead.
 
-  Differences from ``jax.nn``: a query row that can see no key (all masked, or
-  beyond ``query_seq_lengths``) returns zeros with zero gradients and a
-  residual of ``-inf``; ``jax.nn`` averages the values of such a row (except
-  for padded query rows, which it also zeroes). The residual is differentiable.
+  Differences from ``jax.nn`` (README): a query row that can see no key (all
+  masked, or beyond ``query_seq_lengths``) returns zeros with zero gradients
+  and a residual of the dtype's lowest finite value (log 0 without an inf);
+  ``jax.nn`` averages the values of such a row. NaN and Inf in the inputs reach
+  the rows that can see them, as in ``jax.nn``, and never a row that cannot
+  (``jax.nn`` lets 0 * NaN of masked keys through).
 
   Keyword-only extras:
     causal_alignment: ``"top_left"`` (``jax.nn``'s) or ``"bottom_right"``: put
@@ -390,6 +394,10 @@ def dot_product_attention(
     residual_dtype: dtype of the returned log-sum-exp; ``None`` keeps
       ``jax.nn``'s (the input dtype). ``jnp.float32`` returns the exact value
       the kernels keep.
+    differentiable_residual: with ``return_residual=True``, let gradients flow
+      through the log-sum-exp (its cotangent reaches q and k), for code that
+      merges partial attention results. By default the residual carries no
+      gradient, as in ``jax.nn``: a cotangent for it is ignored.
     deterministic: ask GPU kernels for a bit-reproducible backward (the CPU
       kernels always are).
 
@@ -400,13 +408,22 @@ def dot_product_attention(
   """
   call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                    key_value_seq_lengths, local_window_size, causal_alignment, deterministic)
+  if not isinstance(differentiable_residual, (bool, np.bool_)):
+    raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
+  if differentiable_residual and not return_residual:
+    raise ValueError("differentiable_residual=True needs return_residual=True")
+  # Lengths outside [0, len] are clamped (as jax.nn's masks treat them);
+  # jaxflash.checked turns these into errors.
+  checks.lengths_in_range(call.q_lengths, "query_seq_lengths", call.q.shape[1])
+  checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
   chosen = _choose(call, implementation)
   q = call.q
   B, T, N, _ = q.shape
   S = call.k.shape[1]
 
   if chosen == "cudnn":
-    if call.spec.bottom_right or residual_dtype is not None or deterministic:
+    if (call.spec.bottom_right or residual_dtype is not None or deterministic
+        or differentiable_residual):
       raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
                        "takes none of jaxflash's extra keywords")
     return jax.nn.dot_product_attention(
@@ -416,9 +433,9 @@ def dot_product_attention(
         return_residual=return_residual)
 
   if B * T * N == 0 or S == 0:
-    # Nothing to attend to (or nothing asks): zeros, and -inf row statistics.
+    # Nothing to attend to (or nothing asks): zeros, and empty-row statistics.
     out = jnp.zeros_like(q)
-    lse = jnp.full((B, N, T), -jnp.inf, jnp.float32)
+    lse = jnp.full((B, N, T), reference.empty_lse(jnp.float32))
   elif chosen == "xla":
     out, lse = reference.attention(
         q, call.k, call.v, scale=call.spec.scale, bias=call.bias, mask=call.mask,
@@ -426,18 +443,19 @@ def dot_product_attention(
         causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths)
-    lse = lse.astype(jnp.float32)
   else:
     q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
     out, lse = _fused(q, call.k, call.v, q_lengths, kv_lengths, _kernels(chosen), call.spec)
-  return _finish(call, out, lse, return_residual, residual_dtype)
+  return _finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 
 
-def _finish(call: _Call, out, lse, return_residual: bool, residual_dtype):
+def _finish(call: _Call, out, lse, return_residual: bool, residual_dtype,
+            differentiable_residual: bool = False):
   """The caller's layout: the output shaped like the query, the residual [B, T, N]."""
   out = out.reshape(call.output_shape)
   if not return_residual:
     return out
   lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
-  return out, lse.astype(residual_dtype if residual_dtype is not None else call.q.dtype)
+  lse = reference.cast_lse(lse, residual_dtype if residual_dtype is not None else call.q.dtype)
+  return out, (lse if differentiable_residual else jax.lax.stop_gradient(lse))

@@ -9,7 +9,18 @@ row i of batch b attends key j iff i < q_len_b, j < kv_len_b, and j lies in the
 window [i + off - left, i + off + right] (an unbounded side when that bound is
 None), where off = kv_len_b - q_len_b for bottom-right alignment and 0 for
 top-left (jax.nn's). `is_causal` sets right = 0. A row that sees no key returns
-zeros and LSE = -inf, with zero gradients.
+zeros and an LSE of `empty_lse(dtype)` (the lowest finite value, standing in
+for log 0 without an inf), with zero gradients.
+
+Non-finite inputs follow IEEE arithmetic over the visible pairs: a NaN in q_i,
+or in k_j / v_j of a key row i sees, reaches row i as in jax.nn. Nothing here
+produces an inf or NaN from finite inputs (masked scores are never set to
+-inf), so `jax.debug_infs` / `jax.debug_nans` stay quiet on valid calls. Rows
+that see no key and keys that no row sees are zeroed before any product, so
+padding never reaches anything; a key that some rows see and others do not is
+multiplied into the others with an exact zero weight by the dense products,
+which, as in jax.nn, turns a NaN or Inf of it into NaN there (the fused
+implementations exclude such pairs exactly; docs/design.md).
 """
 
 from __future__ import annotations
@@ -20,10 +31,12 @@ import jax.numpy as jnp
 
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
                  window_left: int | None = None, window_right: int | None = None,
-                 bottom_right: bool = False, batch: int = 1,
+                 bottom_right: bool = False, batch: int = 1, keys=None,
                  diagonal_offsets=None) -> jax.Array:
   """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends.
 
+  `keys` (int32 key indices) restricts the columns to those keys: a block of
+  a computation that walks the keys block by block (derivatives.py).
   `diagonal_offsets` ([batch] ints) moves each batch element's diagonal, as the
   kernels' argument of that name does (ring attention's blocks).
   """
@@ -32,7 +45,7 @@ def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_s
   kv = (jnp.full((batch,), kv_len, jnp.int32) if key_value_seq_lengths is None
         else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, kv_len))
   i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
-  j = jnp.arange(kv_len, dtype=jnp.int32)[None, None, :]
+  j = (jnp.arange(kv_len, dtype=jnp.int32) if keys is None else keys)[None, None, :]
   qv3, kv3 = qv[:, None, None], kv[:, None, None]
   diag = i + (kv3 - qv3 if bottom_right else 0)
   if diagonal_offsets is not None:
@@ -55,6 +68,21 @@ def window_bounds(is_causal: bool, local_window_size) -> tuple[int | None, int |
   return left, right
 
 
+def empty_lse(dtype) -> jax.Array:
+  """The LSE of a row that sees no key, in `dtype`: its lowest finite value."""
+  return jnp.asarray(jnp.finfo(dtype).min, dtype)
+
+
+def cast_lse(lse: jax.Array, dtype) -> jax.Array:
+  """`lse` in `dtype`, with empty rows mapped to `empty_lse(dtype)`.
+
+  A plain cast would round the lowest finite float32 to -inf in bfloat16 and
+  float16; the select keeps every intermediate finite.
+  """
+  empty = lse == empty_lse(lse.dtype)
+  return jnp.where(empty, empty_lse(dtype), jnp.where(empty, 0, lse).astype(dtype))
+
+
 def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
               causal_alignment: str = "top_left", local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None,
@@ -69,12 +97,27 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   if compute_dtype is None:
     compute_dtype = jnp.promote_types(query.dtype, jnp.float32)
   out_dtype = query.dtype
-  q = query.astype(compute_dtype)
-  k = key.astype(compute_dtype)
-  v = value.astype(compute_dtype)
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
+  B, T, N, H = query.shape
+  S, K = key.shape[1], key.shape[2]
   G = N // K
+
+  left, right = window_bounds(is_causal, local_window_size)
+  visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
+                         key_value_seq_lengths=key_value_seq_lengths, window_left=left,
+                         window_right=right, bottom_right=causal_alignment == "bottom_right",
+                         batch=B, diagonal_offsets=diagonal_offsets)
+  if mask is not None:
+    visible = visible & jnp.asarray(mask, bool)
+  visible = jnp.broadcast_to(visible, (B, N, T, S))
+  row_sees = jnp.any(visible, axis=-1)                                     # [B, N, T]
+  key_seen = jnp.any(visible.reshape(B, K, G, T, S), axis=(2, 3))          # [B, K, S]
+
+  # Padding (rows that see nothing, keys nobody sees) is zeroed before the
+  # products, so whatever it holds, NaN included, reaches no output or gradient.
+  q = jnp.where(jnp.transpose(row_sees, (0, 2, 1))[..., None], query, 0).astype(compute_dtype)
+  k_mask = jnp.transpose(key_seen, (0, 2, 1))[..., None]
+  k = jnp.where(k_mask, key, 0).astype(compute_dtype)
+  v = jnp.where(k_mask, value, 0).astype(compute_dtype)
 
   # Full-precision products for float32/float64: on GPUs the default would
   # be TF32, and this is the yardstick the kernels are measured against.
@@ -86,29 +129,22 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   if bias is not None:
     logits = logits + jnp.asarray(bias).astype(compute_dtype)
 
-  left, right = window_bounds(is_causal, local_window_size)
-  visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
-                         key_value_seq_lengths=key_value_seq_lengths, window_left=left,
-                         window_right=right, bottom_right=causal_alignment == "bottom_right",
-                         batch=B, diagonal_offsets=diagonal_offsets)
-  if mask is not None:
-    visible = visible & jnp.asarray(mask, bool)
-  visible = jnp.broadcast_to(visible, logits.shape)
-
-  neg_inf = jnp.asarray(-jnp.inf, compute_dtype)
-  logits = jnp.where(visible, logits, neg_inf)
-  row_max = jnp.max(logits, axis=-1, keepdims=True)
-  # The result does not depend on the shift, so its gradient is dropped; rows
-  # with no visible key shift by 0 so that exp() sees -inf, not NaN.
-  row_max = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
-  probs = jnp.exp(logits - row_max)
+  # The max over visible scores only (NaN-propagating). The result does not
+  # depend on the shift, so its gradient is dropped. As in jax.nn's softmax, a
+  # +inf or NaN score makes the whole row (probabilities and LSE) NaN; a row
+  # whose visible scores are all -inf shifts by 0 and gets 0 / 0 = NaN.
+  row_max = jnp.max(jnp.where(visible, logits, jnp.finfo(compute_dtype).min), axis=-1,
+                    keepdims=True)
+  shift = jax.lax.stop_gradient(jnp.where(row_max == -jnp.inf, 0, row_max))
+  # exp sees only visible scores (masked entries read 0), so it never makes an
+  # inf, and the select keeps masked probabilities exactly 0 with 0 gradient.
+  probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits - shift, 0)), 0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
-  has_keys = row_sum > 0
-  safe_sum = jnp.where(has_keys, row_sum, 1)
-  probs = (probs / safe_sum).astype(compute_dtype)
+  sees = row_sees[..., None]
+  probs = (probs / jnp.where(sees, row_sum, 1)).astype(compute_dtype)
 
   out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(B, K, G, T, S), v,
                    preferred_element_type=compute_dtype, precision=precision)
-  out = out.reshape(B, T, N, H)
-  lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), neg_inf)[..., 0]
-  return out.astype(out_dtype), lse
+  out = jnp.where(jnp.transpose(sees, (0, 2, 1, 3)), out.reshape(B, T, N, H), 0)
+  lse = jnp.where(sees, jnp.log(jnp.where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
+  return out.astype(out_dtype), lse[..., 0]

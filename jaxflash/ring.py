@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxflash import derivatives
+
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -201,17 +203,28 @@ def _accumulate(visible, update, acc):
   return lax.cond(visible, update, lambda acc: acc, acc)
 
 
-def _merge(acc, o, lse):
-  """Online-softmax merge of a block's normalised (o, lse) into (acc_o, acc_lse), fp32."""
-  acc_o, acc_lse = acc
-  new = jnp.logaddexp(acc_lse, lse)
-  finite = jnp.isfinite(new)
-  safe = jnp.where(finite, new, 0.0)
-  w_acc = jnp.where(finite, jnp.exp(acc_lse - safe), 0.0)
-  w_blk = jnp.where(finite, jnp.exp(lse - safe), 0.0)
-  to_rows = lambda w: jnp.transpose(w, (0, 2, 1))[..., None]   # [B, N, T] -> [B, T, N, 1]
-  return acc_o * to_rows(w_acc) + o.astype(jnp.float32) * to_rows(w_blk), new
+_EMPTY = float(np.finfo(np.float32).min)   # the kernels' LSE of a row that sees no key
 
+
+def _merge(acc, o, lse):
+  """Online-softmax merge of a block's normalised (o, lse) into (acc_o, acc_lse), fp32.
+
+  A row that sees no key has LSE `_EMPTY` (finite, not -inf: params.h) and
+  weighs exactly 0, so an empty block contributes nothing and a row empty in
+  every block stays `_EMPTY` with output 0; nothing here makes an inf (no
+  false alarm under `jax.debug_infs`). A NaN LSE or output (a NaN input the
+  row sees) makes the row NaN, as in the unsharded kernels.
+  """
+  acc_o, acc_lse = acc
+  acc_empty, blk_empty = acc_lse == _EMPTY, lse == _EMPTY
+  top = jnp.maximum(acc_lse, lse)     # NaN-propagating
+  w_acc = jnp.where(acc_empty, 0.0, jnp.exp(jnp.where(acc_empty, 0.0, acc_lse - top)))
+  w_blk = jnp.where(blk_empty, 0.0, jnp.exp(jnp.where(blk_empty, 0.0, lse - top)))
+  both = acc_empty & blk_empty
+  total = jnp.where(both, 1.0, w_acc + w_blk)   # >= 1 where a side is not empty
+  new = jnp.where(both, _EMPTY, top + jnp.log(total))
+  to_rows = lambda w: jnp.transpose(w / total, (0, 2, 1))[..., None]   # [B, N, T] -> [B, T, N, 1]
+  return acc_o * to_rows(w_acc) + o.astype(jnp.float32) * to_rows(w_blk), new
 
 
 # ------------------------------------------------------------------ the ring
@@ -278,7 +291,7 @@ class Ring:
       return nxt, tuple(acc)
 
     acc = tuple((_like(q_a, 0, jnp.float32),
-                 _like(q_a[..., 0], -jnp.inf, jnp.float32).transpose(0, 2, 1))
+                 _like(q_a[..., 0], _EMPTY, jnp.float32).transpose(0, 2, 1))
                 for q_a in q_pieces)
     _, acc = _steps(ks.shards, step, (self._kv(k, v), acc))
     o = jnp.concatenate([a[0] for a in acc], axis=1).astype(q.dtype)
@@ -325,6 +338,51 @@ class Ring:
     return jnp.concatenate(dq, axis=1).astype(q.dtype), dk, dv
 
 
+  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
+    """(tO, tLSE) of the local query shard (forward mode), from the global o and lse.
+
+    Given the row's global LSE both sums of the tangent run over keys
+    (derivatives.tangent_sums), so every block adds its share, computed
+    blockwise in jnp with the block's diagonal offset; K/V and their tangents
+    travel around the ring as in the forward.
+    """
+    blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
+    block_spec = dataclasses.replace(spec, bottom_right=False)
+    n = self.q_seq.pieces
+    rows = list(zip(_split(q, n, 1), _split(tq, n, 1), _split(lse, n, 2)))
+    ks = self.kv_seq
+
+    def step(r, carry, first, last):
+      del first
+      kv, acc = carry
+      nxt = kv if last else ks.send(kv)
+      acc = list(acc)
+      for a, c, lq, lk, off, visible in blocks(r):
+        q_a, tq_a, lse_a = rows[a]
+        k_c, v_c, tk_c, tv_c = kv[c]
+
+        def update(acc, q_a=q_a, tq_a=tq_a, lse_a=lse_a, k_c=k_c, v_c=v_c, tk_c=tk_c, tv_c=tv_c,
+                   lq=lq, lk=lk, off=off):
+          sums = derivatives.tangent_sums(q_a, k_c, v_c, lse_a, lq, lk, tq_a, tk_c, tv_c,
+                                          spec=block_spec, offsets=off)
+          return tuple(x + y for x, y in zip(acc, sums))
+        acc[a] = _accumulate(visible, update, acc[a])
+      return nxt, tuple(acc)
+
+    pieces = lambda x: _split(x, self.kv_seq.pieces, 1)
+    kv = tuple(zip(*(pieces(x) for x in (k, v, tk, tv))))
+    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32))
+                for q_a, _, lse_a in rows)
+    _, acc = _steps(ks.shards, step, (kv, acc))
+    t_lse = jnp.concatenate([a[1] for a in acc], axis=2)
+    sums = jnp.concatenate([a[0] for a in acc], axis=1)
+    return derivatives.finish_tangent(sums, t_lse, o), t_lse
+
+  # The blockwise second-order rule (derivatives.py) would see only the local
+  # shards: Hessian-vector products through a ring are refused.
+  second_order = False
+
+
 # ------------------------------------------------------------------ entry point
 
 def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
@@ -332,7 +390,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
                    key_value_seq_lengths=None, local_window_size=None,
                    causal_alignment: str = "top_left", layout: Layout = "contiguous",
                    implementation: str | None = None, return_residual: bool = False,
-                   residual_dtype=None):
+                   residual_dtype=None, differentiable_residual: bool = False):
   """Exact attention over a sequence sharded along the mesh axis `axis_name`.
 
   Call it inside `jax.shard_map` with the local shards: ``query`` is this
@@ -351,7 +409,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   Runs the fused kernels: ``implementation`` "native" or "pallas"; None
   picks native where it runs (the FFI kernels fit shard_map's type checks;
   a Pallas call inside `shard_map` needs ``check_vma=False``), else pallas.
-  Differentiable.
+  Differentiable in reverse mode; the residual (``return_residual=True``)
+  carries a gradient only with ``differentiable_residual=True``, as in
+  `dot_product_attention`.
   """
   from jaxflash import attention   # attention imports this module
 
@@ -378,11 +438,11 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   ring = Ring(attention._kernels(chosen, sharded=False), seq, seq, T * shards, S * shards)
   if B * T * N == 0 or S == 0:
     out = jnp.zeros_like(call.q)
-    lse = jnp.full((B, N, T), -jnp.inf, jnp.float32)
+    lse = jnp.full((B, N, T), _EMPTY, jnp.float32)
   else:
     q_lengths = (call.q_lengths if call.q_lengths is not None
                  else jnp.full((B,), T * shards, jnp.int32))
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else jnp.full((B,), S * shards, jnp.int32))
     out, lse = attention._fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
-  return attention._finish(call, out, lse, return_residual, residual_dtype)
+  return attention._finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

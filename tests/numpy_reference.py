@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# The LSE of a row that sees no key: the lowest finite float32 (params.h).
+EMPTY_LSE = float(np.finfo(np.float32).min)
+
 
 def visible(B, T, S, *, left=-1, right=-1, bottom_right=False, q_lengths=None, kv_lengths=None,
             offsets=None):
@@ -44,16 +47,61 @@ def forward(q, k, v, *, scale, **mask):
   l = p.sum(-1, keepdims=True)
   p = p / np.where(l > 0, l, 1.0)
   o = np.einsum("bnts,bsnd->btnd", p, ve)
-  lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)), -np.inf)
+  lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)),
+                 EMPTY_LSE)
   return o, lse, p
 
 
-def backward(q, k, v, do, dlse=None, *, scale, **mask):
-  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v."""
+def in_dtype(q, k, v, do, dlse, dtype, *, scale, **mask):
+  """Forward and backward computed in `dtype`: every operation rounded to it.
+
+  The error yardstick of the tolerance rule (docs/design.md §5) without a
+  JAX compilation per shape: the same formulas as `forward` / `backward`,
+  each intermediate rounded to the input dtype (sums and products taken in
+  float64 first, then rounded once, as an accumulator would). Returns
+  (o, lse [B, N, T], dq, dk, dv) as float64; empty rows get EMPTY_LSE.
+  """
+  r = lambda x: np.asarray(x, np.float64).astype(dtype).astype(np.float64)
+  q, k, v, do = (r(x) for x in (q, k, v, do))
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  ke, ve = _expand(k, N), _expand(v, N)
+  vis = visible(B, T, S, **mask)[:, None]
+  sees = vis.any(-1)
+  with np.errstate(all="ignore"):
+    s = np.where(vis, r(r(np.einsum("btnd,bsnd->bnts", q, ke)) * r(scale)), -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(vis, r(np.exp(r(s - m))), 0.0)
+    l = r(e.sum(-1, keepdims=True))
+    p = r(e / np.where(l > 0, l, 1.0))
+    o = r(np.einsum("bnts,bsnd->btnd", p, ve))
+    lse = np.where(sees, r(m[..., 0] + r(np.log(np.where(sees, l[..., 0], 1.0)))), EMPTY_LSE)
+    dv = r(np.einsum("bnts,btnd->bsnd", p, do))
+    dp = r(np.einsum("btnd,bsnd->bnts", do, ve))
+    delta = r(np.einsum("btnd,btnd->bnt", do, o))
+    if dlse is not None:
+      delta = r(delta - np.asarray(dlse, np.float64))
+    ds = r(p * r(dp - delta[..., None]))
+    dq = r(r(np.einsum("bnts,bsnd->btnd", ds, ke)) * scale)
+    dk = r(r(np.einsum("bnts,btnd->bsnd", ds, q)) * scale)
+  fold = lambda x: r(x.reshape(B, S, K, N // K, D).sum(3))
+  return o, lse, dq, fold(dk), fold(dv)
+
+
+def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, **mask):
+  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v.
+
+  `o_stored` (the output as an implementation stored it, say rounded to
+  bfloat16) replaces the exact output in delta = rowsum(dO * O): the
+  gradients a fused backward that reads its stored output computes at best.
+  """
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   B, T, N, D = q.shape
   K = k.shape[2]
   o, lse, p = forward(q, k, v, scale=scale, **mask)
+  if o_stored is not None:
+    o = np.asarray(o_stored, np.float64)
   ke, ve = _expand(k, N), _expand(v, N)
   dv = np.einsum("bnts,btnd->bsnd", p, do)
   dp = np.einsum("btnd,bsnd->bnts", do, ve)
@@ -65,3 +113,55 @@ def backward(q, k, v, do, dlse=None, *, scale, **mask):
   dk = np.einsum("bnts,btnd->bsnd", ds, q) * scale
   fold = lambda x: x.reshape(B, x.shape[1], K, N // K, D).sum(3)
   return dq, fold(dk), fold(dv)
+
+
+
+def exact(q, k, v, do, dlse=None, *, scale, **mask):
+  """Forward and backward in IEEE float64 over the visible pairs only.
+
+  The definition jaxflash's kernels follow for non-finite inputs: every sum
+  runs over the pairs (i, j) the mask admits, so a NaN or Inf reaches a row
+  exactly when a dense softmax would put it there, and never from a key the
+  row cannot see (no 0 * NaN from masked pairs). Softmax as jax.nn writes it:
+  shift by the row max (by 0 when it is -inf), normalise by the sum; a +inf
+  or NaN score therefore makes the whole row's probabilities, and its LSE, NaN.
+  Returns (o, lse [B, N, T], dq, dk, dv); rows that see nothing get o = 0,
+  lse = EMPTY_LSE and no gradient. Materialises [B, N, T, S, D]: small shapes.
+  """
+  q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
+  B, T, N, D = q.shape
+  S, K = k.shape[1], k.shape[2]
+  ke, ve = _expand(k, N), _expand(v, N)
+  vis = np.broadcast_to(visible(B, T, S, **mask)[:, None], (B, N, T, S))
+  sees = vis.any(-1)
+  with np.errstate(all="ignore"):
+    s = np.where(vis, np.sum(q.transpose(0, 2, 1, 3)[:, :, :, None, :] *
+                             ke.transpose(0, 2, 1, 3)[:, :, None, :, :], -1) * scale, -np.inf)
+    m = np.max(np.where(vis, s, -np.inf), axis=-1, keepdims=True)
+    shift = np.where(m == -np.inf, 0.0, m)
+    e = np.where(vis, np.exp(np.where(vis, s - shift, 0.0)), 0.0)
+    l = e.sum(-1, keepdims=True)
+    p = np.where(vis, e / np.where(sees[..., None], l, 1.0), 0.0)
+    lse = np.where(sees, np.log(np.where(sees, l[..., 0], 1.0)) + shift[..., 0], EMPTY_LSE)
+
+    def pair_sum(weights, x, over):  # sum over visible pairs of weights * x rows
+      # weights [B, N, T, S]; x [B, S or T, N, D]; over = "keys" or "rows"
+      xt = x.transpose(0, 2, 1, 3)                    # [B, N, S or T, D]
+      if over == "keys":
+        prod = weights[..., None] * xt[:, :, None, :, :]         # [B, N, T, S, D]
+        return np.where(vis[..., None], prod, 0.0).sum(3).transpose(0, 2, 1, 3)
+      prod = weights[..., None] * xt[:, :, :, None, :]           # [B, N, T, S, D]
+      return np.where(vis[..., None], prod, 0.0).sum(2).transpose(0, 2, 1, 3)
+
+    o = pair_sum(p, ve, "keys")
+    dv = pair_sum(p, do, "rows")
+    dp = np.sum(do.transpose(0, 2, 1, 3)[:, :, :, None, :] *
+                ve.transpose(0, 2, 1, 3)[:, :, None, :, :], -1)
+    delta = np.einsum("btnd,btnd->bnt", do, o)
+    if dlse is not None:
+      delta = delta - np.asarray(dlse, np.float64)
+    ds = np.where(vis, p * (dp - delta[..., None]), 0.0)
+    dq = pair_sum(ds, ke, "keys") * scale
+    dk = pair_sum(ds, q, "rows") * scale
+    fold = lambda x: x.reshape(B, S, K, N // K, D).sum(3)
+    return o, lse, dq, fold(dk), fold(dv)

@@ -58,8 +58,9 @@ def check_offsets(rng, kernels, shape, mask_name, dtype):
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **mask)
   base_o, base_lse = base(q, k, v)
   assert_within_budget(o, truth_o, base_o, "output")
-  empty = np.isinf(truth_lse)
-  assert np.array_equal(np.isneginf(np.asarray(lse)), empty), "LSE is -inf exactly where no key"
+  empty = truth_lse == numpy_reference.EMPTY_LSE
+  assert np.array_equal(np.asarray(lse) == numpy_reference.EMPTY_LSE, empty), \
+      "LSE is the empty-row value exactly where no key"
   assert_within_budget(np.where(empty, 0, lse), np.where(empty, 0, truth_lse),
                        np.where(empty, 0, np.asarray(base_lse, np.float64)), "lse")
 

@@ -22,8 +22,10 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
 def attention(q, k, v, implementation="native", **kw):
+  """(out, lse) with a differentiable fp32 LSE, so the gradient checks cover dLSE too."""
   return jaxflash.dot_product_attention(q, k, v, implementation=implementation,
-                                        return_residual=True, residual_dtype=jnp.float32, **kw)
+                                        return_residual=True, residual_dtype=jnp.float32,
+                                        differentiable_residual=True, **kw)
 
 
 def baseline(q, k, v, **kw):
@@ -37,6 +39,13 @@ def baseline(q, k, v, **kw):
       key_value_seq_lengths=kw.get("key_value_seq_lengths"), compute_dtype=q.dtype)
 
 
+def max_logit(q, k, scale) -> float:
+  """The largest |scaled score|, for the tolerance rule's exponent term."""
+  q, k = (np.asarray(x, np.float64) for x in (q, k))
+  k = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
+  return float(np.max(np.abs(np.einsum("btnd,bsnd->bnts", q, k) * scale), initial=0.0))
+
+
 def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native"):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
@@ -45,26 +54,30 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
   base_o, base_lse = baseline(q, k, v, **kw)
+  budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 else {}
   assert out.dtype == q.dtype and out.shape == q.shape
-  assert_within_budget(out, truth_o, base_o, "output")
+  assert np.all(np.isfinite(np.asarray(lse, np.float64)))
+  assert_within_budget(out, truth_o, base_o, "output", **budget)
   lse = np.asarray(lse).transpose(0, 2, 1)  # [B, T, N] -> [B, N, T]
-  empty = np.isinf(truth_lse)
-  assert np.array_equal(np.isneginf(lse), empty), "LSE is -inf exactly on rows with no key"
+  empty = truth_lse == numpy_reference.EMPTY_LSE
+  assert np.array_equal(lse == numpy_reference.EMPTY_LSE, empty), \
+      "LSE is the empty-row value exactly on rows with no key"
   assert np.all(np.asarray(out, np.float64)[np.transpose(empty, (0, 2, 1))] == 0)
   assert_within_budget(np.where(empty, 0, lse), np.where(empty, 0, truth_lse),
-                       np.where(empty, 0, np.asarray(base_lse, np.float64)), "lse")
+                       np.where(empty, 0, np.asarray(base_lse, np.float64)), "lse", **budget)
 
 
-def check_gradients(rng, shape, mask_name, dtype, implementation="native", **extra):
+def check_gradients(rng, shape, mask_name, dtype, implementation="native", magnitude=1.0,
+                    **extra):
   B, T, S, N, K, D = shape
-  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = mask_kwargs(mask_name, rng, B, T, S)
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   dlse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
 
   def loss(fn, q, k, v):
     o, lse = fn(q, k, v)
-    lse = jnp.where(jnp.isinf(lse), 0, lse)  # -inf rows carry no gradient
+    lse = jnp.where(lse == numpy_reference.EMPTY_LSE, 0, lse)  # empty rows carry no gradient
     return (jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) +
             jnp.sum(lse.astype(jnp.float32) * dlse))
 
@@ -77,9 +90,10 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", **ext
   base = jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
                                    scale=1.0 / np.sqrt(D), **numpy_mask(kw))
+  budget = dict(max_logit=max_logit(q, k, 1.0 / np.sqrt(D))) if magnitude > 1 else {}
   for name, g, b, t in zip(("dq", "dk", "dv"), grads, base, truth):
     assert g.dtype == dtype
-    assert_within_budget(g, t, b, name)
+    assert_within_budget(g, t, b, name, **budget)
 
 
 # A curated cross product: every mask on three shapes in every dtype, every
@@ -108,6 +122,17 @@ def test_large_logits_stay_finite_and_exact(rng, dtype):
   check_forward(rng, (1, 127, 127, 2, 2, 64), "causal", dtype, magnitude=6.0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("implementation", ["native", "pallas", "xla"])
+def test_logits_up_to_1e4(rng, implementation, dtype):
+  """scale * |q . k| up to ~1e4 (q, k of size 50): output, LSE and gradients
+  finite and within the rule in every implementation."""
+  shape = (1, 40, 50, 2, 1, 16)
+  check_forward(rng, shape, "lengths_causal_bottom_right", dtype, magnitude=50.0,
+                implementation=implementation)
+  check_gradients(rng, shape, "causal", dtype, magnitude=50.0, implementation=implementation)
+
+
 @settings(max_examples=12, deadline=None)
 @given(B=st.integers(1, 2), T=st.integers(1, 70), S=st.integers(1, 70), K=st.integers(1, 2),
        G=st.sampled_from([1, 2, 3]), D=st.integers(1, 80), mask_name=st.sampled_from(list(MASKS)),
@@ -133,3 +158,14 @@ def test_long_sequence_rows_match(rng):
   expect = np.einsum("bns,bsd->bnd", p / p.sum(-1, keepdims=True), np.asarray(v, np.float64)[:, :, 0])
   np.testing.assert_allclose(np.asarray(out)[:, rows, 0], expect, atol=2e-5, rtol=0)
   np.testing.assert_allclose(np.asarray(lse)[:, rows, 0], (m[..., 0] + np.log(p.sum(-1))), atol=2e-5)
+
+
+def test_long_sequence_script_runs_small():
+  """tools/long_sequences.py (the GPU stage 'long') at sizes a CPU can run."""
+  import importlib.util
+  import os
+  path = os.path.join(os.path.dirname(__file__), "..", "tools", "long_sequences.py")
+  spec = importlib.util.spec_from_file_location("long_sequences", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  assert module.main(["--seq", "1024", "--forward-only", "2048"]) == 0

@@ -16,7 +16,12 @@ Layouts and semantics are the project's:
   with ``off = kv_len_b - q_len_b`` when ``bottom_right`` else ``0``, plus the
   optional per-batch ``diagonal_offsets[b]`` (ring attention's blocks). Causal
   attention is ``window_right = 0``. Rows with nothing visible produce zeros,
-  ``lse = -inf`` and zero gradients.
+  the lowest finite float32 as ``lse`` and zero gradients.
+* Non-finite inputs propagate over the visible pairs only (IEEE arithmetic,
+  as a dense softmax would), and never from a key a row cannot see: padding
+  rows and keys are zeroed where a masked tile loads them, and a block whose
+  result shows a NaN (a masked pair's 0 * NaN in a tile product) is
+  recomputed pair by pair.
 
 Kernels
 -------
@@ -64,6 +69,9 @@ __all__ = [
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
+# The LSE of a row that sees no key (params.h kEmptyRowLse): finite, so that
+# jax.debug_infs stays quiet, and low enough to act as log 0.
+_EMPTY_LSE = float(np.finfo(np.float32).min)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
@@ -388,6 +396,10 @@ class _Mask:
       vis &= cols <= rows + self.offset + self.right
     return vis
 
+  def has_keys(self, rows):
+    """Rows that see at least one key (the others output zeros)."""
+    return (rows < self.q_valid) & (self.key_begin(rows) < self.key_end(rows))
+
 
 def _cdiv(a, b: int):
   return lax.div(a + (b - 1), jnp.int32(b))
@@ -448,9 +460,9 @@ def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_
   r0 = qi * block_q
   lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
-  q = q_ref[...]
-  dp = q.shape[-1]
   rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  q = _zero_padding(q_ref[...], rows, mask.q_valid)
+  dp = q.shape[-1]
 
   def step(masked, kb, carry):
     acc, m, l = carry
@@ -461,11 +473,10 @@ def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       s = jnp.where(mask.visible(rows, cols), s, -jnp.inf)
+      v = _zero_padding(v, cols.T, mask.kv_valid)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
-    if masked:  # a row may still have seen nothing
-      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    else:
-      m_ref = m_new
+    # A row may have seen only masked (or -inf) scores so far: shift by 0.
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     alpha = jnp.exp2(m - m_ref)
     p = jnp.exp2(s - m_ref[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
@@ -479,11 +490,54 @@ def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_
   carry = lax.fori_loop(a, bb, functools.partial(step, False), carry)
   acc, m, l = lax.fori_loop(bb, hi, functools.partial(step, True), carry)
 
-  seen = l > 0.0
-  l_safe = jnp.where(seen, l, 1.0)
-  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None],
-                         0.0).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, m * _LN2 + jnp.log(l_safe), -jnp.inf)
+  # Emptiness is structural, never read off the sum: a +inf or NaN score
+  # makes l NaN (and the row and its LSE NaN, as in a dense softmax) even
+  # where the running max dropped it (Triton's max ignores NaN), and a row
+  # whose visible scores are all -inf gets 0 / 0 = NaN.
+  has_keys = mask.has_keys(rows[:, 0])
+  o = jnp.where(has_keys[:, None], acc / l[:, None], 0.0)
+  lse = jnp.where(has_keys, m * _LN2 + jnp.log(l), _EMPTY_LSE)
+
+  def exact(xs):
+    # Key by key over the visible pairs only, with P from the (correct) LSE.
+    o, = xs
+    lse2 = lse * _LOG2E
+    qf = q.astype(jnp.float32)
+
+    def key(j, acc):
+      kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
+      return acc + jnp.where(mask.visible(rows, j), p[:, None] * vj, 0.0)
+
+    acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(o))
+    return (jnp.where(jnp.isfinite(lse)[:, None], acc, o),)
+
+  o, = _exact_where_nan((o,), jnp.isfinite(lse), exact)
+  o_ref[...] = o.astype(o_ref.dtype)
+  lse_ref[...] = lse
+
+
+def _zero_padding(x, index, valid):
+  """Rows of a loaded tile at or past `valid` (padding) set to 0, so that a
+  masked pair's zero weight never meets a NaN there."""
+  return jnp.where(index < valid, x, jnp.zeros_like(x))
+
+
+def _exact_where_nan(xs, rows_ok, exact):
+  """`xs` (a tuple of [rows, cols] results), or `exact(xs)` when a NaN shows
+  in a row that `rows_ok` flags.
+
+  A product over a partly masked tile multiplies masked pairs by an exact
+  zero weight, and 0 * NaN (or Inf) of a key the row cannot see would be NaN.
+  Any such leak leaves a NaN in the result, so a block that has one is
+  recomputed pair by pair over the visible pairs only: exact, and slow, but
+  run only when an input is not finite.
+  """
+  # A max over int32 flags: Triton has no lowering for jnp.any.
+  bad = functools.reduce(jnp.maximum, [
+      jnp.max((jnp.isnan(x) & rows_ok[:, None]).astype(jnp.int32)) for x in xs]) > 0
+  return lax.cond(bad, exact, lambda xs: xs, xs)
 
 
 # ---------------------------------------------------------------------------
@@ -501,14 +555,13 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
   r0 = qi * block_q
   lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
-  q = q_ref[...]
-  do = do_ref[...]
+  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  q = _zero_padding(q_ref[...], rows, mask.q_valid)
+  do = _zero_padding(do_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
-  # Base-2 LSE; rows that saw nothing get +inf so that P underflows to 0.
-  lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+  lse2 = _lse_log2(lse)
   delta = delta_ref[...]
   dp = q.shape[-1]
-  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
 
   def step(masked, kb, dq):
     start = pl.multiple_of(kb * block_k, block_k)
@@ -519,6 +572,8 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       p = jnp.where(mask.visible(rows, cols), p, 0.0)
+      k = _zero_padding(k, cols.T, mask.kv_valid)
+      v = _zero_padding(v, cols.T, mask.kv_valid)
     dpv = _dot(do, v, 1, 1)
     ds = p * (dpv - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k, 1, 0)
@@ -527,7 +582,31 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
   dq = lax.fori_loop(lo, a, functools.partial(step, True), dq)
   dq = lax.fori_loop(a, bb, functools.partial(step, False), dq)
   dq = lax.fori_loop(bb, hi, functools.partial(step, True), dq)
+
+  # Rows whose LSE or delta is not finite are NaN throughout anyway.
+  rows_ok = jnp.isfinite(lse) & jnp.isfinite(delta)
+
+  def exact(xs):
+    dq, = xs
+    qf, dof = q.astype(jnp.float32), do.astype(jnp.float32)
+
+    def key(j, acc):
+      kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
+      ds = p * (jnp.sum(dof * vj, axis=1) - delta)
+      return acc + jnp.where(mask.visible(rows, j), ds[:, None] * kj, 0.0)
+
+    acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
+    return (jnp.where(rows_ok[:, None], acc, dq),)
+
+  dq, = _exact_where_nan((dq,), rows_ok, exact)
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _lse_log2(lse):
+  """Base-2 LSE; rows that saw nothing get +inf, so that P underflows to 0."""
+  return jnp.where(lse == _EMPTY_LSE, jnp.inf, lse * _LOG2E)
 
 
 def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
@@ -547,10 +626,10 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
       lo_elem, hi_elem, mask.row_begin(c0 + block_k - 1), mask.row_end(c0),
       all_cols, block_q)
 
-  k = k_ref[...]
-  v = v_ref[...]
-  dp = k.shape[-1]
   cols = c0 + jnp.arange(block_k, dtype=jnp.int32)[:, None]  # [bk, 1]
+  k = _zero_padding(k_ref[...], cols, mask.kv_valid)
+  v = _zero_padding(v_ref[...], cols, mask.kv_valid)
+  dp = k.shape[-1]
 
   def step(g, masked, qb, carry):
     dk, dv = carry
@@ -559,13 +638,15 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
     do = do_ref[pl.ds(start, block_q), g, :]
     lse = lse_ref[g, pl.ds(start, block_q)]
     delta = delta_ref[g, pl.ds(start, block_q)]
-    lse2 = jnp.where(lse == -jnp.inf, jnp.inf, lse * _LOG2E)
+    lse2 = _lse_log2(lse)
     # Transposed tiles [bk, bq], so that no P^T is ever formed.
     st = _dot(k, q, 1, 1) * qk_scale
     pt = jnp.exp2(st - lse2[None, :])
     if masked:
       rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
       pt = jnp.where(mask.visible(rows, cols), pt, 0.0)
+      q = _zero_padding(q, rows.T, mask.q_valid)
+      do = _zero_padding(do, rows.T, mask.q_valid)
     dv = dv + _dot(pt.astype(do.dtype), do, 1, 0)
     dpt = _dot(v, do, 1, 1)
     dst = pt * (dpt - delta[None, :])
@@ -583,6 +664,27 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
     dk, dv = head(0, carry)
   else:
     dk, dv = lax.fori_loop(0, group, head, carry)
+
+  def exact(both):
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def row(g, i, carry):
+      dk, dv = carry
+      qi = q_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
+      doi = do_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
+      lse2 = _lse_log2(lse_ref[g, pl.ds(i, 1)])
+      pt = jnp.exp2(jnp.sum(kf * qi, axis=1) * qk_scale - lse2)
+      dst = pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)])
+      vis = mask.visible(i, cols)
+      return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
+              dv + jnp.where(vis, pt[:, None] * doi, 0.0))
+
+    def head(g, carry):
+      return lax.fori_loop(lo_elem, hi_elem, functools.partial(row, g), carry)
+
+    return lax.fori_loop(0, group, head, tuple(jnp.zeros_like(x) for x in both))
+
+  dk, dv = _exact_where_nan((dk, dv), jnp.ones((block_k,), jnp.bool_), exact)
   dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
@@ -669,7 +771,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
 
   Returns:
     ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
-    ``[B, Hq, T]`` in natural-log units (``-inf`` for rows that see nothing).
+    ``[B, Hq, T]`` in natural-log units (the lowest finite float32 for rows
+    that see nothing).
   """
   _check_static_args(q, k, v, scale, window_left, window_right)
   batch, t, hq, d = q.shape
@@ -677,7 +780,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   group = hq // hkv
   if batch * t * hq * s == 0:  # nothing to attend to, or nobody asks
     return (jnp.zeros(q.shape, q.dtype),
-            jnp.full((batch, hq, t), -jnp.inf, jnp.float32))
+            jnp.full((batch, hq, t), _EMPTY_LSE, jnp.float32))
   cfg = _resolve_config(config, d, q.dtype)
   dp = _padded_head_dim(d)
   bq, t_pad = _block_sizes(t, cfg.block_q)
@@ -752,12 +855,17 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   kv_len = _clamped_lengths(kv_lengths, batch, s)
   offsets = _offsets(diagonal_offsets, batch)
 
-  # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T].
+  # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T]; 0 on rows that see
+  # no key, whose dO (padding, say) must not reach any key.
   delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
                      o.astype(jnp.float32),
                      precision=lax.Precision.HIGHEST)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
+  mask = _Mask.make(q_len[:, None], kv_len[:, None], offsets[:, None], int(window_left),
+                    int(window_right), bool(bottom_right))
+  has_keys = mask.has_keys(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t)))
+  delta = jnp.where(has_keys[:, None, :], delta, 0.0)
   lse = lse.astype(jnp.float32)
 
   common = dict(scale=float(scale), qk_scale=float(scale) * _LOG2E,
@@ -781,7 +889,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   dop = _pad_to(do, {1: t_all, 3: dp})
   kp = _pad_to(k, {1: s_all, 3: dp})
   vp = _pad_to(v, {1: s_all, 3: dp})
-  lsep = _pad_to(lse, {2: t_all}, value=-np.inf)
+  lsep = _pad_to(lse, {2: t_all}, value=_EMPTY_LSE)
   deltap = _pad_to(delta, {2: t_all})
 
   nq = t_all // bq_dq

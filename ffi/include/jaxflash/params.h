@@ -9,6 +9,7 @@
 //   q, o, dq, do    [batch, q_len, q_heads, head_dim]
 //   k, v, dk, dv    [batch, kv_len, kv_heads, head_dim]
 //   lse, dlse       [batch, q_heads, q_len]   float32, natural-log units
+//                                             (kEmptyRowLse for a row that sees no key)
 //   q_lengths,
 //   kv_lengths      [batch]                   int32, clamped to [0, q_len] / [0, kv_len]
 //   diag_offsets    [batch]                   int32, clamped to [-2^30, 2^30]
@@ -24,6 +25,11 @@
 #endif
 
 namespace jaxflash {
+
+// The LSE of a row that sees no key: the lowest finite float, a stand-in for
+// log(0) = -inf that acts like it in any merge (exp underflows to 0) but is
+// not an inf, which jax.debug_infs would report.
+constexpr float kEmptyRowLse = -3.40282346638528859812e+38f;
 
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
@@ -43,12 +49,18 @@ inline const char* DTypeName(DType t) {
 //   and (window_right < 0 or j <= i + offset_b + window_right)
 // where offset_b = (bottom_right ? kv_len_b - q_len_b : 0) + diag_offsets[b]
 // (q_len_b, kv_len_b are the per-batch lengths). Causal attention is
-// window_right = 0. Rows with no visible key produce O = 0 and LSE = -inf.
+// window_right = 0. Rows with no visible key produce O = 0 and LSE = kEmptyRowLse.
 //
 // diag_offsets places a block of a larger attention problem: the block of
 // query rows starting at global row i0 and keys starting at global key j0 has
 // its diagonal at i0 - j0 (plus the global bottom-right offset), which is how
 // ring attention hands each (query shard, key shard) pair to these kernels.
+//
+// Non-finite inputs follow IEEE arithmetic over the pairs the mask admits and
+// nothing else: a NaN or Inf in q_i, or in k_j / v_j of a key row i sees,
+// reaches row i's output (and the gradients through it) as in a dense
+// softmax, while a key row i cannot see never reaches it, not even as
+// 0 * NaN. Keys past kv_len_b and rows past q_len_b are never read.
 struct MaskParams {
   int64_t window_left = -1;   // < 0: unbounded
   int64_t window_right = -1;  // < 0: unbounded

@@ -16,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/exact_rows.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
@@ -26,7 +27,9 @@ namespace tc {
 
 // ------------------------------------------------------------ delta
 // delta[b][h][t] = rowsum(dO * O) - dLSE, one warp per row (rows walked in
-// O's [b][t][h] order so a warp reads one contiguous row).
+// O's [b][t][h] order so a warp reads one contiguous row); 0 for a row that
+// sees no key, whose dO (padding, say) must reach no key through a masked
+// pair's zero weight.
 template <typename T>
 __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
@@ -52,7 +55,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
     const int64_t t = (row / sh.q_heads) % sh.q_len;
     const int64_t b = row / (sh.q_heads * sh.q_len);
     const int64_t idx = (b * sh.q_heads + h) * sh.q_len + t;
-    p.delta[idx] = acc - (p.dlse ? p.dlse[idx] : 0.f);
+    const bool keys = MaskPolicy::ForBatch(p, static_cast<int>(b)).HasKeys(static_cast<int>(t));
+    p.delta[idx] = keys ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
   }
 }
 
@@ -204,6 +208,17 @@ __device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&d
 }
 
 // ------------------------------------------------------------ epilogues
+// A NaN in a row of dQ, dK or dV may be a masked pair's 0 * NaN from a tile
+// product (a non-finite value, query, cotangent or delta of a pair the mask
+// hides): such rows are recomputed exactly (exact_rows.cuh) instead of stored.
+template <int kDT>
+__device__ __forceinline__ bool QuadHasNan(const float (&a)[kDT][4], int half) {
+  bool nan = false;
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) nan |= isnan(a[dt][2 * half]) || isnan(a[dt][2 * half + 1]);
+  return QuadAny(nan);
+}
+
 // Writes this warp's 16 rows of dK (times the scale) and dV: keys from `key0`
 // of (batch, kv_head), columns [d_base, d_base + 8 kDT). Keys past kv_len are
 // not stored; keys no query sees get their zero sums.
@@ -216,10 +231,12 @@ __device__ __forceinline__ void StoreKeyGrads(const float (&dk)[kDT][4], const f
   const int64_t offset = batch * sh.kv_batch_stride() + kv_head * sh.head_dim + d_base;
   T* gdK = static_cast<T*>(p.dk) + offset;
   T* gdV = static_cast<T*>(p.dv) + offset;
+  bool redo[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key0 + g + half * 8;
-    if (key >= sh.kv_len) continue;
+    redo[half] = (QuadHasNan(dk, half) || QuadHasNan(dv, half)) && key < sh.kv_len;
+    if (key >= sh.kv_len || redo[half]) continue;
     const int64_t row = key * sh.kv_row_stride();
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -231,6 +248,9 @@ __device__ __forceinline__ void StoreKeyGrads(const float (&dk)[kDT][4], const f
       }
     }
   }
+  ForEachFlaggedRow(redo, key0, lane, [&](int, int key, int) {
+    ExactKeyGradRow<T>(p, batch, kv_head, key, d_base, MinInt(d_base + 8 * kDT, static_cast<int>(sh.head_dim)), lane);
+  });
 }
 
 // Writes this warp's 16 rows of dQ (times the scale) from `row0` of
@@ -241,11 +261,17 @@ __device__ __forceinline__ void StoreQueryGrad(const float (&dq)[kDT][4], const 
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
   T* gdQ = static_cast<T*>(p.dq) + batch * sh.q_batch_stride() + head * sh.head_dim;
+  bool redo[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + g + half * 8;
-    if (row >= sh.q_len) continue;
     const bool real = row < pol.q_valid;
+    redo[half] = QuadHasNan(dq, half) && real;
+    if (redo[half]) {  // a row with a NaN LSE or delta is NaN throughout anyway
+      const int64_t stat = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
+      redo[half] = isfinite(p.lse[stat]) && isfinite(p.delta[stat]);
+    }
+    if (row >= sh.q_len || redo[half]) continue;
     T* dst = gdQ + row * sh.q_row_stride();
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -256,6 +282,8 @@ __device__ __forceinline__ void StoreQueryGrad(const float (&dq)[kDT][4], const 
       }
     }
   }
+  ForEachFlaggedRow(redo, row0, lane,
+                    [&](int, int row, int) { ExactQueryGradRow<T>(p, batch, head, row, lane); });
 }
 
 }  // namespace tc

@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "common/exact_rows.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
@@ -41,6 +42,19 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
   return tiles;
 }
 
+// The key tiles, within `tiles`, that every row of [r0, r_end) sees whole
+// (no element masked): kernels run those without the mask. The visible
+// range of a row only moves right as the row grows, so they are contiguous:
+// from the first tile the last row's range starts at or before to the last
+// tile the first row's range covers. Empty (begin == end) when there is none.
+template <int kN>
+__device__ __forceinline__ KeyTiles FullKeyTiles(const MaskPolicy& pol, int r0, int r_end, KeyTiles tiles) {
+  KeyTiles full;
+  full.begin = MaxInt(tiles.begin, (pol.KeyBegin(r_end - 1) + kN - 1) / kN);
+  full.end = MaxInt(full.begin, MinInt(tiles.end, pol.KeyEnd(r0) / kN));
+  return full;
+}
+
 // One CTA's share of the forward (or of the dQ pass of the backward, which
 // walks keys the same way): query rows [r0, r_end) of (batch, head), the key
 // tiles those rows visit, and where their Q, K and V start in global memory
@@ -61,12 +75,18 @@ struct FwdBlock {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
   }
 
+  // Row block m_block of (batch, head); the grid-shaped kernels take head and
+  // batch from blockIdx.y and .z, the persistent ones from their scheduler.
   template <int kM, int kN, typename Params>  // FwdParams or BwdParams
   __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block) {
+    return At<kM, kN>(p, m_block, blockIdx.y, blockIdx.z);
+  }
+  template <int kM, int kN, typename Params>
+  __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block, int head, int batch) {
     const AttentionShape& sh = p.shape;
     FwdBlock b;
-    b.batch = blockIdx.z;
-    b.head = blockIdx.y;
+    b.batch = batch;
+    b.head = head;
     const int kv_head = b.head / static_cast<int>(sh.group_size());
     b.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, b.batch);
@@ -91,10 +111,10 @@ __device__ __forceinline__ int HeavyFirstBlock(const MaskParams& mask) {
 }
 
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
-// and sets the entries the mask hides to -inf. `full` (the policy admits the
-// whole tile for the CTA's rows) skips the per-element test; `r0` is the
-// CTA's first query row.
-template <int kMT, int kNT>
+// (unless kScale is false: MaskScores) and sets the entries the mask hides to
+// -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
+// per-element test; `r0` is the CTA's first query row.
+template <bool kScale = true, int kMT, int kNT>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2) {
   const int g = lane >> 2, t = lane & 3;
@@ -103,12 +123,16 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // This lane's columns of the row are c0 + nt * 8 + 2t + j; the row sees
-      // [lo, hi) of them, measured from c0 + 2t (an empty range for padding rows).
+      // [lo, hi) of them, measured from c0 + 2t. Padding rows (past q_valid)
+      // are not tested: whatever they compute, FinishRows gives them O = 0 and
+      // kEmptyRowLse and never flags them for recomputation, and rows do not
+      // mix in the forward. Leaving the test out saves the registers the
+      // loaded diagonal offset costs (it kept three tiles from spilling).
       int lo = 0, hi = kNT * 8;
       if (!full) {
         const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
-        lo = row < pol.q_valid ? pol.KeyBegin(row) - c0 - 2 * t : 0;
-        hi = row < pol.q_valid ? pol.KeyEnd(row) - c0 - 2 * t : 0;
+        lo = pol.KeyBegin(row) - c0 - 2 * t;
+        hi = pol.KeyEnd(row) - c0 - 2 * t;
       }
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
@@ -116,9 +140,18 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
         for (int j = 0; j < 2; ++j) {
           const int col = nt * 8 + j;
           float& x = s[mt][nt][2 * half + j];
-          x = (full || (col >= lo && col < hi)) ? x * scale_log2 : -INFINITY;
+          x = (full || (col >= lo && col < hi)) ? (kScale ? x * scale_log2 : x) : -INFINITY;
         }
     }
+}
+
+// Sets the entries the mask hides to -inf and leaves the others as they are,
+// for kernels that fold the scale into the softmax's exponent (only boundary
+// tiles, the ones the policy does not find full, need it).
+template <int kMT, int kNT>
+__device__ __forceinline__ void MaskScores(float (&s)[kMT][kNT][4], const MaskPolicy& pol, int r0, int warp_row0,
+                                           int c0, int lane) {
+  ScaleAndMask<false>(s, pol, false, r0, warp_row0, c0, lane, 1.f);
 }
 
 // The A fragment (16 rows x 16 k) of P for k step kk, packed from two
@@ -140,12 +173,37 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
   for (int kk = 0; kk < kNT / 2; ++kk) PackAFragment<T>(p, kk, a[kk]);
 }
 
+// The rules every forward applies to this warp's rows once Finalize has run
+// (o, lse in the accumulator layout; row0 is the warp's first row in the
+// sequence): a row that sees no key (padding queries past q_valid among them,
+// which full tiles did not mask) gets O = 0 and kEmptyRowLse; a row whose O
+// has a NaN while its LSE is finite may hold a masked pair's 0 * NaN from P·V
+// and is flagged in redo[] for ExactOutputRow.
+template <int kMT, int kDT>
+__device__ __forceinline__ void FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT], const MaskPolicy& pol,
+                                           int row0, int lane, bool (&redo)[2 * kMT]) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
+      const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8);
+      bool nan = false;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        nan |= isnan(o[mt][dt][2 * half]) || isnan(o[mt][dt][2 * half + 1]);
+        if (!keys) o[mt][dt][2 * half] = o[mt][dt][2 * half + 1] = 0.f;
+      }
+      redo[r] = keys && QuadAny(nan) && isfinite(lse[r]);
+      if (!keys) lse[r] = kEmptyRowLse;
+    }
+  }
+}
+
 // Normalises the output accumulator, then writes this warp's rows of O
-// (columns below head_dim) and LSE. Rows past q_len are not stored; rows past
-// the batch element's q_valid (padding queries) get O = 0 and LSE = -inf,
-// since tiles the policy found full for the real rows were not masked for them.
-// The addresses are recomputed from the parameters (constant memory) rather
-// than kept in registers through the main loop.
+// (columns below head_dim) and LSE, by the rules of FinishRows; rows past
+// q_len are not stored. The addresses are recomputed from the parameters
+// (constant memory) rather than kept in registers through the main loop.
 template <typename T, int kMT, int kDT>
 __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (&o)[kMT][kDT][4],
                                             const FwdParams& p, const MaskPolicy& pol, int batch, int head,
@@ -156,27 +214,34 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
   const int64_t q_row_stride = sh.q_row_stride();
   float lse[2 * kMT];
   softmax.Finalize(o, lse);
+  bool redo[2 * kMT];
+  FinishRows(o, lse, pol, r0 + warp_row0, lane, redo);
   T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
+      const int r = mt * 2 + half;
       const int row = warp_row0 + mt * 16 + g + half * 8;  // within the CTA
       if (r0 + row >= sh.q_len) continue;
-      const bool real = r0 + row < pol.q_valid;
+      if (t == 0) gLse[r0 + row] = lse[r];
+      if (redo[r]) continue;
       T* dst = gO + row * q_row_stride;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const int col = dt * 8 + 2 * t;
         if (col < head_dim) {
-          *reinterpret_cast<uint32_t*>(dst + col) =
-              real ? ElemTraits<T>::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]) : 0u;
+          *reinterpret_cast<uint32_t*>(dst + col) = ElemTraits<T>::Pack(o[mt][dt][2 * half], o[mt][dt][2 * half + 1]);
         }
       }
-      if (t == 0) gLse[r0 + row] = real ? lse[mt * 2 + half] : -INFINITY;
     }
   }
+  ForEachFlaggedRow(redo, warp_row0, lane, [&](int r, int row, int src) {
+    T* dst = gO + row * q_row_stride;
+    ExactOutputRow<T>(p, batch, head, r0 + row, __shfl_sync(0xffffffffu, lse[r], src), lane,
+                      [&](int d, float x) { dst[d] = ElemTraits<T>::FromFloat(x); });
+  });
 }
 
 }  // namespace tc

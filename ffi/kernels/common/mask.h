@@ -40,6 +40,13 @@ struct MaskPolicy {
     return p;
   }
 
+  // The policy of batch element `batch` of a call (FwdParams or BwdParams).
+  template <typename Params>
+  JAXFLASH_HD static MaskPolicy ForBatch(const Params& p, int batch) {
+    return For(p.mask, static_cast<int>(p.shape.q_len), static_cast<int>(p.shape.kv_len), p.q_lengths,
+               p.kv_lengths, batch);
+  }
+
   // Keys visible to one row: [KeyBegin(row), KeyEnd(row)). Both are
   // non-decreasing in row, so a block of rows [r0, r1) visits
   // [KeyBegin(r0), KeyEnd(r1 - 1)).
@@ -59,6 +66,10 @@ struct MaskPolicy {
     if (col >= kv_valid) return 0;
     return left < 0 ? q_valid : MaxInt(0, MinInt(q_valid, col - offset + left + 1));
   }
+
+  // Whether the row sees at least one key: rows that do not output zeros and
+  // kEmptyRowLse whatever their inputs hold.
+  JAXFLASH_HD bool HasKeys(int row) const { return row < q_valid && KeyBegin(row) < KeyEnd(row); }
 
   // Written on the diagonal distance col - row (for col >= 0 it is the same
   // test as KeyBegin(row) <= col < KeyEnd(row)): it keeps the offset out of

@@ -213,16 +213,36 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
+// max that propagates NaN (fmaxf drops it, same cost): a NaN score must make
+// its row's running max NaN, or a row whose every score is NaN would look like
+// a row that has seen nothing yet.
+__device__ __forceinline__ float MaxNaN(float a, float b) {
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+}
+
 // ------------------------------------------------------------ warp reductions
 // The four lanes of a quad (same g) own the same accumulator rows.
 __device__ __forceinline__ float QuadMax(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = MaxNaN(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  x = MaxNaN(x, __shfl_xor_sync(0xffffffffu, x, 2));
   return x;
 }
 __device__ __forceinline__ float QuadSum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   x += __shfl_xor_sync(0xffffffffu, x, 2);
+  return x;
+}
+__device__ __forceinline__ bool QuadAny(bool x) {
+  int v = x;
+  v |= __shfl_xor_sync(0xffffffffu, v, 1);
+  v |= __shfl_xor_sync(0xffffffffu, v, 2);
+  return v != 0;
+}
+__device__ __forceinline__ float WarpSum(float x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
 

@@ -31,34 +31,37 @@ struct OnlineSoftmax {
     }
   }
 
-  // Folds one tile of scores s[mt][nt][i] into the state: turns s into the
-  // unnormalised probabilities exp2(s - m_new) and returns, per row, the factor
+  // Folds one tile of scores into the state: turns s into the unnormalised
+  // probabilities exp2(scale * s - m_new) and returns, per row, the factor
   // alpha = exp2(m_old - m_new) by which output accumulated so far must be
   // rescaled (Rescale). Kept apart so a kernel can overlap the score math
-  // with a product still accumulating into o.
+  // with a product still accumulating into o. `scale` (> 0) lets a kernel
+  // pass raw scores and fold the scale into the exponent's FFMA; the row max
+  // is taken on the raw scores, which a positive scale does not reorder.
   template <int kNT>
-  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows]) {
+  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
-        float mx = m[r];
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+          mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         }
-        mx = QuadMax(mx);
-        // A row that has seen only masked scores keeps m = -inf; subtracting 0
-        // instead keeps exp2(-inf - ...) at 0 rather than NaN.
+        mx = MaxNaN(m[r], QuadMax(mx) * scale);
+        // A row that has seen only masked (or -inf) scores keeps m = -inf;
+        // subtracting 0 instead keeps exp2(-inf - ...) at 0 rather than NaN.
+        // A NaN score makes m, and so the whole row, NaN.
         const float ref = mx == -INFINITY ? 0.f : mx;
         alpha[r] = Exp2(m[r] - ref);
         m[r] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = Exp2(s[mt][nt][2 * half] - ref);
-          const float p1 = Exp2(s[mt][nt][2 * half + 1] - ref);
+          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
+          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;
@@ -86,8 +89,11 @@ struct OnlineSoftmax {
     Rescale(o, alpha);
   }
 
-  // Normalises o by the row sums and returns the natural-log LSE per row
-  // (-inf, with o = 0, for rows that saw no visible key).
+  // Normalises o by the row sums and returns the natural-log LSE per row, as
+  // a dense softmax over the scores seen would: a +inf or NaN score leaves the
+  // row and its LSE NaN, and a row whose scores were all -inf (or masked) has
+  // sum 0, so 0 / 0 = NaN and LSE -inf. Which rows see no key at all is the
+  // mask's business, not the sum's: the caller zeroes those (StoreOutput).
   template <int kDT>
   __device__ __forceinline__ void Finalize(float (&o)[kMT][kDT][4], float (&lse)[kRows]) {
     constexpr float kLn2 = 0.6931471805599453f;
@@ -97,9 +103,8 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
         const float sum = QuadSum(l[r]);
-        const bool empty = m[r] == -INFINITY || !(sum > 0.f);
-        const float inv = empty ? 0.f : 1.f / sum;
-        lse[r] = empty ? -INFINITY : (m[r] + __log2f(sum)) * kLn2;
+        const float inv = 1.f / sum;
+        lse[r] = (m[r] + __log2f(sum)) * kLn2;
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) {
           o[mt][dt][2 * half] *= inv;

@@ -79,26 +79,35 @@ JAXFLASH_CPU_CLONES void DeltaItem(const Geometry& g, int64_t item) {
   const int64_t h = (item / g.row_tiles) % p.shape.q_heads;
   const int r0 = static_cast<int>((item % g.row_tiles) * kRowsPerTile);
   const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, p.shape.q_len - r0));
+  const MaskPolicy mask = g.Mask(b);
   for (int r = 0; r < rows; ++r) {
+    const int64_t stat = g.RowStatsOffset(b, h, r0 + r);
+    if (!mask.HasKeys(r0 + r)) {  // its dO (padding, say) must not reach any key
+      p.delta[stat] = 0.f;
+      continue;
+    }
     const int64_t off = g.QOffset(b, h, r0 + r);
     float sum = 0.f;
     for (int d = 0; d < g.dim; ++d) {
       sum += LoadElement(p.dout, off + d, p.dtype) * LoadElement(p.o, off + d, p.dtype);
     }
-    const int64_t stat = g.RowStatsOffset(b, h, r0 + r);
     p.delta[stat] = sum - p.dlse[stat];
   }
 }
 
 // Loads the per-row statistics of rows [r0, r0 + rows) and fills t.s with the
 // probabilities and t.ds with dS for the tile [r0, +rows) x [c0, +cols).
-// Expects t.q, t.dout, t.kt, t.vt loaded.
-void ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64_t b, int64_t h,
+// Expects t.q, t.dout, t.kt, t.vt loaded. Returns whether the mask admits the
+// whole tile; when it does not, the callers' products read only visible pairs
+// (masked entries of t.s and t.ds may hold NaN from non-finite inputs).
+bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64_t b, int64_t h,
                                 int r0, int rows, int c0, int cols, BackwardTile& t) {
   const BwdParams& p = g.p;
   const int64_t stat = g.RowStatsOffset(b, h, r0);
   for (int r = 0; r < rows; ++r) {
-    t.lse2[r] = p.lse[stat + r] * kLog2e;
+    // Rows that see no key carry kEmptyRowLse; +inf sends their P to 0.
+    const float lse = p.lse[stat + r];
+    t.lse2[r] = lse == kEmptyRowLse ? kPosInf : lse * kLog2e;
     t.delta[r] = p.delta[stat + r];
   }
   // t.q holds q * scale * log2(e), so s - lse2 is the base-2 exponent of P.
@@ -114,13 +123,14 @@ void ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
         if (!mask.Visible(r0 + r, c0 + c)) s[c] = kNegInf;
       }
     }
-    const float lse2 = std::isinf(t.lse2[r]) ? 0.f : t.lse2[r];
+    const float lse2 = t.lse2[r];
     for (int c = 0; c < cols; ++c) {  // vectorised
       const float prob = Exp2(s[c] - lse2);
       s[c] = prob;
       ds[c] = prob * (ds[c] - t.delta[r]);
     }
   }
+  return full;
 }
 
 JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
@@ -151,13 +161,15 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
       const int64_t q_off = g.QOffset(b, h, r0);
       LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
       LoadRows(p.dout, q_off, sh.q_row_stride(), rows, dim, p.dtype, 1.f, t.dout);
-      ProbabilitiesAndScoreGrads(g, mask, b, h, r0, rows, c0, valid_cols, t);
+      const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, rows, c0, valid_cols, t);
       // dV += P^T dO; dK += dS^T Q, where t.q carries scale * log2(e) and ln 2
-      // turns that back into scale.
+      // turns that back into scale. A partly visible tile multiplies, per key,
+      // only the rows that see it.
       Transpose(t.s, kKeysPerTile, rows, valid_cols, 1.f, t.st, kRowsPerTile);
       Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
-      AccumulateProduct(t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim);
-      AccumulateProduct(t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim);
+      const auto rows_of = [&](int c) { return VisibleRowsOf(mask, c0 + c, r0, rows); };
+      AccumulateVisible(full, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of);
+      AccumulateVisible(full, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of);
     }
   }
   const int64_t kv_off = g.KvOffset(b, kv_head, c0);
@@ -192,8 +204,10 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
     LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
     LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
-    ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
-    AccumulateProduct(t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim);  // dQ += dS K
+    const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
+    // dQ += dS K, over each row's visible keys when the tile is partly masked.
+    AccumulateVisible(full, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
+                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
   }
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);

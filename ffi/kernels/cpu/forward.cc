@@ -68,8 +68,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
         }
       }
       float tile_max = kNegInf;
-      for (int c = 0; c < cols; ++c) tile_max = std::max(tile_max, s[c]);
-      const float new_max = std::max(t.row_max[r], tile_max);
+      for (int c = 0; c < cols; ++c) tile_max = MaxNaN(tile_max, s[c]);
+      const float new_max = MaxNaN(t.row_max[r], tile_max);
       if (new_max == kNegInf) {  // nothing visible to this row yet
         std::fill(s, s + cols, 0.f);
         continue;
@@ -83,15 +83,26 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
       float* acc = t.acc + r * dim;
       for (int d = 0; d < dim; ++d) acc[d] *= rescale;
     }
-    AccumulateProduct(t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim);  // O += P V
+    // O += P V; in a partly visible tile each row multiplies only the keys it
+    // sees, so a NaN or Inf in the value of a masked key never reaches it.
+    AccumulateVisible(full, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim,
+                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
   }
 
   for (int r = 0; r < rows; ++r) {
-    const float sum = t.row_sum[r];
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     float* acc = t.acc + r * dim;
+    if (!mask.HasKeys(r0 + r)) {
+      std::fill(acc, acc + dim, 0.f);
+      lse[r] = kEmptyRowLse;
+      continue;
+    }
+    // As in a dense softmax: a row whose visible scores are all -inf has sum 0
+    // and gets 0 / 0 = NaN; a +inf or NaN score makes the sum, and so the
+    // whole row and its LSE, NaN.
+    const float sum = t.row_sum[r];
+    const float inv = 1.f / sum;
     for (int d = 0; d < dim; ++d) acc[d] *= inv;
-    lse[r] = sum > 0.f ? (t.row_max[r] + std::log2(sum)) * kLn2 : kNegInf;
+    lse[r] = (t.row_max[r] + std::log2(sum)) * kLn2;
   }
   StoreRows(p.o, q_offset, sh.q_row_stride(), rows, dim, p.dtype, t.acc);
 }

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/mask.h"
 #include "jaxflash/params.h"
 
 // The per-tile work functions are compiled twice, for baseline x86-64 and for
@@ -31,6 +32,7 @@ namespace jaxflash::cpu {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
 // Query rows and keys per tile. Small enough that a tile of each operand stays
 // in L1/L2 for head_dim <= 256, large enough to amortise the loads.
@@ -83,9 +85,12 @@ inline uint16_t FloatToHalf(float f) {
 // 2^x without a libm call, written branch-free so loops over it vectorise
 // (baseline x86-64 has no vector floor: truncation of a positive value does
 // it). Relative error below 2e-7 (degree-7 Taylor of e^(f ln 2), |f| <= 1/2);
-// exactly 0 for x < -126, which covers the -inf of masked scores.
+// exactly 0 for x < -126, which covers the -inf of masked scores; NaN for NaN
+// and inf above 126.
 JAXFLASH_CPU_INLINE float Exp2(float x) {
-  const float clamped = std::min(std::max(x, -126.f), 126.f);
+  // Written so that a NaN x clamps to a finite value here (comparisons with NaN
+  // are false) and is passed through by the final select.
+  const float clamped = x > -126.f ? (x < 126.f ? x : 126.f) : -126.f;
   const int biased = static_cast<int>(clamped + 127.5f);  // round(x) + 127, positive
   const float f = clamped - static_cast<float>(biased - 127);
   const float t = f * kLn2;
@@ -98,8 +103,13 @@ JAXFLASH_CPU_INLINE float Exp2(float x) {
   p = p * t + 1.f;
   p = p * t + 1.f;
   const float scale = Bits2Float(static_cast<uint32_t>(biased) << 23);
-  return x < -126.f ? 0.f : p * scale;
+  const float y = x < -126.f ? 0.f : (x > 126.f ? std::numeric_limits<float>::infinity() : p * scale);
+  return x != x ? x : y;
 }
+
+// max that propagates NaN (std::max and fmax drop it): a NaN score must make
+// its row NaN, not vanish from the running max.
+JAXFLASH_CPU_INLINE float MaxNaN(float a, float b) { return (a != a || a > b) ? a : b; }
 
 inline float BFloat16ToFloat(uint16_t b) { return Bits2Float(static_cast<uint32_t>(b) << 16); }
 
@@ -232,6 +242,41 @@ JAXFLASH_CPU_INLINE void RowsTimesTransposed(const float* a, int rows, int dim, 
                                              int scores_stride) {
   for (int r = 0; r < rows; ++r) std::fill(scores + r * scores_stride, scores + r * scores_stride + cols, 0.f);
   AccumulateProduct(a, dim, rows, dim, bt, bt_stride, cols, scores, scores_stride);
+}
+
+// Visible keys of a row form one interval, and so do the rows that see a key,
+// so a partly masked tile product can run over exactly the visible pairs and
+// never multiply a masked pair's zero weight into a NaN or Inf.
+struct Span {
+  int begin, end;
+};
+// The columns of the tile [c0, c0 + cols) that `row` sees, relative to c0.
+JAXFLASH_CPU_INLINE Span VisibleColsOf(const MaskPolicy& mask, int row, int c0, int cols) {
+  if (!mask.HasKeys(row)) return {0, 0};
+  const int begin = std::max(mask.KeyBegin(row) - c0, 0);
+  return {begin, std::max(begin, std::min(mask.KeyEnd(row) - c0, cols))};
+}
+// The rows of the tile [r0, r0 + rows) that see key `col`, relative to r0.
+JAXFLASH_CPU_INLINE Span VisibleRowsOf(const MaskPolicy& mask, int col, int r0, int rows) {
+  const int begin = std::max(mask.RowBegin(col) - r0, 0);
+  return {begin, std::max(begin, std::min(mask.RowEnd(col) - r0, rows))};
+}
+
+// AccumulateProduct over `rows` x `inner` of a partly masked tile: output row m
+// sums only the inner indices span_of(m) (all of them when the tile is full).
+template <typename SpanOf>
+JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stride, int rows, int inner,
+                                           const float* b, int b_stride, int n, float* out, int out_stride,
+                                           SpanOf&& span_of) {
+  if (full) {
+    AccumulateProduct(a, a_stride, rows, inner, b, b_stride, n, out, out_stride);
+    return;
+  }
+  for (int m = 0; m < rows; ++m) {
+    const Span s = span_of(m);
+    AccumulateProduct(a + m * a_stride + s.begin, a_stride, 1, s.end - s.begin, b + s.begin * b_stride, b_stride,
+                      n, out + m * out_stride, out_stride);
+  }
 }
 
 }  // namespace jaxflash::cpu

@@ -6,7 +6,9 @@
 // in the inner product. Staged rows use an odd stride, so the 32 lanes walking
 // 32 different rows hit 32 different banks. Accumulators are split over lanes
 // by head_dim (element lane + 32 * e). No atomics anywhere: the backward is
-// deterministic by construction.
+// deterministic by construction. The accumulations skip the pairs the mask
+// hides (a warp-uniform test), so a NaN or Inf of a key or row that a row
+// or key cannot see never reaches it through a zero weight.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "common/mask.h"
+#include "common/mma.cuh"
 #include "simt/simt.h"
 
 namespace jaxflash {
@@ -37,14 +40,17 @@ template <> __device__ __forceinline__ float FromFloat(float x) { return x; }
 template <> __device__ __forceinline__ __half FromFloat(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 FromFloat(float x) { return __float2bfloat16_rn(x); }
 
+using tc::MaxNaN;
+using tc::WarpSum;
+
 __device__ __forceinline__ float WarpMax(float x) {
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = 16; o > 0; o >>= 1) x = MaxNaN(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
-__device__ __forceinline__ float WarpSum(float x) {
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
+
+// Bit j: lane j's pair is visible (the lanes of a warp hold 32 keys or rows).
+__device__ __forceinline__ unsigned VisibleLanes(bool visible) { return __ballot_sync(0xffffffffu, visible); }
+__device__ __forceinline__ bool Bit(unsigned bits, int j) { return (bits >> j) & 1u; }
 
 // Odd row stride of staged tiles: conflict-free when lanes walk different rows.
 __host__ __device__ __forceinline__ int StagedStride(int dim) { return dim | 1; }
@@ -119,9 +125,9 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
     __syncthreads();
     if (!live) continue;
     const int key = c0 + lane;
-    const float s = lane < cols && mask.Visible(row, key)
-                        ? Dot(qs + warp * dim, ks + lane * stride, dim) : -INFINITY;
-    const float new_max = fmaxf(row_max, WarpMax(s));
+    const unsigned vis = VisibleLanes(lane < cols && mask.Visible(row, key));
+    const float s = Bit(vis, lane) ? Dot(qs + warp * dim, ks + lane * stride, dim) : -INFINITY;
+    const float new_max = MaxNaN(row_max, WarpMax(s));
     if (new_max == -INFINITY) continue;  // warp-uniform
     const float rescale = exp2f(row_max - new_max);
     const float prob = exp2f(s - new_max);
@@ -130,6 +136,7 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
 #pragma unroll
     for (int e = 0; e < kSlices; ++e) acc[e] *= rescale;
     for (int j = 0; j < cols; ++j) {
+      if (!Bit(vis, j)) continue;  // warp-uniform
       const float pj = __shfl_sync(0xffffffffu, prob, j);
 #pragma unroll
       for (int e = 0; e < kSlices; ++e) {
@@ -139,14 +146,17 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
     }
   }
   if (row >= p.shape.q_len) return;
-  const float inv = row_sum > 0.f ? 1.f / row_sum : 0.f;
+  // As a dense softmax: visible scores all -inf give 0 / 0 = NaN, a +inf or
+  // NaN score a NaN row and LSE; rows that see no key are zero.
+  const bool keys = mask.HasKeys(row);
+  const float inv = 1.f / row_sum;
   T* o = static_cast<T*>(p.o) + g.Q(b, h, row);
 #pragma unroll
   for (int e = 0; e < kSlices; ++e) {
     const int d = lane + kWarp * e;
-    if (d < dim) o[d] = FromFloat<T>(acc[e] * inv);
+    if (d < dim) o[d] = FromFloat<T>(keys ? acc[e] * inv : 0.f);
   }
-  if (lane == 0) p.lse[g.Stat(b, h, row)] = row_sum > 0.f ? (row_max + log2f(row_sum)) * kLn2 : -INFINITY;
+  if (lane == 0) p.lse[g.Stat(b, h, row)] = keys ? (row_max + log2f(row_sum)) * kLn2 : kEmptyRowLse;
 }
 
 // ------------------------------------------------------------------ backward
@@ -167,7 +177,9 @@ __global__ void __launch_bounds__(kThreads, 2) DeltaKernel(BwdParams p, float* d
     sum = fmaf(ToFloat(o[d]), ToFloat(dout[d]), sum);
   }
   sum = WarpSum(sum);
-  if (threadIdx.x % kWarp == 0) delta[stat] = sum - p.dlse[stat];
+  // 0 for a row that sees no key: its dO (padding, say) reaches no key.
+  const bool keys = MaskPolicy::ForBatch(p, b).HasKeys(row);
+  if (threadIdx.x % kWarp == 0) delta[stat] = keys ? sum - p.dlse[stat] : 0.f;
 }
 
 // dQ: grid (row blocks, batch * q_heads); warp w owns one query row, lane j
@@ -209,12 +221,14 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
     StageRows(v + g.Kv(b, kv_head, c0), p.shape.kv_row_stride(), cols, dim, stride, 1.f, vs);
     __syncthreads();
     if (!live) continue;
+    const unsigned vis = VisibleLanes(lane < cols && mask.Visible(row, c0 + lane));
     float ds = 0.f;
-    if (lane < cols && mask.Visible(row, c0 + lane)) {
+    if (Bit(vis, lane)) {
       const float prob = exp2f(Dot(qs + warp * dim, ks + lane * stride, dim) - lse2);
       ds = prob * (Dot(dos + warp * dim, vs + lane * stride, dim) - row_delta);
     }
     for (int j = 0; j < cols; ++j) {
+      if (!Bit(vis, j)) continue;  // warp-uniform
       const float dsj = __shfl_sync(0xffffffffu, ds, j);
 #pragma unroll
       for (int e = 0; e < kSlices; ++e) {
@@ -275,12 +289,14 @@ __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, c
       }
       __syncthreads();
       if (!live) continue;
+      const unsigned vis = VisibleLanes(lane < rows && mask.Visible(i0 + lane, key));
       float prob = 0.f, ds = 0.f;
-      if (lane < rows && mask.Visible(i0 + lane, key)) {
+      if (Bit(vis, lane)) {
         prob = exp2f(Dot(qs + lane * stride, ks + warp * dim, dim) - lse2[lane]);
         ds = prob * (Dot(dos + lane * stride, vs + warp * dim, dim) - deltas[lane]);
       }
       for (int r = 0; r < rows; ++r) {
+        if (!Bit(vis, r)) continue;  // warp-uniform
         const float pr = __shfl_sync(0xffffffffu, prob, r);
         const float dsr = __shfl_sync(0xffffffffu, ds, r);
 #pragma unroll

@@ -91,10 +91,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
     const int r0 = (q_tiles.begin + it % q_tiles.count) * kM;
     const int buf = it & 1;
     const int64_t q_off = tc::FwdBlock<T>::QOffset(sh, batch, head, r0);
+    // Rows past q_valid (padding) are zero-filled, like keys past kv_valid:
+    // a NaN there must not meet a masked pair's zero weight.
     tc::LoadTile<kM, kD, kThreads>(sQ + buf * kM * kStride, kStride, static_cast<const T*>(p.q) + q_off,
-                                   q_row_stride, q_len - r0, head_dim, tid);
+                                   q_row_stride, pol.q_valid - r0, head_dim, tid);
     tc::LoadTile<kM, kD, kThreads>(sdO + buf * kM * kStride, kStride, static_cast<const T*>(p.dout) + q_off,
-                                   q_row_stride, q_len - r0, head_dim, tid);
+                                   q_row_stride, pol.q_valid - r0, head_dim, tid);
     const int64_t row_off = (int64_t(batch) * sh.q_heads + head) * sh.q_len + r0;
     for (int i = tid; i < kM; i += kThreads) {
       const bool ok = r0 + i < q_len;

@@ -99,10 +99,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     const int r0 = tile_row0(it);
     const uint32_t st = stage(it);
     const int64_t q_off = tc::FwdBlock<T>::QOffset(sh, batch, head, r0);
-    LoadSwizzledTile<kM, kD, kThreads>(st, static_cast<const T*>(p.q) + q_off, q_row_stride, q_len - r0, head_dim,
-                                       tid);
+    // Rows past q_valid (padding) read as zeros, so a NaN there meets no key.
+    LoadSwizzledTile<kM, kD, kThreads>(st, static_cast<const T*>(p.q) + q_off, q_row_stride, pol.q_valid - r0,
+                                       head_dim, tid);
     LoadSwizzledTile<kM, kD, kThreads>(st + QTile::kBytes, static_cast<const T*>(p.dout) + q_off, q_row_stride,
-                                       q_len - r0, head_dim, tid);
+                                       pol.q_valid - r0, head_dim, tid);
     const int64_t row_off = (int64_t(batch) * sh.q_heads + head) * sh.q_len + r0;
     const uint32_t stats = st + Tile::kStatsOffset;
     for (int i = tid; i < kM; i += kThreads) {

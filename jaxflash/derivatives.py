@@ -1,0 +1,253 @@
+"""Derivatives of the fused implementations beyond the kernels' VJP.
+
+The kernels compute O and the log-sum-exp, and their backward the
+vector-Jacobian product. Forward mode (`jax.jvp`, `jax.jacfwd`) needs the
+Jacobian-vector product, and a Hessian-vector product (a jvp of a grad) the
+derivative of the backward. Both are computed here in jnp, flash-style: a
+scan over blocks of keys that never holds more than a [T, block] slice of
+scores, so memory stays O(T · block), not O(T · S).
+
+How it fits (attention._fused is a `jax.custom_jvp`):
+
+* `tangent_p` gives (tO, tLSE) for tangents (tQ, tK, tV). It is linear in
+  them, and its transpose is the kernels' backward, so reverse mode
+  (linearize, then transpose) still runs only the fast kernels, while forward
+  mode evaluates the scan below.
+* `kernel_backward` is that backward as a `custom_jvp`: its value comes from
+  the kernels, its tangent from differentiating `backward`, the same
+  quantities in jnp. That is the second-order rule a Hessian-vector product
+  needs.
+
+With the LSE known the tangent needs one pass and no rescaling (natural
+log, scale c, sums over visible keys j):
+
+    P = exp(S - LSE),  S = c Q Kᵀ,  tS = c (tQ Kᵀ + Q tKᵀ),
+    tLSE = Σ_j P tS,   tO = Σ_j P (tS V_j + tV_j) - tLSE O.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import ad, batching, mlir
+
+from jaxflash import reference
+
+_BLOCK = 128  # keys per scan step
+_HIGHEST = lax.Precision.HIGHEST
+
+
+# ------------------------------------------------------------------ the blockwise computations
+
+class _KeyBlocks:
+  """A call's geometry, cut into blocks of keys, in float32 with the query
+  heads grouped over their key/value head ([B, T, K, G, H])."""
+
+  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None):
+    self.B, self.T, self.N, self.H = q.shape
+    self.S, self.K = k.shape[1], k.shape[2]
+    self.G = self.N // self.K
+    self.block = min(_BLOCK, max(self.S, 1))
+    self.count = -(-self.S // self.block)
+    self.q_lengths, self.kv_lengths, self.spec = q_lengths, kv_lengths, spec
+    self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
+
+  def grouped(self, x):
+    """[B, T, N, H] -> [B, T, K, G, H] float32."""
+    return x.astype(jnp.float32).reshape(self.B, self.T, self.K, self.G, self.H)
+
+  def rows(self, x):
+    """[B, N, T] -> [B, K, G, T] float32."""
+    return x.astype(jnp.float32).reshape(self.B, self.K, self.G, self.T)
+
+  def split(self, x):
+    """[B, S, K, H] -> [blocks, B, block, K, H] float32, zero past S."""
+    pad = self.count * self.block - self.S
+    x = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, pad), (0, 0), (0, 0)))
+    return jnp.moveaxis(x.reshape(self.B, self.count, self.block, self.K, self.H), 1, 0)
+
+  def join(self, x, dtype):
+    """[blocks, B, block, K, H] -> [B, S, K, H] in dtype."""
+    x = jnp.moveaxis(x, 0, 1).reshape(self.B, self.count * self.block, self.K, self.H)
+    return x[:, :self.S].astype(dtype)
+
+  def visible(self, j0):
+    """Boolean [B, 1, 1, T, block]: the pairs of key block [j0, j0 + block)."""
+    left, right = self.spec.window_left, self.spec.window_right
+    vis = reference.visible_mask(
+        self.T, self.S, query_seq_lengths=self.q_lengths, key_value_seq_lengths=self.kv_lengths,
+        window_left=None if left < 0 else left, window_right=None if right < 0 else right,
+        bottom_right=self.spec.bottom_right, batch=self.B,
+        keys=j0 + jnp.arange(self.block, dtype=jnp.int32), diagonal_offsets=self.offsets)
+    return vis[:, :, None]
+
+  def starts(self):
+    return jnp.arange(self.count, dtype=jnp.int32) * self.block
+
+  def probabilities(self, q, k, lse, vis):
+    """P [B, K, G, T, block] of the visible pairs: exp(S - LSE), and S."""
+    s = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=_HIGHEST) * self.spec.scale
+    # exp sees visible pairs only; rows with no key (LSE = the empty value)
+    # have none, so nothing overflows.
+    return jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
+
+
+def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+  """The two sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
+  [B, T, N, H], tLSE = Σ_j P tS [B, N, T]).
+
+  With the LSE of the whole row given, both are sums over keys, so a call
+  over part of the keys (a ring block, placed by `offsets`, the kernels'
+  per-batch diagonal offsets; None for 0) gives that part's share exactly.
+  """
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
+  qg, tqg = g.grouped(q), g.grouped(tq)
+
+  def step(carry, block):
+    acc, t_lse = carry
+    kb, vb, tkb, tvb, j0 = block
+    vis = g.visible(j0)
+    p = g.probabilities(qg, kb, g.rows(lse), vis)
+    ts = spec.scale * (jnp.einsum("btkgh,bskh->bkgts", tqg, kb, precision=_HIGHEST) +
+                       jnp.einsum("btkgh,bskh->bkgts", qg, tkb, precision=_HIGHEST))
+    pts = jnp.where(vis, p * ts, 0)
+    acc = acc + (jnp.einsum("bkgts,bskh->btkgh", pts, vb, precision=_HIGHEST) +
+                 jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
+    return (acc, t_lse + pts.sum(-1)), None
+
+  init = (jnp.zeros((g.B, g.T, g.K, g.G, g.H), jnp.float32),
+          jnp.zeros((g.B, g.K, g.G, g.T), jnp.float32))
+  (acc, t_lse), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk), g.split(tv),
+                                          g.starts()))
+  return acc.reshape(q.shape), t_lse.reshape(lse.shape)
+
+
+def finish_tangent(sums, t_lse, o):
+  """tO = sums - tLSE O in o's dtype, from `tangent_sums`' two results."""
+  t_o = sums - jnp.transpose(t_lse, (0, 2, 1))[..., None] * o.astype(jnp.float32)
+  return t_o.astype(o.dtype)
+
+
+def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+  """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
+
+  `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0.
+  """
+  sums, t_lse = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                             offsets=offsets)
+  return finish_tangent(sums, t_lse, o), t_lse
+
+
+def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None):
+  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets` as
+  for `tangent`)."""
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
+  qg, dog = g.grouped(q), g.grouped(do)
+  lse_g = g.rows(lse)
+  delta = jnp.einsum("btkgh,btkgh->bkgt", dog, g.grouped(o), precision=_HIGHEST) - g.rows(dlse)
+  delta = jnp.where(lse_g == reference.empty_lse(jnp.float32), 0, delta)  # rows that see no key
+
+  def step(dq, block):
+    kb, vb, j0 = block
+    vis = g.visible(j0)
+    p = g.probabilities(qg, kb, lse_g, vis)
+    dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, precision=_HIGHEST)
+    ds = jnp.where(vis, p * (dp - delta[..., None]), 0)
+    dq = dq + spec.scale * jnp.einsum("bkgts,bskh->btkgh", ds, kb, precision=_HIGHEST)
+    dk = spec.scale * jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=_HIGHEST)
+    dv = jnp.einsum("bkgts,btkgh->bskh", p, dog, precision=_HIGHEST)
+    return dq, (dk, dv)
+
+  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), (g.split(k), g.split(v), g.starts()))
+  return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
+
+
+# ------------------------------------------------------------------ the kernels' backward, differentiable
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10))
+def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, spec):
+  """(dQ, dK, dV) from the kernels, differentiable by the blockwise backward."""
+  return kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
+                          q_lengths, kv_lengths, spec)
+
+
+@kernel_backward.defjvp
+def _kernel_backward_jvp(kernels, spec, primals, tangents):
+  if not getattr(kernels, "second_order", True):
+    raise NotImplementedError(f"{kernels.name}: second derivatives (jvp of grad, Hessians) are "
+                              "not available for this call; ring attention has first ones only")
+  out = kernel_backward(*primals, kernels, spec)
+  _, t_out = jax.jvp(functools.partial(backward, spec=spec), primals, tangents)
+  return out, t_out
+
+
+# ------------------------------------------------------------------ the tangent primitive
+
+tangent_p = jax.extend.core.Primitive("jaxflash_attention_tangent")
+tangent_p.multiple_results = True
+
+
+def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec):
+  """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
+  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                              kernels=kernels, spec=spec))
+
+
+def _tangent_impl(*args, kernels, spec):
+  # Kernels that see only part of the problem (ring attention's shards)
+  # bring their own tangent; for the others the blockwise one is exact.
+  if hasattr(kernels, "tangent"):
+    return kernels.tangent(*args, spec=spec)
+  return tangent(*args, spec=spec)
+
+
+def _tangent_abstract(*args, kernels, spec):
+  del kernels, spec
+  o, lse = args[3], args[4]
+  # Typed like the primal outputs, whose type inside shard_map (the manual
+  # axes they vary over) the tangents share.
+  return o.update(weak_type=False), lse.update(weak_type=False)
+
+
+def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec):
+  """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
+  ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
+  grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, kernels, spec)
+  return [None] * 7 + [g if ad.is_undefined_primal(t) else None
+                       for g, t in zip(grads, (tq, tk, tv))]
+
+
+def _tangent_batch(args, dims, *, kernels, spec):
+  """vmap folds the mapped axis into the batch, as the FFI calls do."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+
+  def fold(x, d):  # d is None for an unmapped operand
+    x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
+    return x.reshape((size * x.shape[1],) + x.shape[2:])
+
+  t_o, t_lse = output_tangents(*(fold(x, d) for x, d in zip(args, dims)), kernels=kernels,
+                               spec=spec)
+  unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
+  return (unfold(t_o), unfold(t_lse)), (0, 0)
+
+
+def _tangent_jvp(primals, tangents, *, kernels, spec):
+  """Forward over forward: the blockwise tangent differentiated like any jnp."""
+  del kernels
+  tangents = tuple(np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
+                   else ad.instantiate_zeros(t) for x, t in zip(primals, tangents))
+  out, t_out = jax.jvp(functools.partial(tangent, spec=spec), tuple(primals), tangents)
+  return list(out), list(t_out)
+
+
+tangent_p.def_impl(_tangent_impl)
+tangent_p.def_abstract_eval(_tangent_abstract)
+mlir.register_lowering(tangent_p, mlir.lower_fun(_tangent_impl, multiple_results=True))
+ad.primitive_transposes[tangent_p] = _tangent_transpose
+ad.primitive_jvps[tangent_p] = _tangent_jvp
+batching.primitive_batchers[tangent_p] = _tangent_batch

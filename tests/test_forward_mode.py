@@ -1,0 +1,178 @@
+"""Forward-mode autodiff through the fused implementations.
+
+`jax.jvp`, `jax.jacfwd`, Hessian-vector products (jvp of grad) and
+`jax.hessian` of the native and Pallas paths agree with the `xla`
+implementation, which JAX differentiates on its own; reverse mode still runs
+exactly one forward and one backward kernel; the tangent never holds a
+[T, S] score matrix.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxflash
+from conftest import max_abs, random_inputs
+
+FUSED = ["native", "pallas"]
+MASKS = {
+    "causal_lengths": dict(is_causal=True, query_seq_lengths=np.array([37, 20], np.int32),
+                           key_value_seq_lengths=np.array([45, 0], np.int32)),
+    "window_bottom_right": dict(local_window_size=(6, 2), causal_alignment="bottom_right",
+                                key_value_seq_lengths=np.array([45, 31], np.int32)),
+    "none": dict(scale=0.3),
+}
+
+
+def _attention(impl, kw):
+  """(out, lse) with a differentiable float32 residual, so its tangent is checked too."""
+  def f(q, k, v):
+    out, lse = jaxflash.dot_product_attention(
+        q, k, v, implementation=impl, return_residual=True, residual_dtype=jnp.float32,
+        differentiable_residual=True, **kw)
+    return out, jnp.where(lse == jnp.finfo(jnp.float32).min, 0, lse)  # empty rows: no tangent
+  return f
+
+
+def _inputs(rng, dtype=jnp.float32):
+  q, k, v = random_inputs(rng, 2, 37, 45, 4, 2, 16, dtype)
+  tangents = random_inputs(rng, 2, 37, 45, 4, 2, 16, dtype)
+  return (q, k, v), tangents
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("impl", FUSED)
+def test_jvp_matches_xla(rng, impl, mask_name):
+  primals, tangents = _inputs(rng)
+  ours = jax.jvp(_attention(impl, MASKS[mask_name]), primals, tangents)
+  with jax.default_matmul_precision("highest"):
+    theirs = jax.jvp(_attention("xla", MASKS[mask_name]), primals, tangents)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    assert max_abs(a, b) < 2e-5 * max(1.0, float(np.max(np.abs(np.asarray(b)))))
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_jvp_in_bfloat16(rng, impl):
+  primals, tangents = _inputs(rng, jnp.bfloat16)
+  (out, lse), (t_out, t_lse) = jax.jvp(_attention(impl, MASKS["causal_lengths"]), primals, tangents)
+  assert t_out.dtype == jnp.bfloat16 and t_lse.dtype == jnp.float32
+  up = [x.astype(jnp.float32) for x in primals], [x.astype(jnp.float32) for x in tangents]
+  with jax.default_matmul_precision("highest"):
+    _, (ref_out, ref_lse) = jax.jvp(_attention("xla", MASKS["causal_lengths"]), *up)
+  assert max_abs(t_out, ref_out) < 0.05 * float(np.max(np.abs(np.asarray(ref_out))))
+  assert max_abs(t_lse, ref_lse) < 0.05 * float(np.max(np.abs(np.asarray(ref_lse))))
+
+
+def _loss(impl, kw):
+  f = _attention(impl, kw)
+  def loss(q, k, v):
+    out, lse = f(q, k, v)
+    return jnp.sum(jnp.sin(out)) + 0.1 * jnp.sum(lse ** 2)
+  return loss
+
+
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("impl", FUSED)
+def test_hessian_vector_products_match_xla(rng, impl, mask_name):
+  """jvp of grad: the backward differentiated by the blockwise second-order rule."""
+  primals, tangents = _inputs(rng)
+  hvp = lambda name: jax.jvp(jax.grad(_loss(name, MASKS[mask_name]), argnums=(0, 1, 2)),
+                             primals, tangents)
+  ours = hvp(impl)
+  with jax.default_matmul_precision("highest"):
+    theirs = hvp("xla")
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+    assert max_abs(a, b) < 5e-5 * max(1.0, float(np.max(np.abs(np.asarray(b)))))
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_jacfwd_jacrev_and_hessian(rng, impl):
+  """jacfwd (vmap of jvp: the tangent primitive batched) equals jacrev and
+  xla's; jax.hessian (jacfwd of jacrev) equals xla's."""
+  q, k, v = random_inputs(rng, 1, 5, 7, 2, 1, 3, jnp.float32)
+  kw = dict(is_causal=True, causal_alignment="bottom_right")
+  f = lambda name: (lambda q: jaxflash.dot_product_attention(q, k, v, implementation=name, **kw))
+  fwd, rev = jax.jacfwd(f(impl))(q), jax.jacrev(f(impl))(q)
+  with jax.default_matmul_precision("highest"):
+    ref = jax.jacfwd(f("xla"))(q)
+    ref_h = jax.hessian(lambda q: jnp.sum(jnp.tanh(f("xla")(q))))(q)
+  assert max_abs(fwd, ref) < 1e-5 and max_abs(rev, ref) < 1e-5
+  hess = jax.hessian(lambda q: jnp.sum(jnp.tanh(f(impl)(q))))(q)
+  assert max_abs(hess, ref_h) < 1e-4
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_check_grads_both_modes_second_order(rng, impl):
+  """Numerical differences against forward and reverse mode, to second order."""
+  q, k, v = random_inputs(rng, 1, 6, 9, 2, 1, 4, jnp.float32)
+  f = jax.jit(lambda q, k, v: jnp.sum(jnp.tanh(jaxflash.dot_product_attention(
+      q, k, v, implementation=impl, is_causal=True, local_window_size=(4, 1)))))
+  check_grads(f, (q, k, v), order=2, modes=("fwd", "rev"), eps=1e-2, atol=2e-2, rtol=2e-2)
+
+
+def test_reverse_mode_runs_one_forward_and_one_backward_kernel():
+  q = k = v = jnp.zeros((1, 8, 2, 16), jnp.float32)
+  loss = lambda q, k, v: jnp.sum(jaxflash.dot_product_attention(q, k, v, is_causal=True) ** 2)
+  hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+  assert hlo.count("jaxflash_fwd") == 1 and hlo.count("jaxflash_bwd") == 1
+  assert "stablehlo.while" not in hlo  # no blockwise jnp in the backward
+
+
+def _largest_intermediate(jaxpr) -> int:
+  sizes = [int(np.prod(v.aval.shape)) for eqn in jaxpr.eqns for v in eqn.outvars
+           if hasattr(v.aval, "shape")]
+  for eqn in jaxpr.eqns:
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else [param]):
+        inner = getattr(sub, "jaxpr", None)
+        if inner is not None:
+          sizes.append(_largest_intermediate(getattr(inner, "jaxpr", inner)))
+  return max(sizes, default=0)
+
+
+@pytest.mark.parametrize("impl", FUSED)
+def test_tangent_never_materialises_the_scores(rng, impl):
+  """T = S = 1024: the largest intermediate of the jvp is a [T, 128] block per
+  head, far below the T x S scores."""
+  B, T, S, N, K, D = 1, 1024, 1024, 2, 1, 16
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, jnp.float32)
+  f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, implementation=impl, is_causal=True)
+  jvp_of = lambda q, k, v, tq, tk, tv: jax.jvp(f, (q, k, v), (tq, tk, tv))
+  closed = jax.make_jaxpr(jvp_of)(q, k, v, q, k, v)
+  # Inline the tangent primitive's implementation to look inside it.
+  from jaxflash import derivatives
+  spec = jaxflash.MaskSpec(scale=0.25, window_right=0)
+  inner = jax.make_jaxpr(lambda *a: derivatives.tangent(*a, spec=spec))(
+      q, k, v, q, jnp.zeros((B, N, T)), jnp.full((B,), T), jnp.full((B,), S), q, k, v)
+  biggest = max(_largest_intermediate(closed.jaxpr), _largest_intermediate(inner.jaxpr))
+  assert biggest <= B * N * T * 128 and biggest < T * S
+
+
+# ------------------------------------------------------------------ GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("impl", FUSED)
+def test_forward_mode_on_gpu(rng, impl, dtype):
+  """jvp and a Hessian-vector product on the CUDA kernels and Triton."""
+  q, k, v = random_inputs(rng, 2, 300, 333, 8, 2, 64, dtype)
+  tangents = random_inputs(rng, 2, 300, 333, 8, 2, 64, dtype)
+  kw = MASKS["causal_lengths"] | dict(query_seq_lengths=np.array([300, 120], np.int32),
+                                      key_value_seq_lengths=np.array([333, 0], np.int32))
+  tol = 2e-4 if dtype == jnp.float32 else 0.05
+  up = lambda xs: [x.astype(jnp.float32) for x in xs]
+  _, (t_out, t_lse) = jax.jvp(_attention(impl, kw), (q, k, v), tangents)
+  with jax.default_matmul_precision("highest"):
+    _, (ref_out, ref_lse) = jax.jvp(_attention("xla", kw), up((q, k, v)), up(tangents))
+  for a, b in ((t_out, ref_out), (t_lse, ref_lse)):
+    assert max_abs(a, b) < tol * max(1.0, float(np.max(np.abs(np.asarray(b)))))
+  if dtype == jnp.float32:
+    hvp = lambda name: jax.jvp(jax.grad(_loss(name, kw), argnums=(0, 1, 2)), (q, k, v), tangents)
+    with jax.default_matmul_precision("highest"):
+      theirs = hvp("xla")
+    for a, b in zip(jax.tree.leaves(hvp(impl)), jax.tree.leaves(theirs)):
+      assert max_abs(a, b) < tol * max(1.0, float(np.max(np.abs(np.asarray(b)))))
