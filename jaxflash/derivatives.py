@@ -120,8 +120,9 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
     return (acc, t_lse + pts.sum(-1)), None
 
-  init = (jnp.zeros((g.B, g.T, g.K, g.G, g.H), jnp.float32),
-          jnp.zeros((g.B, g.K, g.G, g.T), jnp.float32))
+  # Zeros made from the operands, so that inside shard_map the carry varies
+  # over the same manual axes as the sums (ring attention's blocks).
+  init = (jnp.zeros_like(qg), jnp.zeros_like(g.rows(lse)))
   (acc, t_lse), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk), g.split(tv),
                                           g.starts()))
   return acc.reshape(q.shape), t_lse.reshape(lse.shape)

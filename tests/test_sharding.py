@@ -317,6 +317,93 @@ def test_ring_attention_in_shard_map(rng, case):
   _check_against_truth(run(*inputs), inputs, kw, blocks=2 * shards)
 
 
+def _same_nonfinite_and_close(actual, expected, name):
+  """NaN exactly where the unsharded call has it, the rest within float32 rounding."""
+  actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+  assert np.array_equal(np.isnan(actual), np.isnan(expected)), f"{name}: NaN elsewhere"
+  np.testing.assert_allclose(np.nan_to_num(actual), np.nan_to_num(expected), rtol=1e-4, atol=1e-5,
+                             err_msg=name)
+
+
+@child_only
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_nan_row_and_empty_rows_match_unsharded(rng, layout):
+  """A NaN in one query row and rows that see nothing (lengths 0, a batch
+  element with no keys): the ring gives the unsharded call's output, LSE
+  (the empty-row value included) and gradients, NaN in the same places."""
+  shards, (B, T, N, K, D) = 4, (3, 32, 4, 2, 16)
+  mesh = _mesh((shards,), ("s",), auto=True)
+  q, k, v = random_inputs(rng, B, T, T, N, K, D, jnp.float32)
+  q = q.at[0, 5, 1].set(jnp.nan)
+  do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  lengths = dict(query_seq_lengths=jnp.array([T, 0, T - 5], jnp.int32),
+                 key_value_seq_lengths=jnp.array([T - 3, T, 0], jnp.int32))
+
+  def vjp_of(f):
+    (o, lse), pull = jax.vjp(f, q, k, v)
+    return (o, lse) + pull((do, jnp.zeros_like(lse)))
+
+  seq = lambda x: jaxflash.zigzag_order(x, shards, 1) if layout == "zigzag" else x
+  back = lambda x: jaxflash.zigzag_restore(x, shards, 1) if layout == "zigzag" else x
+
+  @jax.jit
+  def ring(q, k, v, do):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "s"), out_specs=P(None, "s"))
+    def local(q, k, v, do):
+      f = lambda q, k, v: jaxflash.ring_attention(
+          q, k, v, axis_name="s", layout=layout, is_causal=True, return_residual=True,
+          residual_dtype=jnp.float32, **lengths)
+      (o, lse), pull = jax.vjp(f, q, k, v)
+      return (o, lse) + pull((do, jnp.zeros_like(lse)))
+    return [back(x) for x in local(*(seq(x) for x in (q, k, v, do)))]
+
+  expected = vjp_of(lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, implementation="native", return_residual=True,
+      residual_dtype=jnp.float32, **lengths))
+  got = ring(q, k, v, do)
+  assert np.isnan(np.asarray(expected[0])[0, 5, 1]).all() and np.isfinite(expected[0][1]).all()
+  assert (np.asarray(got[1])[1] == numpy_reference.EMPTY_LSE).all()
+  for name, a, e in zip(("o", "lse", "dq", "dk", "dv"), got, expected):
+    _same_nonfinite_and_close(a, e, name)
+
+
+@child_only
+def test_ring_forward_mode_matches_unsharded(rng):
+  """jax.jvp through ring_attention (the ring's own tangent) equals the
+  unsharded call's, output and LSE; Hessian-vector products are refused."""
+  shards, (B, T, N, K, D) = 4, (2, 32, 4, 2, 16)
+  mesh = _mesh((shards,), ("s",), auto=True)
+  q, k, v = random_inputs(rng, B, T, T, N, K, D, jnp.float32)
+  tq, tk, tv = random_inputs(rng, B, T, T, N, K, D, jnp.float32)
+  kw = dict(is_causal=True, local_window_size=(9, 0), return_residual=True,
+            residual_dtype=jnp.float32, differentiable_residual=True)
+
+  @jax.jit
+  def ring(*args):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "s"), out_specs=P(None, "s"))
+    def local(q, k, v, tq, tk, tv):
+      f = lambda q, k, v: jaxflash.ring_attention(q, k, v, axis_name="s", **kw)
+      primal, tangent = jax.jvp(f, (q, k, v), (tq, tk, tv))
+      return primal + tangent
+    return local(*args)
+
+  f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, implementation="native", **kw)
+  primal, tangent = jax.jvp(f, (q, k, v), (tq, tk, tv))
+  for name, a, e in zip(("o", "lse", "t_o", "t_lse"), ring(q, k, v, tq, tk, tv), primal + tangent):
+    _same_nonfinite_and_close(a, e, name)
+
+  @jax.jit
+  def hvp(q, k, v, tq):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "s"), out_specs=P(None, "s"))
+    def local(q, k, v, tq):
+      loss = lambda q: jaxflash.ring_attention(q, k, v, axis_name="s", is_causal=True).sum()
+      return jax.jvp(jax.grad(loss), (q,), (tq,))[1]
+    return local(q, k, v, tq)
+
+  with pytest.raises(NotImplementedError, match="second derivatives"):
+    hvp(q, k, v, tq)
+
+
 @child_only
 def test_example_trains_on_a_mesh():
   """examples/train_transformer.py --mesh 2x4: the same loss curve as on one device."""

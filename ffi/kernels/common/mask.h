@@ -71,10 +71,14 @@ struct MaskPolicy {
   // kEmptyRowLse whatever their inputs hold.
   JAXFLASH_HD bool HasKeys(int row) const { return row < q_valid && KeyBegin(row) < KeyEnd(row); }
 
-  // Written on the diagonal distance col - row (for col >= 0 it is the same
-  // test as KeyBegin(row) <= col < KeyEnd(row)): it keeps the offset out of
-  // per-row temporaries, which the register-tight dQ kernels need.
   JAXFLASH_HD bool Visible(int row, int col) const {
+    return row < q_valid && col >= KeyBegin(row) && col < KeyEnd(row);
+  }
+  // The same test written on the diagonal distance col - row (for col >= 0):
+  // it keeps the offset out of per-row temporaries. Which form fits a kernel
+  // is ptxas's call: the dQ tiles at D = 192/256 spill with Visible, the
+  // sm90 dK/dV tiles at D = 64 with this one (both by 4-16 bytes).
+  JAXFLASH_HD bool VisibleByDistance(int row, int col) const {
     const int d = col - row;
     return row < q_valid && col < kv_valid && (left < 0 || d >= offset - left) &&
            (right < 0 || d <= offset + right);
