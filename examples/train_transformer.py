@@ -16,6 +16,15 @@ A GPU measurement at long sequence length:
     python examples/train_transformer.py --steps 100 --seq-len 8192 --batch 2 \
         --d-model 1024 --layers 4 --heads 16 --kv-heads 4 --dtype bfloat16 \
         --baseline-implementation cudnn
+
+Data x sequence parallel on a mesh of devices (here 2 x 4; on the CPU,
+XLA_FLAGS=--xla_force_host_platform_device_count=8 makes 8 devices):
+
+    python examples/train_transformer.py --mesh 2x4 --steps 50
+
+The batch is split over the first mesh axis and the sequence over the second;
+parameters are replicated. Nothing in the model changes: jaxflash's partition
+rules see sequence-sharded queries and keys and run ring attention.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx, serialization
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxflash.flax
 
@@ -190,16 +200,41 @@ def make_optimizer(model, cfg: Config):
   return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def train(cfg: Config, attention: str, data: CharData, log_every: int = 0):
-  """Train from the seed; return (model, losses, step_times)."""
+def make_mesh(spec: str):
+  """'DxS' -> a (data, seq) mesh of D * S devices, or None for ''."""
+  if not spec:
+    return None
+  try:
+    data, seq = (int(n) for n in spec.lower().split("x"))
+  except ValueError:
+    raise SystemExit(f"--mesh must look like 2x4 (data x sequence), got {spec!r}")
+  if data * seq > jax.device_count():
+    raise SystemExit(f"--mesh {spec} needs {data * seq} devices, {jax.device_count()} visible")
+  return jax.make_mesh((data, seq), ("data", "seq"), devices=jax.devices()[:data * seq],
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def place(mesh, tree, spec=P()):
+  """Put arrays on the mesh (replicated by default); unchanged without a mesh."""
+  return tree if mesh is None else jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def train(cfg: Config, attention: str, data: CharData, log_every: int = 0, mesh=None):
+  """Train from the seed; return (model, losses, step_times).
+
+  With a mesh, tokens are split [batch over "data", sequence over "seq"] and
+  the parameters and optimizer state replicated.
+  """
   model = Transformer(cfg, attention, rngs=nnx.Rngs(cfg.seed))
+  nnx.update(model, place(mesh, nnx.state(model)))
   optimizer = make_optimizer(model, cfg)
+  nnx.update(optimizer, place(mesh, nnx.state(optimizer)))
   batches = data.batches(cfg.batch, cfg.seq_len, cfg.seed)
   losses, times = [], []
   for step in range(cfg.steps):
-    x, y = next(batches)
+    x, y = (place(mesh, jnp.asarray(t), P("data", "seq")) for t in next(batches))
     t0 = time.perf_counter()
-    loss = float(train_step(model, optimizer, jnp.asarray(x), jnp.asarray(y)))   # blocks
+    loss = float(train_step(model, optimizer, x, y))   # blocks
     times.append(time.perf_counter() - t0)
     losses.append(loss)
     if log_every and (step % log_every == 0 or step == cfg.steps - 1):
@@ -309,6 +344,9 @@ def parse_args(argv=None):
                  help="PNG path for the loss curves ('' for none)")
   p.add_argument("--corpus-chars", type=int, default=0,
                  help="size of the generated text (default: enough for the batch shape)")
+  p.add_argument("--mesh", default="",
+                 help="DxS: data parallel over D devices x sequence parallel over S (ring "
+                      "attention); default: one device")
   return p.parse_args(argv)
 
 
@@ -326,13 +364,19 @@ def main(argv=None) -> int:
   print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, heads {cfg.heads} "
         f"(kv {cfg.kv_heads}), {cfg.dtype}; batch {cfg.batch} x {cfg.seq_len}, {cfg.steps} steps")
 
+  mesh = make_mesh(args.mesh)
+  if mesh is not None:
+    if cfg.batch % mesh.shape["data"] or cfg.seq_len % mesh.shape["seq"]:
+      raise SystemExit(f"--mesh {args.mesh}: batch {cfg.batch} and seq-len {cfg.seq_len} must "
+                       "divide by the data and sequence axes")
+    print(f"mesh: data {mesh.shape['data']} x seq {mesh.shape['seq']} devices")
   names = {"jaxflash": "jaxflash", "jax": "jax.nn"}
   which = ["jaxflash", "jax"] if args.attention == "both" else [args.attention]
   models, losses, times = {}, {}, {}
   for attention in which:
     print(f"training with {names[attention]} attention")
     models[attention], losses[attention], times[attention] = train(
-        cfg, attention, data, log_every=args.log_every)
+        cfg, attention, data, log_every=args.log_every, mesh=mesh)
 
   tokens = cfg.batch * cfg.seq_len
   print("\nloss curves (every --log-every steps):")

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, checks, derivatives, pallas as _pallas, reference
+from jaxflash import _native, checks, derivatives, pallas as _pallas, reference, sharding
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -46,8 +46,17 @@ class MaskSpec:
 
 # ------------------------------------------------------------------ kernels
 
+def _diagonal_offsets(offsets, batch: int) -> jax.Array:
+  """The kernels' per-batch diagonal shift (params.h); zero outside ring attention."""
+  return jnp.zeros((batch,), jnp.int32) if offsets is None else offsets
+
+
 class _NativeKernels:
-  """The XLA FFI targets: CUDA on GPU, C++ on CPU."""
+  """The XLA FFI targets: CUDA on GPU, C++ on CPU.
+
+  `offsets` ([batch] int32, default 0) moves the mask's diagonal; ring
+  attention uses it to place one (query shard, key shard) block.
+  """
 
   name = "native"
 
@@ -57,23 +66,26 @@ class _NativeKernels:
                 window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
     B, T, N, _ = q.shape
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((B, N, T), jnp.float32))
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, q_lengths, kv_lengths, **cls._attrs(spec), tile=np.int64(_native.tile_attr()))
+    return call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, B), **cls._attrs(spec),
+                tile=np.int64(_native.tile_attr()))
 
   @classmethod
-  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
     # The fourth result is the kernels' O(B * N * T) workspace (delta); passing
     # it as an output keeps the handlers free of run-time allocation.
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, **cls._attrs(spec),
+    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                         _diagonal_offsets(offsets, q.shape[0]), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic), tile=np.int64(_native.tile_attr()))
     return dq, dk, dv
 
@@ -89,14 +101,16 @@ class _PallasKernels:
                 window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right))
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec):
-    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec))
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
+    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
+                                  diagonal_offsets=offsets)
 
   @classmethod
-  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec):
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                                   **cls._kw(spec))
+                                   **cls._kw(spec), diagonal_offsets=offsets)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
@@ -115,8 +129,11 @@ def _fused_jvp(kernels, spec, primals, tangents):
                                                kernels=kernels, spec=spec)
 
 
-def _kernels(name: str):
-  return {"native": _NativeKernels, "pallas": _PallasKernels}[name]
+def _kernels(name: str, *, sharded: bool = True):
+  """The kernels of implementation `name`; `sharded` wraps them in the partition
+  rules (sharding.py) that keep sharded calls local under jit."""
+  kernels = {"native": _NativeKernels, "pallas": _PallasKernels}[name]
+  return sharding.partitioned(kernels) if sharded else kernels
 
 
 # ------------------------------------------------------------------ validation
@@ -430,10 +447,15 @@ def dot_product_attention(
     q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
     out, lse = _fused(q, call.k, call.v, q_lengths, kv_lengths, _kernels(chosen), call.spec)
+  return _finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 
+
+def _finish(call: _Call, out, lse, return_residual: bool, residual_dtype,
+            differentiable_residual: bool = False):
+  """The caller's layout: the output shaped like the query, the residual [B, T, N]."""
   out = out.reshape(call.output_shape)
   if not return_residual:
     return out
   lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
-  lse = reference.cast_lse(lse, residual_dtype if residual_dtype is not None else q.dtype)
+  lse = reference.cast_lse(lse, residual_dtype if residual_dtype is not None else call.q.dtype)
   return out, (lse if differentiable_residual else jax.lax.stop_gradient(lse))

@@ -48,13 +48,14 @@ class _KeyBlocks:
   """A call's geometry, cut into blocks of keys, in float32 with the query
   heads grouped over their key/value head ([B, T, K, G, H])."""
 
-  def __init__(self, q, k, q_lengths, kv_lengths, spec):
+  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None):
     self.B, self.T, self.N, self.H = q.shape
     self.S, self.K = k.shape[1], k.shape[2]
     self.G = self.N // self.K
     self.block = min(_BLOCK, max(self.S, 1))
     self.count = -(-self.S // self.block)
     self.q_lengths, self.kv_lengths, self.spec = q_lengths, kv_lengths, spec
+    self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
 
   def grouped(self, x):
     """[B, T, N, H] -> [B, T, K, G, H] float32."""
@@ -82,7 +83,7 @@ class _KeyBlocks:
         self.T, self.S, query_seq_lengths=self.q_lengths, key_value_seq_lengths=self.kv_lengths,
         window_left=None if left < 0 else left, window_right=None if right < 0 else right,
         bottom_right=self.spec.bottom_right, batch=self.B,
-        keys=j0 + jnp.arange(self.block, dtype=jnp.int32))
+        keys=j0 + jnp.arange(self.block, dtype=jnp.int32), diagonal_offsets=self.offsets)
     return vis[:, :, None]
 
   def starts(self):
@@ -96,9 +97,15 @@ class _KeyBlocks:
     return jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
 
 
-def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
-  """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv."""
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec)
+def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+  """The two sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
+  [B, T, N, H], tLSE = Σ_j P tS [B, N, T]).
+
+  With the LSE of the whole row given, both are sums over keys, so a call
+  over part of the keys (a ring block, placed by `offsets`, the kernels'
+  per-batch diagonal offsets; None for 0) gives that part's share exactly.
+  """
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
@@ -113,17 +120,34 @@ def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
     return (acc, t_lse + pts.sum(-1)), None
 
-  init = (jnp.zeros((g.B, g.T, g.K, g.G, g.H), jnp.float32),
-          jnp.zeros((g.B, g.K, g.G, g.T), jnp.float32))
+  # Zeros made from the operands, so that inside shard_map the carry varies
+  # over the same manual axes as the sums (ring attention's blocks).
+  init = (jnp.zeros_like(qg), jnp.zeros_like(g.rows(lse)))
   (acc, t_lse), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk), g.split(tv),
                                           g.starts()))
-  t_o = acc - jnp.moveaxis(t_lse, 3, 1)[..., None] * g.grouped(o)
-  return t_o.reshape(q.shape).astype(o.dtype), t_lse.reshape(lse.shape)
+  return acc.reshape(q.shape), t_lse.reshape(lse.shape)
 
 
-def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec):
-  """(dQ, dK, dV) as the kernels' backward computes them, in jnp."""
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec)
+def finish_tangent(sums, t_lse, o):
+  """tO = sums - tLSE O in o's dtype, from `tangent_sums`' two results."""
+  t_o = sums - jnp.transpose(t_lse, (0, 2, 1))[..., None] * o.astype(jnp.float32)
+  return t_o.astype(o.dtype)
+
+
+def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+  """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
+
+  `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0.
+  """
+  sums, t_lse = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                             offsets=offsets)
+  return finish_tangent(sums, t_lse, o), t_lse
+
+
+def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None):
+  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets` as
+  for `tangent`)."""
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
   qg, dog = g.grouped(q), g.grouped(do)
   lse_g = g.rows(lse)
   delta = jnp.einsum("btkgh,btkgh->bkgt", dog, g.grouped(o), precision=_HIGHEST) - g.rows(dlse)
@@ -155,6 +179,9 @@ def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, s
 
 @kernel_backward.defjvp
 def _kernel_backward_jvp(kernels, spec, primals, tangents):
+  if not getattr(kernels, "second_order", True):
+    raise NotImplementedError(f"{kernels.name}: second derivatives (jvp of grad, Hessians) are "
+                              "not available for this call; ring attention has first ones only")
   out = kernel_backward(*primals, kernels, spec)
   _, t_out = jax.jvp(functools.partial(backward, spec=spec), primals, tangents)
   return out, t_out
@@ -173,13 +200,19 @@ def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kerne
 
 
 def _tangent_impl(*args, kernels, spec):
-  del kernels
+  # Kernels that see only part of the problem (ring attention's shards)
+  # bring their own tangent; for the others the blockwise one is exact.
+  if hasattr(kernels, "tangent"):
+    return kernels.tangent(*args, spec=spec)
   return tangent(*args, spec=spec)
 
 
-def _tangent_abstract(q, k, v, o, lse, *rest, kernels, spec):
-  del q, k, v, rest, kernels, spec
-  return jax.core.ShapedArray(o.shape, o.dtype), jax.core.ShapedArray(lse.shape, lse.dtype)
+def _tangent_abstract(*args, kernels, spec):
+  del kernels, spec
+  o, lse = args[3], args[4]
+  # Typed like the primal outputs, whose type inside shard_map (the manual
+  # axes they vary over) the tangents share.
+  return o.update(weak_type=False), lse.update(weak_type=False)
 
 
 def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec):

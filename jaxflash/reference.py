@@ -31,11 +31,14 @@ import jax.numpy as jnp
 
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
                  window_left: int | None = None, window_right: int | None = None,
-                 bottom_right: bool = False, batch: int = 1, keys=None) -> jax.Array:
+                 bottom_right: bool = False, batch: int = 1, keys=None,
+                 diagonal_offsets=None) -> jax.Array:
   """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends.
 
   `keys` (int32 key indices) restricts the columns to those keys: a block of
-  a computation that walks the keys block by block (forward_mode.py).
+  a computation that walks the keys block by block (derivatives.py).
+  `diagonal_offsets` ([batch] ints) moves each batch element's diagonal, as the
+  kernels' argument of that name does (ring attention's blocks).
   """
   qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
         else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
@@ -45,6 +48,8 @@ def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_s
   j = (jnp.arange(kv_len, dtype=jnp.int32) if keys is None else keys)[None, None, :]
   qv3, kv3 = qv[:, None, None], kv[:, None, None]
   diag = i + (kv3 - qv3 if bottom_right else 0)
+  if diagonal_offsets is not None:
+    diag = diag + jnp.asarray(diagonal_offsets, jnp.int32)[:, None, None]
   visible = (i < qv3) & (j < kv3)
   if window_left is not None:
     visible &= j >= diag - window_left
@@ -80,7 +85,8 @@ def cast_lse(lse: jax.Array, dtype) -> jax.Array:
 
 def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
               causal_alignment: str = "top_left", local_window_size=None,
-              query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None):
+              query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None,
+              diagonal_offsets=None):
   """Attention over [B, T, N, H] / [B, S, K, H] inputs; returns (out, lse).
 
   `out` has the query's dtype (or `compute_dtype`), `lse` is [B, N, T] in
@@ -99,7 +105,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths, window_left=left,
                          window_right=right, bottom_right=causal_alignment == "bottom_right",
-                         batch=B)
+                         batch=B, diagonal_offsets=diagonal_offsets)
   if mask is not None:
     visible = visible & jnp.asarray(mask, bool)
   visible = jnp.broadcast_to(visible, (B, N, T, S))

@@ -12,13 +12,14 @@ import numpy as np
 EMPTY_LSE = float(np.finfo(np.float32).min)
 
 
-def visible(B, T, S, *, left=-1, right=-1, bottom_right=False, q_lengths=None, kv_lengths=None):
-  """[B, T, S] bool. left/right < 0 mean unbounded."""
+def visible(B, T, S, *, left=-1, right=-1, bottom_right=False, q_lengths=None, kv_lengths=None,
+            offsets=None):
+  """[B, T, S] bool. left/right < 0 mean unbounded; offsets[b] shifts the diagonal."""
   out = np.zeros((B, T, S), bool)
   for b in range(B):
     qv = T if q_lengths is None else int(np.clip(q_lengths[b], 0, T))
     kv = S if kv_lengths is None else int(np.clip(kv_lengths[b], 0, S))
-    off = kv - qv if bottom_right else 0
+    off = (kv - qv if bottom_right else 0) + (0 if offsets is None else int(offsets[b]))
     for i in range(qv):
       lo = 0 if left < 0 else max(0, i + off - left)
       hi = kv if right < 0 else min(kv, i + off + right + 1)

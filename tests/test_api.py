@@ -216,21 +216,27 @@ def test_handlers_revalidate_what_reaches_them(rng):
   _native.require(jax.default_backend())   # registers the targets
   q, k, v = _inputs(rng)
   lengths = jnp.full((2,), 29, jnp.int32)
+  offsets = jnp.zeros((2,), jnp.int32)
   wrong_lse = jax.ShapeDtypeStruct((2, 4, 5), jnp.float32)  # should be (2, 4, 33)
   call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), wrong_lse))
   with pytest.raises(Exception, match="jaxflash: lse"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, scale=np.float32(1), window_left=np.int64(-1),
-                               window_right=np.int64(-1), bottom_right=False, tile=np.int64(0)))
+    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(1),
+                               window_left=np.int64(-1), window_right=np.int64(-1),
+                               bottom_right=False, tile=np.int64(0)))
   call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                            jax.ShapeDtypeStruct((2, 4, 33), jnp.float32)))
   with pytest.raises(Exception, match="jaxflash: scale"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, scale=np.float32(np.inf),
+    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(np.inf),
                                window_left=np.int64(-1), window_right=np.int64(-1),
                                bottom_right=False, tile=np.int64(0)))
   with pytest.raises(Exception, match="jaxflash: tile"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, scale=np.float32(1),
+    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(1),
                                window_left=np.int64(-1), window_right=np.int64(-1),
                                bottom_right=False, tile=np.int64(-1)))
+  with pytest.raises(Exception, match="jaxflash: diagonal_offsets"):
+    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets[:1], scale=np.float32(1),
+                               window_left=np.int64(-1), window_right=np.int64(-1),
+                               bottom_right=False, tile=np.int64(0)))
 
 
 # ------------------------------------------------------------------ transformations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [main]
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [main] [sharding]
 #                                          (default: build tests sanitize bench main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
@@ -13,6 +13,8 @@
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
 #             bf16, B 1, 8 heads, D 128), finite and checked against a chunked float32 reference
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
+# sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
+#             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
@@ -106,6 +108,17 @@ if has main; then
   run_py python3 -m jaxflash > "$OUT/main.log" 2>&1
   note "python -m jaxflash exit $?"
   cat "$OUT/main.log"
+fi
+
+if has sharding; then
+  # Batch sharding, ring attention at 64k/128k and its overlap on every visible GPU
+  # against one (benchmarks/bench_sharding.py); not yet timed on a GPU, hence the limit.
+  start=$SECONDS
+  run_py timeout 470 python3 "$repo/benchmarks/bench_sharding.py" --trace "$OUT/sharding_trace" \
+      > "$OUT/sharding.log" 2>&1
+  rc=$?
+  cat "$OUT/sharding.log"
+  note "sharding benchmark exit $rc: $(tail -n 1 "$OUT/sharding.log") [$((SECONDS - start)) s]"
 fi
 
 printf '%s\n' "${summary[@]}"

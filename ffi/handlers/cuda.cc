@@ -10,11 +10,11 @@ namespace jaxflash::handlers {
 namespace {
 
 ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
                        int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, o, lse, scale,
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, o, lse, scale,
                                          window_left, window_right, bottom_right, tile, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
@@ -24,13 +24,15 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
-                        ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> dq,
+                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                        ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                         int64_t window_right, bool bottom_right, bool deterministic, int64_t tile) {
   BwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths}, dq,
-                                          dk, dv, delta, scale, window_left, window_right,
+  JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
+                                           diag_offsets},
+                                          dq, dk, dv, delta, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));

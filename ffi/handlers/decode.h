@@ -131,6 +131,7 @@ inline ffi::Error CheckRowStats(const char* name, ffi::AnyBuffer buf, const Atte
   return ExpectShape(name, buf.dimensions(), {s.q_heads, s.q_len}, s.batch);
 }
 
+// Sequence lengths and diagonal offsets: one int32 per batch element.
 inline ffi::Error CheckLengths(const char* name, ffi::AnyBuffer buf, const AttentionShape& s) {
   if (buf.element_type() != ffi::DataType::S32) return Invalid(std::string(name) + " must be int32");
   return ExpectShape(name, buf.dimensions(), {}, s.batch);
@@ -177,16 +178,18 @@ inline ffi::Error DecodeTile(int64_t tile, int* out) {
 // Everything both platforms decode for the forward call.
 inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                                ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                                float scale, int64_t window_left, int64_t window_right,
-                                bool bottom_right, int64_t tile, FwdParams* p) {
+                                ffi::AnyBuffer diag_offsets, ffi::Result<ffi::AnyBuffer> o,
+                                ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
+                                int64_t window_right, bool bottom_right, int64_t tile, FwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", q_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", kv_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("diagonal_offsets", diag_offsets, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
+  p->mask.diag_offsets = static_cast<const int32_t*>(diag_offsets.untyped_data());
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
@@ -199,7 +202,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
 }
 
 struct BackwardBuffers {
-  ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths;
+  ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets;
 };
 
 // `delta` is an output the caller never reads: the O(T * H) workspace of the
@@ -216,11 +219,13 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse cotangent", in.dlse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", in.q_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", in.kv_lengths, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("diagonal_offsets", in.diag_offsets, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  p->mask.diag_offsets = static_cast<const int32_t*>(in.diag_offsets.untyped_data());
   p->scale = scale;
   p->deterministic = deterministic;
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
@@ -249,6 +254,7 @@ auto BindForward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // v
       .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
       .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
+      .template Arg<ffi::AnyBuffer>()            // diagonal_offsets
       .template Ret<ffi::AnyBuffer>()            // o
       .template Ret<ffi::AnyBuffer>()            // lse
       .template Attr<float>("scale")
@@ -269,6 +275,7 @@ auto BindBackward(Binding binding) {
       .template Arg<ffi::AnyBuffer>()            // dlse
       .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
       .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
+      .template Arg<ffi::AnyBuffer>()            // diagonal_offsets
       .template Ret<ffi::AnyBuffer>()            // dq
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv

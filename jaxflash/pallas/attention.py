@@ -13,7 +13,8 @@ Layouts and semantics are the project's:
 * ``lse``/``dlse``: float32 ``[B, Hq, T]``, natural-log units.
 * Row ``i < q_len_b`` of batch ``b`` sees key ``j`` iff ``j < kv_len_b`` and
   ``(left < 0 or j >= i + off - left)`` and ``(right < 0 or j <= i + off + right)``
-  with ``off = kv_len_b - q_len_b`` when ``bottom_right`` else ``0``. Causal
+  with ``off = kv_len_b - q_len_b`` when ``bottom_right`` else ``0``, plus the
+  optional per-batch ``diagonal_offsets[b]`` (ring attention's blocks). Causal
   attention is ``window_right = 0``. Rows with nothing visible produce zeros,
   the lowest finite float32 as ``lse`` and zero gradients.
 * Non-finite inputs propagate over the visible pairs only (IEEE arithmetic,
@@ -74,6 +75,7 @@ _EMPTY_LSE = float(np.finfo(np.float32).min)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
 MAX_HEAD_DIM = 256
 _MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
+_MAX_OFFSET = 1 << 30  # bound of the diagonal offsets (sequences are shorter)
 
 
 # ---------------------------------------------------------------------------
@@ -357,9 +359,11 @@ class _Mask:
   right: int            # static; < 0 unbounded
 
   @classmethod
-  def make(cls, q_valid, kv_valid, left, right, bottom_right):
-    offset = kv_valid - q_valid if bottom_right else jnp.int32(0)
-    return cls(q_valid, kv_valid, offset, left, right)
+  def make(cls, q_valid, kv_valid, extra, left, right, bottom_right):
+    # Saturated at +-2^30 like the native kernels' MaskPolicy.
+    extra = jnp.clip(extra, -_MAX_OFFSET, _MAX_OFFSET)
+    offset = (kv_valid - q_valid if bottom_right else jnp.int32(0)) + extra
+    return cls(q_valid, kv_valid, jnp.clip(offset, -_MAX_OFFSET, _MAX_OFFSET), left, right)
 
   # Keys visible to row r: [key_begin(r), key_end(r)); both non-decreasing.
   def key_begin(self, row):
@@ -447,12 +451,12 @@ def _dot(a, b, contract_a: int, contract_b: int):
 # ---------------------------------------------------------------------------
 
 
-def _fwd_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                 qk_scale: float, left: int, right: int, bottom_right: bool,
                 block_q: int, block_k: int, num_q_blocks: int):
   qi = num_q_blocks - 1 - pl.program_id(0)  # heaviest (causal) blocks first
   b = pl.program_id(1)
-  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
   r0 = qi * block_q
   lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
@@ -541,13 +545,13 @@ def _exact_where_nan(xs, rows_ok, exact):
 # ---------------------------------------------------------------------------
 
 
-def _dq_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                delta_ref, dq_ref, *, scale: float, qk_scale: float, left: int,
                right: int, bottom_right: bool, block_q: int, block_k: int,
                num_q_blocks: int):
   qi = num_q_blocks - 1 - pl.program_id(0)
   b = pl.program_id(1)
-  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
   r0 = qi * block_q
   lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
 
@@ -605,13 +609,13 @@ def _lse_log2(lse):
   return jnp.where(lse == _EMPTY_LSE, jnp.inf, lse * _LOG2E)
 
 
-def _dkdv_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                  delta_ref, dk_ref, dv_ref, *, scale: float, qk_scale: float,
                  left: int, right: int, bottom_right: bool, block_q: int,
                  block_k: int, group: int):
   kj = pl.program_id(0)
   b = pl.program_id(1)
-  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
   c0 = kj * block_k
   last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
   cols_exist = last_col >= c0
@@ -734,13 +738,23 @@ def _clamped_lengths(lengths, batch: int, limit: int):
   return jnp.clip(lengths.astype(jnp.int32), 0, limit)
 
 
+def _offsets(offsets, batch: int):
+  if offsets is None:
+    return jnp.zeros((batch,), jnp.int32)
+  offsets = jnp.asarray(offsets)
+  if offsets.shape != (batch,):
+    raise ValueError(
+        f"diagonal offsets must have shape ({batch},), got {offsets.shape}")
+  return offsets.astype(jnp.int32)
+
+
 def _length_spec(batch: int):
   return pl.BlockSpec((batch,), lambda *_: (0,))
 
 
 def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
-                   config: PallasConfig | None = None):
+                   config: PallasConfig | None = None, diagonal_offsets=None):
   """Attention forward with the Pallas kernel.
 
   Args:
@@ -752,6 +766,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       ``window_right = 0``.
     bottom_right: align the diagonal to the end of the sequences.
     config: optional :class:`PallasConfig`.
+    diagonal_offsets: optional int32 ``[B]`` added to each batch element's
+      diagonal (``None``: 0); places one block of a larger problem.
 
   Returns:
     ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
@@ -772,6 +788,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   nq = t_pad // bq
   q_len = _clamped_lengths(q_lengths, batch, t)
   kv_len = _clamped_lengths(kv_lengths, batch, s)
+  offsets = _offsets(diagonal_offsets, batch)
 
   qp = _pad_to(q, {1: t_pad, 3: dp})
   kp = _pad_to(k, {1: s_pad, 3: dp})
@@ -789,8 +806,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   o, lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec,
-                kv_spec],
+      in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch),
+                q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), q.dtype),
                  jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
@@ -799,7 +816,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                        _compiler_params(cfg.num_warps, cfg.num_stages, bq,
                                         bk)),
       name="jaxflash_pallas_fwd",
-  )(q_len, kv_len, qp, kp, vp)
+  )(q_len, kv_len, offsets, qp, kp, vp)
   if t_pad != t or dp != d:
     o = o[:, :t, :, :d]
   if t_pad != t:
@@ -809,12 +826,13 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
 
 def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                     scale: float, window_left: int, window_right: int,
-                    bottom_right: bool, config: PallasConfig | None = None):
+                    bottom_right: bool, config: PallasConfig | None = None,
+                    diagonal_offsets=None):
   """Attention backward with the Pallas kernels.
 
   Args:
     q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
-    bottom_right, config: as for :func:`pallas_forward`.
+    bottom_right, config, diagonal_offsets: as for :func:`pallas_forward`.
     o, lse: the outputs of :func:`pallas_forward` (or of any implementation
       of the same contract).
     do: cotangent of ``o``, ``[B, T, Hq, D]``.
@@ -835,6 +853,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   dp = _padded_head_dim(d)
   q_len = _clamped_lengths(q_lengths, batch, t)
   kv_len = _clamped_lengths(kv_lengths, batch, s)
+  offsets = _offsets(diagonal_offsets, batch)
 
   # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T]; 0 on rows that see
   # no key, whose dO (padding, say) must not reach any key.
@@ -843,7 +862,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                      precision=lax.Precision.HIGHEST)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  mask = _Mask.make(q_len[:, None], kv_len[:, None], int(window_left),
+  mask = _Mask.make(q_len[:, None], kv_len[:, None], offsets[:, None], int(window_left),
                     int(window_right), bool(bottom_right))
   has_keys = mask.has_keys(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t)))
   delta = jnp.where(has_keys[:, None, :], delta, 0.0)
@@ -885,14 +904,14 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                         num_q_blocks=nq,
                         **common),
       grid=(nq, batch, hq),
-      in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec,
-                kv_spec, q_spec, row_spec, row_spec],
+      in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch),
+                q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
       out_shape=jax.ShapeDtypeStruct((batch, t_all, hq, dp), q.dtype),
       interpret=cfg.interpret,
       compiler_params=params(bq_dq, bk_dq),
       name="jaxflash_pallas_bwd_dq",
-  )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
+  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
 
   nk = s_all // bk_dkv
   qg_spec = pl.BlockSpec((None, t_all, group, dp),
@@ -905,15 +924,15 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                         group=group,
                         **common),
       grid=(nk, batch, hkv),
-      in_specs=[_length_spec(batch), _length_spec(batch), qg_spec, kblk_spec,
-                kblk_spec, qg_spec, rowg_spec, rowg_spec],
+      in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch),
+                qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
       out_specs=[kblk_spec, kblk_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, s_all, hkv, dp), k.dtype),
                  jax.ShapeDtypeStruct((batch, s_all, hkv, dp), v.dtype)],
       interpret=cfg.interpret,
       compiler_params=params(bk_dkv, bq_dkv),
       name="jaxflash_pallas_bwd_dkdv",
-  )(q_len, kv_len, qp, kp, vp, dop, lsep, deltap)
+  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
 
   if t_all != t or dp != d:
     dq = dq[:, :t, :, :d]

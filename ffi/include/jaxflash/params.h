@@ -12,6 +12,7 @@
 //                                             (kEmptyRowLse for a row that sees no key)
 //   q_lengths,
 //   kv_lengths      [batch]                   int32, clamped to [0, q_len] / [0, kv_len]
+//   diag_offsets    [batch]                   int32, clamped to [-2^30, 2^30]
 #pragma once
 
 #include <cstdint>
@@ -46,9 +47,14 @@ inline const char* DTypeName(DType t) {
 //   j < kv_len_b
 //   and (window_left  < 0 or j >= i + offset_b - window_left)
 //   and (window_right < 0 or j <= i + offset_b + window_right)
-// where offset_b = bottom_right ? kv_len_b - q_len_b : 0 (q_len_b, kv_len_b
-// are the per-batch lengths). Causal attention is window_right = 0.
-// Rows with no visible key produce O = 0 and LSE = kEmptyRowLse.
+// where offset_b = (bottom_right ? kv_len_b - q_len_b : 0) + diag_offsets[b]
+// (q_len_b, kv_len_b are the per-batch lengths). Causal attention is
+// window_right = 0. Rows with no visible key produce O = 0 and LSE = kEmptyRowLse.
+//
+// diag_offsets places a block of a larger attention problem: the block of
+// query rows starting at global row i0 and keys starting at global key j0 has
+// its diagonal at i0 - j0 (plus the global bottom-right offset), which is how
+// ring attention hands each (query shard, key shard) pair to these kernels.
 //
 // Non-finite inputs follow IEEE arithmetic over the pairs the mask admits and
 // nothing else: a NaN or Inf in q_i, or in k_j / v_j of a key row i sees,
@@ -59,6 +65,7 @@ struct MaskParams {
   int64_t window_left = -1;   // < 0: unbounded
   int64_t window_right = -1;  // < 0: unbounded
   bool bottom_right = false;
+  const int32_t* diag_offsets = nullptr;  // [batch], in the memory the kernel reads; null: all 0
 };
 
 struct AttentionShape {

@@ -193,7 +193,7 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
     for (int i = 0; i < 4; ++i) {
       const int half = i >> 1;
       float pv = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[half]);
-      if (!full && !pol.Visible(row0 + g + half * 8, c0 + nt * 8 + 2 * t + (i & 1))) pv = 0.f;
+      if (!full && !pol.VisibleByDistance(row0 + g + half * 8, c0 + nt * 8 + 2 * t + (i & 1))) pv = 0.f;
       s[nt][i] = pv;
     }
 }

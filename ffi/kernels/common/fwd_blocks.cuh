@@ -123,12 +123,16 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // This lane's columns of the row are c0 + nt * 8 + 2t + j; the row sees
-      // [lo, hi) of them, measured from c0 + 2t (an empty range for padding rows).
+      // [lo, hi) of them, measured from c0 + 2t. Padding rows (past q_valid)
+      // are not tested: whatever they compute, FinishRows gives them O = 0 and
+      // kEmptyRowLse and never flags them for recomputation, and rows do not
+      // mix in the forward. Leaving the test out saves the registers the
+      // loaded diagonal offset costs (it kept three tiles from spilling).
       int lo = 0, hi = kNT * 8;
       if (!full) {
         const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
-        lo = row < pol.q_valid ? pol.KeyBegin(row) - c0 - 2 * t : 0;
-        hi = row < pol.q_valid ? pol.KeyEnd(row) - c0 - 2 * t : 0;
+        lo = pol.KeyBegin(row) - c0 - 2 * t;
+        hi = pol.KeyEnd(row) - c0 - 2 * t;
       }
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)

@@ -14,6 +14,9 @@ JAXFLASH_HD int MinInt(int a, int b) { return a < b ? a : b; }
 JAXFLASH_HD int MaxInt(int a, int b) { return a > b ? a : b; }
 
 struct MaskPolicy {
+  static constexpr int kMaxOffset = 1 << 30;
+  JAXFLASH_HD static int Saturate(int x) { return MaxInt(-kMaxOffset, MinInt(kMaxOffset, x)); }
+
   int q_valid;   // rows [0, q_valid) are real queries; the rest output zeros
   int kv_valid;  // keys [0, kv_valid) exist
   int offset;    // diagonal position of row 0
@@ -28,7 +31,10 @@ struct MaskPolicy {
     MaskPolicy p;
     p.q_valid = q_lengths ? MaxInt(0, MinInt(q_len, q_lengths[batch_index])) : q_len;
     p.kv_valid = kv_lengths ? MaxInt(0, MinInt(kv_len, kv_lengths[batch_index])) : kv_len;
-    p.offset = mask.bottom_right ? p.kv_valid - p.q_valid : 0;
+    // Saturated at +-2^30 (sequences are shorter), so that row + offset stays
+    // inside int whatever the caller's offsets hold.
+    const int extra = mask.diag_offsets ? Saturate(mask.diag_offsets[batch_index]) : 0;
+    p.offset = Saturate((mask.bottom_right ? p.kv_valid - p.q_valid : 0) + extra);
     p.left = static_cast<int>(mask.window_left);
     p.right = static_cast<int>(mask.window_right);
     return p;
@@ -67,6 +73,15 @@ struct MaskPolicy {
 
   JAXFLASH_HD bool Visible(int row, int col) const {
     return row < q_valid && col >= KeyBegin(row) && col < KeyEnd(row);
+  }
+  // The same test written on the diagonal distance col - row (for col >= 0):
+  // it keeps the offset out of per-row temporaries. Which form fits a kernel
+  // is ptxas's call: the dQ tiles at D = 192/256 spill with Visible, the
+  // sm90 dK/dV tiles at D = 64 with this one (both by 4-16 bytes).
+  JAXFLASH_HD bool VisibleByDistance(int row, int col) const {
+    const int d = col - row;
+    return row < q_valid && col < kv_valid && (left < 0 || d >= offset - left) &&
+           (right < 0 || d <= offset + right);
   }
 
   // True when every (row, col) of the tile [r0, r1) x [c0, c1) is visible, so

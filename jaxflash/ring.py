@@ -1,0 +1,448 @@
+"""Ring attention: exact attention over a sequence sharded across devices.
+
+Every device keeps its shard of the queries; the key/value shards travel
+around the ring of devices with `lax.ppermute`, one hop per step, and the hop
+for the next step is issued before this step's kernels run, so the transfer
+overlaps them. Each (query piece, key piece) block runs the ordinary fused
+kernels with the block's local sequence lengths and its diagonal offset
+(`diagonal_offsets`, params.h), which makes every mask exact: causal,
+windows, both alignments, sequence lengths. Partial outputs merge with the
+log-sum-exp rule in float32.
+
+The backward runs the same ring. Each block calls the fused backward with the
+*global* output and log-sum-exp: with them, a block's dQ, dK, dV are exactly
+its share of the full gradient. dQ accumulates in place in float32; dK, dV
+accumulate in float32 in buffers that travel with their keys and arrive back
+at their owner after the last step.
+
+Layouts (what each shard of the sequence axis holds; the sequence is cut
+into equal chunks):
+
+* ``"contiguous"``: shard i holds chunk i of n (what sharding an array gives).
+* ``"zigzag"``: the sequence cut into 2n chunks; shard i holds chunks i and
+  2n - 1 - i, in that order. Under a causal mask every shard then does the
+  same work at every step; `zigzag_order` / `zigzag_restore` permute a global
+  sequence into and out of this order.
+
+Blocks that no row can see (above the causal diagonal, outside a window,
+beyond the lengths) are skipped with `lax.cond` before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxflash import derivatives
+
+Layout = Literal["contiguous", "zigzag"]
+LAYOUTS = ("contiguous", "zigzag")
+
+
+# ------------------------------------------------------------------ layouts
+
+def _zigzag_chunks(num_shards: int) -> np.ndarray:
+  """Chunk order of the zigzag layout: shard i holds chunks i and 2n-1-i."""
+  n = num_shards
+  return np.array([c for i in range(n) for c in (i, 2 * n - 1 - i)])
+
+
+def _check_chunks(x, num_shards: int, axis: int) -> None:
+  if not isinstance(num_shards, (int, np.integer)) or num_shards < 1:
+    raise ValueError(f"num_shards must be a positive int, got {num_shards!r}")
+  if x.shape[axis] % (2 * num_shards):
+    raise ValueError(f"the zigzag layout cuts the sequence into 2 * num_shards = {2 * num_shards} "
+                     f"equal chunks; axis {axis} has length {x.shape[axis]}")
+
+
+def zigzag_order(x, num_shards: int, axis: int = 1):
+  """Permutes the sequence axis into the zigzag order.
+
+  Sharding the result evenly over ``num_shards`` devices along ``axis`` gives
+  shard i the chunks i and 2n-1-i of the original sequence (n = num_shards),
+  the layout `ring_attention(..., layout="zigzag")` expects. Apply it to
+  everything that is indexed by position (tokens, positions, labels);
+  `zigzag_restore` undoes it.
+  """
+  x = jnp.asarray(x)
+  _check_chunks(x, num_shards, axis)
+  chunks = jnp.split(x, 2 * num_shards, axis=axis)
+  return jnp.concatenate([chunks[c] for c in _zigzag_chunks(num_shards)], axis=axis)
+
+
+def zigzag_restore(x, num_shards: int, axis: int = 1):
+  """The inverse of `zigzag_order`: back to the natural sequence order."""
+  x = jnp.asarray(x)
+  _check_chunks(x, num_shards, axis)
+  chunks = jnp.split(x, 2 * num_shards, axis=axis)
+  inverse = np.argsort(_zigzag_chunks(num_shards))
+  return jnp.concatenate([chunks[i] for i in inverse], axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharded:
+  """How one sequence axis is spread: the mesh axis (or axes), its size, the layout."""
+  axis: Any = None          # mesh axis name, tuple of names, or None (not sharded)
+  shards: int = 1
+  layout: Layout = "contiguous"
+
+  @property
+  def pieces(self) -> int:
+    return 2 if self.layout == "zigzag" else 1
+
+  def index(self):
+    return lax.axis_index(self.axis) if self.axis is not None else jnp.int32(0)
+
+  def starts(self, shard, local_len: int) -> list:
+    """Global positions of the shard's pieces (traced; `shard` may be traced)."""
+    piece = local_len // self.pieces
+    if self.layout == "zigzag":
+      return [shard * piece, (2 * self.shards - 1 - shard) * piece]
+    return [shard * local_len]
+
+  def send(self, tree):
+    """Moves `tree` one hop along the ring: shard i receives shard i - 1's."""
+    n = self.shards
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    return jax.tree.map(lambda x: lax.ppermute(x, self.axis, perm), tree)
+
+
+def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool):
+  """Contiguous <-> zigzag for the local shard `x` of an array sharded as `seq`.
+
+  Two collective permutes: the contiguous shard p holds half-chunks 2p and
+  2p + 1, which go to different zigzag shards; sending the even and the odd
+  half-chunk apart makes each transfer a permutation of the devices.
+  """
+  n = seq.shards
+  if n == 1:
+    return x
+  home = lambda c: c if c < n else 2 * n - 1 - c       # zigzag shard of chunk c
+  first, second = jnp.split(x, 2, axis=seq_axis)
+  me = lax.axis_index(seq.axis)
+  even_me = me % 2 == 0
+  if to_zigzag:
+    even = lax.ppermute(first, seq.axis, [(p, home(2 * p)) for p in range(n)])
+    odd = lax.ppermute(second, seq.axis, [(p, home(2 * p + 1)) for p in range(n)])
+    # Shard d's chunk d has d's parity; its other chunk 2n-1-d the other one.
+    return jnp.concatenate([jnp.where(even_me, even, odd), jnp.where(even_me, odd, even)],
+                           axis=seq_axis)
+  # Shard d holds chunks (d, 2n-1-d); the even one goes to shard c // 2 first.
+  even_chunk = lambda d: d if d % 2 == 0 else 2 * n - 1 - d
+  odd_chunk = lambda d: 2 * n - 1 - d if d % 2 == 0 else d
+  even = lax.ppermute(jnp.where(even_me, first, second), seq.axis,
+                      [(d, even_chunk(d) // 2) for d in range(n)])
+  odd = lax.ppermute(jnp.where(even_me, second, first), seq.axis,
+                     [(d, odd_chunk(d) // 2) for d in range(n)])
+  return jnp.concatenate([even, odd], axis=seq_axis)
+
+
+# ------------------------------------------------------------------ blocks
+
+def _split(x, n: int, axis: int) -> list:
+  return [x] if n == 1 else jnp.split(x, n, axis=axis)
+
+
+def _block(spec, q_start, q_piece: int, k_start, k_piece: int, ql, kvl):
+  """Local lengths, diagonal offsets and `any row sees a key` of one block.
+
+  ql, kvl are the global lengths clamped to the global sizes; `spec` is the
+  call's MaskSpec (its bottom-right alignment becomes part of the offset).
+  """
+  lq = jnp.clip(ql - q_start, 0, q_piece)
+  lk = jnp.clip(kvl - k_start, 0, k_piece)
+  offsets = (q_start - k_start + (kvl - ql if spec.bottom_right else jnp.zeros_like(ql))
+             ).astype(jnp.int32)
+  # Row i sees key j iff j - i lies in [offset - left, offset + right]; the
+  # block holds j - i in [-(lq - 1), lk - 1].
+  lo = -(lq - 1)
+  if spec.window_left >= 0:
+    lo = jnp.maximum(lo, offsets - spec.window_left)
+  hi = lk - 1
+  if spec.window_right >= 0:
+    hi = jnp.minimum(hi, offsets + spec.window_right)
+  visible = jnp.any((lq > 0) & (lk > 0) & (lo <= hi))
+  return lq.astype(jnp.int32), lk.astype(jnp.int32), offsets, visible
+
+
+def _steps(n: int, step, carry):
+  """step(r, carry, first, last) for r = 0 .. n-1.
+
+  The first and the last step are traced on their own (the first receives
+  nothing, the last sends nothing); the ones between run in a fori_loop, so
+  the program holds three copies of a step whatever the ring's size.
+  """
+  if n == 1:
+    return step(0, carry, True, True)
+  carry = step(0, carry, True, False)
+  if n > 2:
+    carry = lax.fori_loop(1, n - 1, lambda r, c: step(r, c, False, False), carry)
+  return step(n - 1, carry, False, True)
+
+
+def _like(x, value, dtype=None):
+  """A constant shaped (and, inside shard_map, varying) like `x`."""
+  return jnp.full_like(x, value, dtype=dtype)
+
+
+def _accumulate(visible, update, acc):
+  """update(acc) if `visible`, else acc unchanged, decided at run time.
+
+  A block's kernel runs and its result is folded into the accumulators inside
+  the taken branch, so the blocks of a step form one chain through the
+  accumulators: each result dies where it is made, and XLA cannot schedule
+  every block's output to be alive at once. The skipped branch returns the
+  accumulators untouched, which also keeps both branches' types (and, inside
+  shard_map, their varying axes) equal.
+  """
+  return lax.cond(visible, update, lambda acc: acc, acc)
+
+
+_EMPTY = float(np.finfo(np.float32).min)   # the kernels' LSE of a row that sees no key
+
+
+def _merge(acc, o, lse):
+  """Online-softmax merge of a block's normalised (o, lse) into (acc_o, acc_lse), fp32.
+
+  A row that sees no key has LSE `_EMPTY` (finite, not -inf: params.h) and
+  weighs exactly 0, so an empty block contributes nothing and a row empty in
+  every block stays `_EMPTY` with output 0; nothing here makes an inf (no
+  false alarm under `jax.debug_infs`). A NaN LSE or output (a NaN input the
+  row sees) makes the row NaN, as in the unsharded kernels.
+  """
+  acc_o, acc_lse = acc
+  acc_empty, blk_empty = acc_lse == _EMPTY, lse == _EMPTY
+  top = jnp.maximum(acc_lse, lse)     # NaN-propagating
+  w_acc = jnp.where(acc_empty, 0.0, jnp.exp(jnp.where(acc_empty, 0.0, acc_lse - top)))
+  w_blk = jnp.where(blk_empty, 0.0, jnp.exp(jnp.where(blk_empty, 0.0, lse - top)))
+  both = acc_empty & blk_empty
+  total = jnp.where(both, 1.0, w_acc + w_blk)   # >= 1 where a side is not empty
+  new = jnp.where(both, _EMPTY, top + jnp.log(total))
+  to_rows = lambda w: jnp.transpose(w / total, (0, 2, 1))[..., None]   # [B, N, T] -> [B, T, N, 1]
+  return acc_o * to_rows(w_acc) + o.astype(jnp.float32) * to_rows(w_blk), new
+
+
+# ------------------------------------------------------------------ the ring
+
+@dataclasses.dataclass(frozen=True)
+class Ring:
+  """Fused kernels run around a ring, with the `kernels` interface of attention.py.
+
+  `forward` and `backward` take the local shards and must run where the mesh
+  axes of `q_seq` and `kv_seq` are bound (inside `shard_map`, or a partition
+  rule's per-shard function). `kv_seq.axis` None means the keys are not
+  sharded: one step, no transfer (a query shard against all keys).
+  """
+  kernels: Any
+  q_seq: Sharded
+  kv_seq: Sharded
+  q_len: int      # global lengths of the query and key sequences
+  kv_len: int
+
+  @property
+  def name(self) -> str:
+    return self.kernels.name
+
+  def _blocks(self, spec, q, k, q_lengths, kv_lengths):
+    """blocks(r) yields (a, c, lq, lk, offsets, visible) for query piece a and
+    key piece c of step r."""
+    ql = jnp.clip(q_lengths, 0, self.q_len).astype(jnp.int32)
+    kvl = jnp.clip(kv_lengths, 0, self.kv_len).astype(jnp.int32)
+    T, S = q.shape[1], k.shape[1]
+    hq, hk = T // self.q_seq.pieces, S // self.kv_seq.pieces
+    q_starts = self.q_seq.starts(self.q_seq.index(), T)
+    me = self.kv_seq.index()
+
+    def blocks(r):
+      src = (me - r) % self.kv_seq.shards   # whose keys step r holds
+      for a, q0 in enumerate(q_starts):
+        for c, k0 in enumerate(self.kv_seq.starts(src, S)):
+          yield (a, c) + _block(spec, q0, hq, k0, hk, ql, kvl)
+    return blocks
+
+  def _kv(self, k, v):
+    n = self.kv_seq.pieces
+    return tuple(zip(_split(k, n, 1), _split(v, n, 1)))
+
+  def forward(self, q, k, v, q_lengths, kv_lengths, spec):
+    """(o, lse) of the local query shard."""
+    blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
+    block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
+    q_pieces = _split(q, self.q_seq.pieces, 1)
+    ks = self.kv_seq
+
+    def step(r, carry, first, last):
+      del first
+      kv, acc = carry
+      nxt = kv if last else ks.send(kv)        # issued before this step's kernels
+      acc = list(acc)
+      for a, c, lq, lk, off, visible in blocks(r):
+        (k_c, v_c), q_a = kv[c], q_pieces[a]
+        acc[a] = _accumulate(
+            visible,
+            lambda acc, q_a=q_a, k_c=k_c, v_c=v_c, lq=lq, lk=lk, off=off: _merge(
+                acc, *self.kernels.forward(q_a, k_c, v_c, lq, lk, block_spec, off)),
+            acc[a])
+      return nxt, tuple(acc)
+
+    acc = tuple((_like(q_a, 0, jnp.float32),
+                 _like(q_a[..., 0], _EMPTY, jnp.float32).transpose(0, 2, 1))
+                for q_a in q_pieces)
+    _, acc = _steps(ks.shards, step, (self._kv(k, v), acc))
+    o = jnp.concatenate([a[0] for a in acc], axis=1).astype(q.dtype)
+    return o, jnp.concatenate([a[1] for a in acc], axis=2)
+
+  def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec):
+    """(dq, dk, dv) of the local shards, from the global o and lse."""
+    blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
+    block_spec = dataclasses.replace(spec, bottom_right=False)
+    n = self.q_seq.pieces
+    rows = list(zip(*(_split(x, n, 1) for x in (q, o, do)),
+                    *(_split(x, n, 2) for x in (lse, dlse))))
+    ks = self.kv_seq
+
+    def step(r, carry, first, last):
+      kv, pending, dq = carry
+      # The dK/dV sums of the keys this step holds arrive from the previous
+      # shard while this step's kernels run.
+      arrived = pending if first else ks.send(pending)
+      nxt = kv if last else ks.send(kv)
+      dq, dkv = list(dq), list(arrived)
+      for a, c, lq, lk, off, visible in blocks(r):
+        (k_c, v_c), (q_a, o_a, do_a, lse_a, dlse_a) = kv[c], rows[a]
+
+        def update(acc, q_a=q_a, k_c=k_c, v_c=v_c, o_a=o_a, lse_a=lse_a, do_a=do_a,
+                   dlse_a=dlse_a, lq=lq, lk=lk, off=off):
+          grads = self.kernels.backward(q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk,
+                                        block_spec, off)
+          return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, grads))
+        dq[a], *dkv[c] = _accumulate(visible, update, (dq[a],) + tuple(dkv[c]))
+        dkv[c] = tuple(dkv[c])
+      return nxt, tuple(dkv), tuple(dq)
+
+    kv = self._kv(k, v)
+    pending = jax.tree.map(lambda x: _like(x, 0, jnp.float32), kv)
+    dq = tuple(_like(row[0], 0, jnp.float32) for row in rows)
+    _, pending, dq = _steps(ks.shards, step, (kv, pending, dq))
+    # The finished sums return to their owner in the input dtype (they are
+    # rounded to it there anyway): half the bytes of the last hop.
+    pending = jax.tree.map(lambda x: x.astype(k.dtype), pending)
+    if ks.shards > 1:
+      pending = ks.send(pending)
+    dk, dv = (jnp.concatenate([x[i] for x in pending], axis=1) for i in (0, 1))
+    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk, dv
+
+
+  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
+    """(tO, tLSE) of the local query shard (forward mode), from the global o and lse.
+
+    Given the row's global LSE both sums of the tangent run over keys
+    (derivatives.tangent_sums), so every block adds its share, computed
+    blockwise in jnp with the block's diagonal offset; K/V and their tangents
+    travel around the ring as in the forward.
+    """
+    blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
+    block_spec = dataclasses.replace(spec, bottom_right=False)
+    n = self.q_seq.pieces
+    rows = list(zip(_split(q, n, 1), _split(tq, n, 1), _split(lse, n, 2)))
+    ks = self.kv_seq
+
+    def step(r, carry, first, last):
+      del first
+      kv, acc = carry
+      nxt = kv if last else ks.send(kv)
+      acc = list(acc)
+      for a, c, lq, lk, off, visible in blocks(r):
+        q_a, tq_a, lse_a = rows[a]
+        k_c, v_c, tk_c, tv_c = kv[c]
+
+        def update(acc, q_a=q_a, tq_a=tq_a, lse_a=lse_a, k_c=k_c, v_c=v_c, tk_c=tk_c, tv_c=tv_c,
+                   lq=lq, lk=lk, off=off):
+          sums = derivatives.tangent_sums(q_a, k_c, v_c, lse_a, lq, lk, tq_a, tk_c, tv_c,
+                                          spec=block_spec, offsets=off)
+          return tuple(x + y for x, y in zip(acc, sums))
+        acc[a] = _accumulate(visible, update, acc[a])
+      return nxt, tuple(acc)
+
+    pieces = lambda x: _split(x, self.kv_seq.pieces, 1)
+    kv = tuple(zip(*(pieces(x) for x in (k, v, tk, tv))))
+    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32))
+                for q_a, _, lse_a in rows)
+    _, acc = _steps(ks.shards, step, (kv, acc))
+    t_lse = jnp.concatenate([a[1] for a in acc], axis=2)
+    sums = jnp.concatenate([a[0] for a in acc], axis=1)
+    return derivatives.finish_tangent(sums, t_lse, o), t_lse
+
+  # The blockwise second-order rule (derivatives.py) would see only the local
+  # shards: Hessian-vector products through a ring are refused.
+  second_order = False
+
+
+# ------------------------------------------------------------------ entry point
+
+def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
+                   scale: float | None = None, query_seq_lengths=None,
+                   key_value_seq_lengths=None, local_window_size=None,
+                   causal_alignment: str = "top_left", layout: Layout = "contiguous",
+                   implementation: str | None = None, return_residual: bool = False,
+                   residual_dtype=None, differentiable_residual: bool = False):
+  """Exact attention over a sequence sharded along the mesh axis `axis_name`.
+
+  Call it inside `jax.shard_map` with the local shards: ``query`` is this
+  device's ``[batch, q_len / n, heads, head_dim]`` shard of the queries and
+  ``key``/``value`` its shard of the keys and values (n = the size of
+  `axis_name`, which may be a tuple of mesh axes). Arguments mean what they
+  mean in `dot_product_attention`, for the whole (global) sequence: the
+  lengths are the global ``[batch]`` lengths, the same on every shard, and
+  the causal diagonal and windows are placed in global positions.
+
+  ``layout`` says which part of the sequence each shard holds:
+  ``"contiguous"`` (shard i holds chunk i of n) or ``"zigzag"`` (shard i holds
+  chunks i and 2n-1-i of 2n: equal work per shard under a causal mask; see
+  `zigzag_order`). The output is laid out like the queries.
+
+  Runs the fused kernels: ``implementation`` "native" or "pallas"; None
+  picks native where it runs (the FFI kernels fit shard_map's type checks;
+  a Pallas call inside `shard_map` needs ``check_vma=False``), else pallas.
+  Differentiable in reverse mode; the residual (``return_residual=True``)
+  carries a gradient only with ``differentiable_residual=True``, as in
+  `dot_product_attention`.
+  """
+  from jaxflash import attention   # attention imports this module
+
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  if implementation not in (None, "native", "pallas"):
+    raise ValueError("ring_attention runs the fused kernels: implementation must be None, "
+                     f"'native' or 'pallas', got {implementation!r}")
+  call = attention._validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
+                             key_value_seq_lengths, local_window_size, causal_alignment, False)
+  shards = lax.axis_size(axis_name)
+  B, T, N, _ = call.q.shape
+  S = call.k.shape[1]
+  if layout == "zigzag" and (T % 2 or S % 2):
+    raise ValueError(f"layout='zigzag' holds two equal chunks per shard; the local query and key "
+                     f"lengths must be even, got {T} and {S}")
+  chosen = implementation
+  if chosen is None:
+    chosen = "native" if attention._fused_unsupported(call, "native") is None else "pallas"
+  reason = attention._fused_unsupported(call, chosen)
+  if reason:
+    raise ValueError(f"ring_attention: {reason}")
+  seq = Sharded(axis_name, shards, layout)
+  ring = Ring(attention._kernels(chosen, sharded=False), seq, seq, T * shards, S * shards)
+  if B * T * N == 0 or S == 0:
+    out = jnp.zeros_like(call.q)
+    lse = jnp.full((B, N, T), _EMPTY, jnp.float32)
+  else:
+    q_lengths = (call.q_lengths if call.q_lengths is not None
+                 else jnp.full((B,), T * shards, jnp.int32))
+    kv_lengths = (call.kv_lengths if call.kv_lengths is not None
+                  else jnp.full((B,), S * shards, jnp.int32))
+    out, lse = attention._fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
+  return attention._finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -1,0 +1,361 @@
+"""Partition rules: sharded calls of the fused kernels stay on their shards.
+
+Under `jax.jit` with sharded inputs XLA cannot look inside a custom call, so
+without a rule it gathers every operand onto every device. Each kernel call
+(forward and backward, native and Pallas) is therefore wrapped in
+`jax.experimental.custom_partitioning`, with a Shardy sharding rule (the
+default partitioner) and the GSPMD callbacks, and a per-shard function that
+runs the same kernels on the local block:
+
+* batch: every operand and result is split along it; lengths go with it.
+* heads: query heads are split with their key/value heads (query head n uses
+  key/value head n // group, so a contiguous split of both is exact) when the
+  key/value heads divide evenly. With fewer key/value heads than shards
+  (MQA, GQA with a large group) keys and values stay replicated and each shard
+  slices the one key/value head its query heads use; the forward is still
+  local, the backward then sums dK/dV over the head axis (the gradient of any
+  replicated input needs that sum).
+* head_dim: never split; a sharded head_dim is gathered first (the sharding
+  rule marks it need-replication).
+* sequence: queries sharded along the sequence with the keys replicated run
+  locally with each shard's diagonal offset; keys sharded along the sequence
+  run ring attention (ring.py) over that mesh axis, causal masks in the
+  zigzag layout (re-laid out on the way in and out) so every device does the
+  same work.
+
+Everything that is not named above is replicated, which is always correct.
+A wrapper with `custom_vmap` folds vmapped axes into the batch, as the FFI
+calls' `broadcast_all` does, because custom_partitioning has no batching rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxflash import ring as ring_lib
+
+
+# ------------------------------------------------------------------ the plan
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry as a tuple of mesh axis names."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _axis(axes: tuple[str, ...]):
+  """The axis_name of a collective over `axes`."""
+  return axes[0] if len(axes) == 1 else axes
+
+
+def _dims(sharding, rank: int) -> list[tuple[str, ...]]:
+  """Mesh axes of every dimension; anything but a NamedSharding counts as replicated."""
+  if not isinstance(sharding, NamedSharding):
+    return [()] * rank
+  spec = tuple(sharding.spec) + (None,) * (rank - len(sharding.spec))
+  return [_axes(e) for e in spec[:rank]]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Which mesh axes split which dimension of one call (empty tuple: none)."""
+  mesh: object
+  batch: tuple[str, ...] = ()
+  heads: tuple[str, ...] = ()
+  kv_heads: tuple[str, ...] = ()    # heads, or () when K/V stay replicated over them
+  q_seq: tuple[str, ...] = ()
+  kv_seq: tuple[str, ...] = ()      # == q_seq when set: ring attention
+  zigzag: bool = False              # re-lay the ring out for a causal mask
+
+  def size(self, axes) -> int:
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+  def _named(self, *dims):
+    return NamedSharding(self.mesh, P(*(_entry(d) for d in dims)))
+
+  def rows(self):       # q, o, do, dq
+    return self._named(self.batch, self.q_seq, self.heads, ())
+
+  def keys(self):       # k, v, dk, dv
+    return self._named(self.batch, self.kv_seq, self.kv_heads, ())
+
+  def stats(self):      # lse, dlse: [B, N, T]
+    return self._named(self.batch, self.heads, self.q_seq)
+
+  def lengths(self):
+    return self._named(self.batch)
+
+  @property
+  def sliced_kv_heads(self) -> bool:
+    return bool(self.heads) and not self.kv_heads
+
+
+def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
+  """The partition this rule runs for operands sharded like q and k."""
+  if mesh is None or getattr(mesh, "empty", True):
+    return _Plan(mesh)
+  B, T, N, _ = q_shape
+  S, K = k_shape[1], k_shape[2]
+  qd, kd = _dims(q_sharding, 4), _dims(k_sharding, 4)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  batch = qd[0] if B % size(qd[0]) == 0 else ()
+  heads, kv_heads = qd[2], qd[2]
+  if set(heads) & set(batch) or N % size(heads):
+    heads = kv_heads = ()
+  elif K % size(heads):
+    # Fewer K/V heads than shards: each shard's query heads must share one.
+    kv_heads = ()
+    if (N // K) % (N // size(heads)):
+      heads = ()
+  used = set(batch) | set(heads)
+  kv_seq = kd[1] if not set(kd[1]) & used else ()
+  q_seq = kv_seq or (qd[1] if not set(qd[1]) & used else ())
+  if T % size(q_seq) or S % size(kv_seq):
+    kv_seq, q_seq = (), (qd[1] if T % size(qd[1]) == 0 and not set(qd[1]) & used else ())
+  n = size(kv_seq)
+  causal = spec.window_right >= 0 and spec.window_left < 0
+  zigzag = bool(kv_seq) and causal and T == S and (T // n) % 2 == 0 and n > 1
+  return _Plan(mesh, batch, heads, kv_heads, q_seq, kv_seq, zigzag)
+
+
+# ------------------------------------------------------------------ per-shard functions
+
+def _ring(plan: _Plan, kernels, q_len: int, kv_len: int):
+  layout = "zigzag" if plan.zigzag else "contiguous"
+  q_seq = ring_lib.Sharded(_axis(plan.q_seq), plan.size(plan.q_seq), layout)
+  kv_seq = (ring_lib.Sharded(_axis(plan.kv_seq), plan.size(plan.kv_seq), layout) if plan.kv_seq
+            else ring_lib.Sharded())
+  return ring_lib.Ring(kernels, q_seq, kv_seq, q_len, kv_len)
+
+
+def _kv_head_slice(plan: _Plan, N: int, K: int):
+  """(start, 1) of the one K/V head this head shard's query heads use."""
+  local = N // plan.size(plan.heads)
+  return lax.axis_index(_axis(plan.heads)) * local // (N // K)
+
+
+def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
+  def run(q, k, v, q_lengths, kv_lengths):
+    if plan.sliced_kv_heads:
+      start = _kv_head_slice(plan, N, K)
+      k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
+    if not plan.q_seq:
+      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+    ring = _ring(plan, kernels, q_len, kv_len)
+    if plan.zigzag:
+      q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True) for x in (q, k, v))
+    o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec)
+    if plan.zigzag:
+      o, lse = ring_lib.relayout(o, ring.q_seq, 1, False), ring_lib.relayout(lse, ring.q_seq, 2, False)
+    return o, lse
+  return run
+
+
+def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
+  def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths):
+    full_k, full_v = k, v
+    if plan.sliced_kv_heads:
+      start = _kv_head_slice(plan, N, K)
+      k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
+    if not plan.q_seq:
+      dq, dk, dv = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+    else:
+      ring = _ring(plan, kernels, q_len, kv_len)
+      if plan.zigzag:
+        to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True)
+        q, k, v, o, do, lse, dlse = to(q), to(k), to(v), to(o), to(do), to(lse, 2), to(dlse, 2)
+      dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+      if plan.zigzag:
+        dq, dk, dv = (ring_lib.relayout(x, ring.q_seq, 1, False) for x in (dq, dk, dv))
+    if plan.sliced_kv_heads:
+      # K/V are replicated over the head axis: their gradient sums its shards.
+      place = lambda g, full: lax.dynamic_update_slice_in_dim(
+          jnp.zeros(full.shape, jnp.float32), g.astype(jnp.float32), start, axis=2)
+      dk, dv = (lax.psum(place(g, full), _axis(plan.heads)).astype(full.dtype)
+                for g, full in ((dk, full_k), (dv, full_v)))
+    return dq, dk, dv
+  return run
+
+
+# ------------------------------------------------------------------ partition callbacks
+
+def _shardy_rule(backward: bool):
+  """The einsum-like Shardy rule of the forward or backward call.
+
+  Every dimension gets its own factor, query and key/value heads and the two
+  sequence axes included: Shardy then keeps each operand's sharding and the
+  partition callback decides how they go together. (Tying the query heads to
+  the key/value heads with a compound factor lets Shardy split a mesh axis
+  into sub-axes for the key/value heads, which custom_partitioning cannot
+  hand to its callback; one factor for both sequence axes makes Shardy slice
+  replicated keys and run a ring where a local call suffices.)
+  """
+  def rule(kernels, spec, mesh, operand_types, result_types):
+    del kernels, spec, mesh, operand_types, result_types
+    rows, keys, stats = "b t n d", "b s h d", "b n t"
+    if backward:
+      operands = [rows, keys, keys, rows, stats, rows, stats, "b", "b"]
+      results = [rows, keys, keys]
+    else:
+      operands, results = [rows, keys, keys, "b", "b"], [rows, stats]
+    return (", ".join(operands) + " -> " + ", ".join(results),
+            dict(need_replication_factors=("d",)))
+  return rule
+
+
+def _forward_shardings(plan: _Plan):
+  return (plan.rows(), plan.keys(), plan.keys(), plan.lengths(), plan.lengths()), \
+         (plan.rows(), plan.stats())
+
+
+def _backward_shardings(plan: _Plan):
+  rows, keys, stats, lengths = plan.rows(), plan.keys(), plan.stats(), plan.lengths()
+  return (rows, keys, keys, rows, stats, rows, stats, lengths, lengths), (rows, keys, keys)
+
+
+def _plan_of(spec, mesh, arg_shapes) -> _Plan:
+  q, k = arg_shapes[0], arg_shapes[1]
+  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding)
+
+
+def _partition(backward: bool):
+  def partition(kernels, spec, mesh, arg_shapes, result_shape):
+    del result_shape
+    plan = _plan_of(spec, mesh, arg_shapes)
+    q, k = arg_shapes[0].shape, arg_shapes[1].shape
+    local = _local_backward if backward else _local_forward
+    fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2])
+    args, results = (_backward_shardings if backward else _forward_shardings)(plan)
+    return plan.mesh, fn, results, args
+
+  def infer(kernels, spec, mesh, arg_shapes, result_shape):
+    del kernels, result_shape
+    plan = _plan_of(spec, mesh, arg_shapes)
+    return (_backward_shardings if backward else _forward_shardings)(plan)[1]
+  return partition, infer
+
+
+def _forward_call(q, k, v, q_lengths, kv_lengths, kernels, spec):
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+
+
+def _backward_call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, spec):
+  return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+
+
+def _partitioned_call(fn, static_argnums, backward: bool):
+  op = custom_partitioning(fn, static_argnums=static_argnums)
+  partition, infer = _partition(backward)
+  op.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                   sharding_rule=_shardy_rule(backward))
+  return op
+
+
+_forward_op = _partitioned_call(_forward_call, (5, 6), backward=False)
+_backward_op = _partitioned_call(_backward_call, (9, 10), backward=True)
+
+
+# ------------------------------------------------------------------ vmap
+
+def _fold_vmap(fn, axis_size: int, in_batched, args):
+  """Runs fn on args whose (leading) vmapped axis is folded into the batch."""
+  args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+          for a, b in zip(args, in_batched)]
+  outs = fn(*(a.reshape((-1,) + a.shape[2:]) for a in args))
+  outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs)
+  return outs, (True,) * len(outs)
+
+
+@functools.cache
+def _vmappable(op, kernels, spec):
+  @jax.custom_batching.custom_vmap
+  def call(*args):
+    return op(*args, kernels, spec)
+
+  call.def_vmap(lambda axis_size, in_batched, *args: _fold_vmap(call, axis_size, in_batched, args))
+  return call
+
+
+def _varying_like(outs, likes):
+  """outs, typed to vary over the manual axes of `likes` inside shard_map.
+
+  An FFI call's results vary over no manual axis, which makes a custom_vjp
+  inside shard_map reject its cotangents; adding a zero made from the primal
+  gives them the primal's type, and XLA folds the addition away.
+  """
+  return tuple(o + jnp.zeros_like(like, dtype=o.dtype,
+                                  shape=None if o.shape == like.shape else o.shape)
+               for o, like in zip(outs, likes))
+
+
+def _typed_sharding(x):
+  """x's sharding when it is part of its type (explicit mesh axes), else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+    return None
+  return sharding if any(e is not None for e in sharding.spec) else None
+
+
+def _outside_explicit_axes(fn, q, k, results):
+  """fn, run with the mesh's explicit axes made automatic when q's or k's type is sharded.
+
+  Under explicit sharding the partition rule still does the work; this only
+  keeps the global types away from the kernels' tracing (a Pallas call cannot
+  take sharded types) and gives the results their types back. `results` names
+  each result's layout: "rows" (like q), "keys" (like k) or "stats" ([B, N, T]).
+  """
+  qs, ks = _typed_sharding(q), _typed_sharding(k)
+  if qs is None and ks is None:
+    return fn
+  mesh = (qs or ks).mesh
+  qs, ks = qs or NamedSharding(mesh, P()), ks or NamedSharding(mesh, P())
+  spec = tuple(qs.spec) + (None,) * (4 - len(qs.spec))
+  layouts = dict(rows=qs, keys=ks, stats=NamedSharding(mesh, P(spec[0], spec[2], spec[1])))
+  return jax.sharding.auto_axes(fn, out_sharding=tuple(layouts[r] for r in results))
+
+
+@functools.cache
+def partitioned(kernels):
+  """`kernels` (attention.py's interface) behind the partition rules."""
+
+  class Partitioned:
+    name = kernels.name
+
+    # With one device nothing can be sharded: the kernels are called as they
+    # are, which saves the wrappers' tracing (about 50 ms per compiled call).
+    @staticmethod
+    def forward(q, k, v, q_lengths, kv_lengths, spec):
+      if jax.device_count() == 1:
+        o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+      else:
+        run = _outside_explicit_axes(_vmappable(_forward_op, kernels, spec), q, k,
+                                     ("rows", "stats"))
+        o, lse = run(q, k, v, q_lengths, kv_lengths)
+      return _varying_like((o, lse), (q, q))
+
+    @staticmethod
+    def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec):
+      if jax.device_count() == 1:
+        grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+      else:
+        run = _outside_explicit_axes(_vmappable(_backward_op, kernels, spec), q, k,
+                                     ("rows", "keys", "keys"))
+        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths)
+      return _varying_like(grads, (q, k, v))
+
+  Partitioned.__name__ = Partitioned.__qualname__ = f"Partitioned{kernels.__name__}"
+  return Partitioned
