@@ -14,21 +14,36 @@ FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
-# (0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
-# exists (FwdParams::tile, BwdParams::tile). Only the tuning
-# script and the tests set it, through `forced_tile`; it is read when a call is
-# traced, so jit a fresh function after changing it.
+# (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
+# exists (FwdParams::tile, BwdParams::tile). Only the tuner and the tests set
+# it, through `forced_tile`; it is read when a call is traced, so jit a fresh
+# function after changing it. Without it the per-device tile cache
+# (jaxflash/tile_cache.py) may name a preferred candidate.
 TILE_SM80 = 64
-_forced_tile = 0
+_forced_tile: int | None = None
 
 
-def tile_attr() -> int:
-  return _forced_tile
+def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
+  """The `tile` attribute of a native call being traced."""
+  if _forced_tile is not None:
+    return _forced_tile
+  from jaxflash import tile_cache
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    return 0
+  return tile_cache.lookup(direction, head_dim, causal, device.device_kind)
+
+
+def library_path() -> str | None:
+  """The compiled extension's file (for the tile cache's build hash), or None."""
+  ext, _ = _load()
+  return getattr(ext, "__file__", None) if ext is not None else None
 
 
 @contextlib.contextmanager
 def forced_tile(index: int, *, sm80: bool = False):
-  """Trace native calls inside the block with tile candidate `index` (1-based; 0 = the table).
+  """Trace native calls inside the block with tile candidate `index` (1-based; 0 = the table,
+  ignoring the tile cache).
 
   With `sm80=True` the CUDA forward and backward run the sm80 (mma.sync) family even
   on a GPU that has a newer path, so the Ampere kernels stay testable on Hopper.

@@ -74,7 +74,7 @@ class _NativeKernels:
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
     return call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, B), **cls._attrs(spec),
-                tile=np.int64(_native.tile_attr()))
+                tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)))
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
@@ -86,7 +86,8 @@ class _NativeKernels:
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets, q.shape[0]), **cls._attrs(spec),
-                         deterministic=bool(spec.deterministic), tile=np.int64(_native.tile_attr()))
+                         deterministic=bool(spec.deterministic),
+                         tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
 
 

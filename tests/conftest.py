@@ -11,6 +11,10 @@ import pytest
 
 import numpy_reference
 
+# Tests see the built-in tile tables, never a tile cache the machine happens to
+# have (test_tile_cache.py points the cache at its own files).
+os.environ["JAXFLASH_TILE_CACHE"] = "off"
+
 
 def _has_gpu() -> bool:
   try:

@@ -87,7 +87,7 @@ def _run(impl, arrays, dtype, kw):
   q, k, v, do = (jnp.asarray(arrays[n], dtype) for n in ("q", "k", "v", "do"))
   lengths = {n: kw[n] for n in ("query_seq_lengths", "key_value_seq_lengths") if n in kw}
   static = tuple(sorted((n, x) for n, x in kw.items() if n not in lengths))
-  return _run_jit(q, k, v, do, lengths, impl=impl, static=static, tile=_native.tile_attr())
+  return _run_jit(q, k, v, do, lengths, impl=impl, static=static, tile=_native._forced_tile)
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "static", "tile"))

@@ -4,7 +4,7 @@
         --section WarpStateStats python tools/profile_forward.py --seq 16384 --head-dim 128
 
 The call runs twice (the first launch compiles and warms up; skip it in ncu). `--tile K` forces
-tile candidate K of the forward (1-based, as tools/tune_tiles.py numbers them).
+tile candidate K of the forward (1-based, as `python -m jaxflash.tune` numbers them).
 """
 
 from __future__ import annotations

@@ -165,10 +165,10 @@ inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_ri
     }                                      \
   } while (0)
 
-// tile: see FwdParams::tile (tools/tune_tiles.py, the tile tests).
+// tile: see FwdParams::tile (python -m jaxflash.tune, the tile cache, the tile tests).
 inline ffi::Error DecodeTile(int64_t tile, int* out) {
-  if (tile < 0 || tile >= 2 * FwdParams::kTileSm80) {
-    return Invalid("tile must be in [0, " + std::to_string(2 * FwdParams::kTileSm80 - 1) + "], got " +
+  if (tile < 0 || tile >= 2 * FwdParams::kTilePreferred) {
+    return Invalid("tile must be in [0, " + std::to_string(2 * FwdParams::kTilePreferred - 1) + "], got " +
                    std::to_string(tile));
   }
   *out = static_cast<int>(tile);

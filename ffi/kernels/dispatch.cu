@@ -60,7 +60,7 @@ std::string TensorCoreRefusal(DType dtype, const AttentionShape& sh, const CudaD
 // sm80 family can be forced for testing (the `tile` of FwdParams, BwdParams).
 bool Sm90Allowed(int tile, const CudaDevice& device) {
 #if defined(JAXFLASH_SM90A_BUILT)
-  return device.arch == 90 && tile < FwdParams::kTileSm80;
+  return device.arch == 90 && !(tile & FwdParams::kTileSm80);
 #else
   return false;
 #endif
@@ -76,7 +76,7 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
       case 256: return sm90::LaunchForward<T, 256>(p, device, stream);
     }
   }
-  p.tile %= FwdParams::kTileSm80;  // the candidate index within the sm80 family
+  p.tile &= ~FwdParams::kTileSm80;  // the candidate within the sm80 family (a preference stays one)
   switch (bucket) {
     case 32: return sm80::LaunchForward<T, 32>(p, device, stream);
     case 64: return sm80::LaunchForward<T, 64>(p, device, stream);

@@ -89,11 +89,15 @@ struct FwdParams {
   DType dtype = DType::kFloat32;
   MaskParams mask;
   float scale = 1.0f;  // multiplies q·k before the softmax
-  // Tile choice (tuning and tests only): 0 = the tile table, k in [1, 63] =
-  // candidate k; adding kTileSm80 runs the sm80 kernels even on a GPU with a
-  // newer path (so the Ampere path is testable on Hopper).
+  // Tile choice: 0 = the tile table, k in [1, 63] = candidate k (tuning and
+  // tests; a candidate the build lacks is an error); adding kTileSm80 runs the
+  // sm80 kernels even on a GPU with a newer path (so the Ampere path is
+  // testable on Hopper); adding kTilePreferred makes k a preference (the
+  // per-device tile cache, jaxflash/tile_cache.py): a candidate the build
+  // lacks falls back to the table.
   int tile = 0;
   static constexpr int kTileSm80 = 64;
+  static constexpr int kTilePreferred = 128;
 
   const void* q = nullptr;
   const void* k = nullptr;

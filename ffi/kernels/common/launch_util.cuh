@@ -8,6 +8,7 @@
 #include <string>
 
 #include "jaxflash/launch.h"
+#include "jaxflash/params.h"
 
 namespace jaxflash {
 
@@ -65,17 +66,22 @@ Status LaunchForwardGrid(const FwdParams& p, int rows, int threads, size_t smem,
 }
 
 // A list of tile shapes a launcher may run: the candidates its tile table
-// picks from and the tuning script sweeps (tools/tune_tiles.py).
+// picks from and the tuner sweeps (python -m jaxflash.tune).
 template <typename... Tiles>
 struct TileList {
   static constexpr int kSize = sizeof...(Tiles);
 
-  // Calls launch(Tile{}) for the tile `forced` names (> 0, 1-based, from the
-  // tuning script and the tests) or else the table's pick (0-based): the one
-  // place a runtime tile index becomes a compiled kernel.
+  // Calls launch(Tile{}) for the candidate `tile` names (FwdParams::tile with
+  // the family bit cleared: k > 0 is 1-based, from the tuner and the tests,
+  // or a preference from the tile cache) or else the table's pick (0-based):
+  // the one place a runtime tile index becomes a compiled kernel.
   template <typename Launch>
-  static Status With(int forced, int table_pick, Launch&& launch) {
-    const int index = forced > 0 ? forced - 1 : table_pick;
+  static Status With(int tile, int table_pick, Launch&& launch) {
+    const int forced = tile % FwdParams::kTileSm80;
+    int index = forced > 0 ? forced - 1 : table_pick;
+    // A cached preference measured on another build may name a shape this one
+    // lacks: the table then decides, where a forced index is an error.
+    if ((tile & FwdParams::kTilePreferred) && index >= kSize) index = table_pick;
     if (index < 0 || index >= kSize) {
       return Status::Unimplemented("tile candidate " + std::to_string(index + 1) + " does not exist (" +
                                    std::to_string(kSize) + " compiled)");

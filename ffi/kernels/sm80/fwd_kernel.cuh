@@ -55,7 +55,7 @@ struct FwdTile {
 // one-tile layout; the O and S accumulators (kMT * (kD + kN) / 2 floats per
 // lane) must then fit in 255 registers without spilling, which bounds kN.
 // FwdTilePick chooses among them by measurement (docs/performance.md);
-// tools/tune_tiles.py re-measures every candidate.
+// `python -m jaxflash.tune` re-measures every candidate.
 template <int kD>
 struct FwdCandidates;
 template <>

@@ -4,7 +4,7 @@
 // kernel (fwd_ws_kernel.cuh: WsFwdTile<kD, keys per tile, stages, consumer
 // warpgroups, ping-pong>) and the cp.async kernel (fwd_kernel.cuh:
 // FwdTile<kD, warpgroups, keys per tile, CTAs per SM>), which every thread
-// both loads and computes in. tools/tune_tiles.py times every candidate; the
+// both loads and computes in. `python -m jaxflash.tune` times every candidate; the
 // table holds the winners.
 #pragma once
 
@@ -33,17 +33,17 @@ struct FwdCandidates<128> {
 };
 template <>
 struct FwdCandidates<256> {
-  using type = TileList<WsFwdTile<256, 64, 2>, WsFwdTile<256, 64, 2, 2, false>,
-                        FwdTile<256, 2, 64>>;
+  using type = TileList<WsFwdTile<256, 64, 2, 2, false>, FwdTile<256, 2, 64>>;
 };
 
 // The tile table: index into FwdCandidates<kD>, measured on an H100 with
 // tools/tune_tiles.py (2026-11-23, docs/performance.md): the warp-specialised
-// kernel without ping-pong turns won or tied at every head dim. Two ping-pong
-// shapes measured then (<64, 176, 4> and <128, 128, 2>) left the list when the
-// exact recomputation of non-finite entries (common/exact_rows.cuh) made them
-// spill; neither was the pick.
-inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 128 ? 0 : 1; }
+// kernel without ping-pong turns won or tied at every head dim. Three ping-pong
+// shapes measured then (<64, 176, 4>, <128, 128, 2>, <256, 64, 2>) left the
+// lists when the exact recomputation of non-finite entries
+// (common/exact_rows.cuh) and the loaded diagonal offsets made them spill;
+// none was the pick.
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 1 : 0; }
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {

@@ -1,0 +1,175 @@
+"""The per-device tile cache: tile choices measured on the user's own GPU.
+
+The CUDA kernels compile a few tile shapes per head-dim bucket and pick one
+from a table measured on an H100. `python -m jaxflash.tune` re-measures every
+candidate on the GPU at hand and writes the winners here; the native calls read
+them when they are traced (`_native.tile_attr`) and pass them to the kernels as
+a *preference*: a candidate the running build lacks falls back to the table
+(FwdParams::kTilePreferred), so no cache content can make a call fail.
+
+The file is JSON, by default `$XDG_CACHE_HOME/jaxflash/tiles.json` (or
+`~/.cache/...`); `JAXFLASH_TILE_CACHE` names another file, or turns the cache
+off with `off` (the test suite does). Each entry records the device kind, the
+build it was measured with (a hash of the compiled extension) and the winner of
+one (direction, head-dim bucket, causal) cell. Entries of another build are
+stale: the candidate lists may have changed, so they are ignored with a
+warning that says how to re-measure. A file that cannot be read or parsed is
+ignored with a warning too, never an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import os
+import pathlib
+import warnings
+
+FORMAT = 1
+ENV = "JAXFLASH_TILE_CACHE"
+# ffi/kernels/sm80/launch_sm80.h kHeadDimBuckets: the launchers round a head
+# dim up to the next compiled bucket, and the candidates are per bucket.
+HEAD_DIM_BUCKETS = (32, 64, 96, 128, 192, 256)
+DIRECTIONS = ("fwd", "bwd")
+# FwdParams::kTilePreferred: a cached index is a preference, not an order.
+TILE_PREFERRED = 128
+MAX_CANDIDATE = 63
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  """The winner of one cell, as stored."""
+  device: str
+  build: str
+  direction: str
+  head_dim: int  # the bucket
+  causal: bool
+  tile: int      # 1-based candidate index
+  tflops: float = 0.0
+  measured: str = ""
+
+
+def path() -> pathlib.Path | None:
+  """The cache file, or None when the cache is turned off."""
+  name = os.environ.get(ENV)
+  if name is not None:
+    return None if name.strip().lower() in ("", "off", "0", "none") else pathlib.Path(name).expanduser()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "jaxflash" / "tiles.json"
+
+
+def bucket(head_dim: int) -> int | None:
+  """The compiled head-dim bucket a call with this head dim runs in (None: SIMT)."""
+  return next((b for b in HEAD_DIM_BUCKETS if head_dim <= b), None)
+
+
+@functools.lru_cache(maxsize=None)
+def build_id() -> str:
+  """A short hash of the compiled extension: entries of another build are stale."""
+  from jaxflash import _native
+  library = _native.library_path()
+  if library is None:
+    return ""
+  digest = hashlib.sha256()
+  with open(library, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()[:16]
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+  if key not in _warned:
+    _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _parse(text: str) -> list[Entry]:
+  """Entries of a cache file; ValueError for anything malformed."""
+  data = json.loads(text)
+  if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
+    raise ValueError(f"expected {{'format': {FORMAT}, 'entries': [...]}}")
+  entries = []
+  for raw in data["entries"]:
+    if not isinstance(raw, dict):
+      raise ValueError(f"entry {raw!r} is not an object")
+    try:
+      e = Entry(**raw)
+    except TypeError as err:
+      raise ValueError(f"entry {raw!r}: {err}") from None
+    ok = (isinstance(e.device, str) and isinstance(e.build, str) and e.direction in DIRECTIONS
+          and type(e.head_dim) is int and e.head_dim in HEAD_DIM_BUCKETS and type(e.causal) is bool
+          and type(e.tile) is int and 1 <= e.tile <= MAX_CANDIDATE)
+    if not ok:
+      raise ValueError(f"entry {raw!r} has a field out of range")
+    entries.append(e)
+  return entries
+
+
+def read(file: pathlib.Path | None = None) -> list[Entry]:
+  """The cache's entries ([] when there is none, or with a warning when it is unusable)."""
+  file = path() if file is None else file
+  if file is None:
+    return []
+  try:
+    stat = file.stat()
+  except OSError:
+    return []
+  return _read_cached(str(file), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_cached(name: str, mtime_ns: int, size: int) -> list[Entry]:
+  del mtime_ns, size  # part of the key: a rewritten file is read again
+  try:
+    return _parse(pathlib.Path(name).read_text())
+  except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+    _warn_once(f"bad:{name}", f"jaxflash: ignoring the tile cache {name}: {err}. The built-in tile "
+               "table is used; `python -m jaxflash.tune` writes a fresh cache.")
+    return []
+
+
+def lookup(direction: str, head_dim: int, causal: bool, device_kind: str) -> int:
+  """The tile attribute for a call: 0 (the table) or kTilePreferred + the cached candidate."""
+  b = bucket(head_dim)
+  entries = [e for e in read() if e.device == device_kind] if b is not None else []
+  if not entries:
+    return 0
+  current = build_id()
+  fresh = [e for e in entries if e.build == current]
+  if not fresh:
+    _warn_once(f"stale:{device_kind}", f"jaxflash: the tile cache {path()} was measured for "
+               f"{device_kind!r} with another build of jaxflash; it is ignored until "
+               "`python -m jaxflash.tune` re-measures it.")
+    return 0
+  for e in fresh:
+    if e.direction == direction and e.head_dim == b and e.causal == bool(causal):
+      return TILE_PREFERRED + e.tile
+  return 0
+
+
+def write(new: list[Entry], file: pathlib.Path | None = None) -> pathlib.Path:
+  """Stores `new`, replacing the cells it measures and every stale entry of its device."""
+  file = path() if file is None else file
+  if file is None:
+    raise ValueError(f"the tile cache is turned off ({ENV}={os.environ.get(ENV)!r})")
+  try:
+    old = _parse(file.read_text()) if file.exists() else []
+  except (OSError, ValueError):
+    old = []  # an unusable file is replaced
+  cells = {(e.device, e.direction, e.head_dim, e.causal) for e in new}
+  builds = {(e.device, e.build) for e in new}
+  devices = {e.device for e in new}
+  kept = [e for e in old if (e.device, e.direction, e.head_dim, e.causal) not in cells
+          and not (e.device in devices and (e.device, e.build) not in builds)]
+  entries = sorted(kept + list(new), key=lambda e: (e.device, e.direction, e.head_dim, e.causal))
+  file.parent.mkdir(parents=True, exist_ok=True)
+  tmp = file.with_suffix(file.suffix + ".tmp")
+  tmp.write_text(json.dumps({"format": FORMAT, "entries": [dataclasses.asdict(e) for e in entries]},
+                            indent=1) + "\n")
+  os.replace(tmp, file)  # readers never see half a file
+  return file

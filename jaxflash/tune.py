@@ -1,0 +1,135 @@
+"""Measure the compiled tile candidates on this GPU and keep the winners in the tile cache.
+
+    python -m jaxflash.tune                        # D in {64, 128, 256}, S in {4k, 16k}, fwd and bwd
+    python -m jaxflash.tune --head-dims 128 --seqs 16384 --direction fwd --no-write
+
+Every head-dim bucket of the CUDA tensor-core kernels compiles a few tile shapes
+(FwdCandidates in ffi/kernels/sm80/fwd_kernel.cuh and ffi/kernels/sm90/fwd_launch.cuh,
+BwdCandidates in ffi/kernels/sm90/bwd_kernel.cuh; the sm80 backward has one shape per
+bucket), and the launchers pick one from a table measured on an H100. This forces each
+candidate in turn (1-based; `jaxflash._native.forced_tile`), times it on the DESIGN.md §6
+grid's shapes (bf16, B*S = 16384 tokens, H*D = 2048), prints TFLOP/s per candidate, and
+writes the winner of each (direction, D, causal) over the sequence lengths (best geometric
+mean) to the per-device tile cache (jaxflash/tile_cache.py), which later native calls on a
+GPU of the same kind read when they are traced. "fwd" times the forward; "bwd" a forward
+and backward step with the forward at its table pick, so only the backward's tile changes
+(rates count forward + backward FLOPs); "fwd+bwd" both with the candidate (printed, not
+cached). The GPU's own family is swept unless --sm80 forces the mma.sync kernels (printed,
+not cached). Developers copy winners into the built-in tables and the numbers into
+docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash import _measure, _native, tile_cache
+
+MAX_CANDIDATES = 8
+
+
+def build(direction: str, causal: bool, cand: int, sm80: bool):
+  """The jitted step for one candidate, traced here (the tile is read at trace time)."""
+  attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal, implementation="native")
+  if direction == "fwd":
+    def forward(q, k, v):
+      with _native.forced_tile(cand, sm80=sm80):
+        return attn(q, k, v)
+    return jax.jit(forward)
+
+  def step(q, k, v, do):
+    with _native.forced_tile(0 if direction == "bwd" else cand, sm80=sm80):
+      _, vjp = jax.vjp(attn, q, k, v)
+    with _native.forced_tile(cand, sm80=sm80):
+      return vjp(do)
+  return jax.jit(step)
+
+
+def sweep(direction: str, D: int, S: int, causal: bool, *, sm80: bool = False, reps: int = 10,
+          repeats: int = 3) -> list[float]:
+  """TFLOP/s of candidates 1, 2, ... of one cell, up to the last compiled one."""
+  H, B = 2048 // D, max(1, 16384 // S)
+  rng = np.random.default_rng(0)
+  q, k, v, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(4))
+  inputs = (q, k, v) if direction == "fwd" else (q, k, v, do)
+  flops = _measure.attention_flops(B, H, S, S, D, causal, direction != "fwd")
+  rates = []
+  # The sm80 backward has one tile and ignores the index: one run says all.
+  last = 1 if direction == "bwd" and sm80 else MAX_CANDIDATES
+  for cand in range(1, last + 1):
+    try:
+      t = _measure.time_jitted(build(direction, causal, cand, sm80), inputs, reps, repeats)
+    except Exception as e:  # past the last compiled candidate
+      if "does not exist" in str(e):
+        break
+      raise
+    rates.append(flops / t / 1e12)
+  return rates
+
+
+def winner(rates_per_seq: list[list[float]]) -> tuple[int, float]:
+  """(1-based candidate, its geometric-mean TFLOP/s) over the sequence lengths of a cell.
+
+  Only candidates measured at every length compete.
+  """
+  count = min(len(r) for r in rates_per_seq)
+  if count == 0:
+    raise ValueError("no candidate was measured")
+  means = [math.exp(sum(math.log(r[c]) for r in rates_per_seq) / len(rates_per_seq)) for c in range(count)]
+  best = int(np.argmax(means))
+  return best + 1, means[best]
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m jaxflash.tune", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--head-dims", "--heads-dims", dest="head_dims", default="64,128,256")
+  ap.add_argument("--seqs", default="4096,16384")
+  ap.add_argument("--direction", default="fwd,bwd", help="comma-separated: fwd, bwd, fwd+bwd")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--sm80", action="store_true", help="sweep the sm80 family on a newer GPU (not cached)")
+  ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave the cache alone")
+  args = ap.parse_args(argv)
+
+  device = jax.devices()[0]
+  if device.platform != "gpu":
+    raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX")
+  _native.require("gpu")
+  print(f"device: {device.device_kind}")
+  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 6)) + " | winner |")
+  print("|---|---|---|---|" + "---|" * 6)
+  entries = []
+  today = datetime.date.today().isoformat()
+  for direction in args.direction.split(","):
+    for D in (int(d) for d in args.head_dims.split(",")):
+      for causal in (False, True):
+        per_seq = []
+        for S in (int(s) for s in args.seqs.split(",")):
+          rates = sweep(direction, D, S, causal, sm80=args.sm80, reps=args.reps, repeats=args.repeats)
+          per_seq.append(rates)
+          best = int(np.argmax(rates)) + 1 if rates else 0
+          cells = " | ".join(f"{r:.1f}" for r in rates)
+          print(f"| {direction} | {'yes' if causal else 'no'} | {S} | {D} | {cells} | {best} |", flush=True)
+        if direction in tile_cache.DIRECTIONS and not args.sm80 and tile_cache.bucket(D) == D:
+          tile, rate = winner(per_seq)
+          entries.append(tile_cache.Entry(device=device.device_kind, build=tile_cache.build_id(),
+                                          direction=direction, head_dim=D, causal=causal, tile=tile,
+                                          tflops=round(rate, 1), measured=today))
+  if args.write and entries:
+    file = tile_cache.write(entries)
+    print(f"wrote {len(entries)} winners for {device.device_kind!r} to {file}")
+  elif entries:
+    print("winners (not written): " + ", ".join(
+        f"{e.direction} D={e.head_dim} {'causal' if e.causal else 'full'}: tile {e.tile}" for e in entries))
+
+
+if __name__ == "__main__":
+  main()
