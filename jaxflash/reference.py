@@ -104,3 +104,15 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   out = out.reshape(B, T, N, H)
   lse = jnp.where(has_keys, row_max + jnp.log(safe_sum), neg_inf)[..., 0]
   return out.astype(out_dtype), lse
+
+
+def gather_pages(pages, page_table):
+  """The pages of a paged cache in page-table order: contiguous keys or values.
+
+  ``pages`` [num_pages, page_size, heads, head_dim] and ``page_table`` int
+  [batch, max_pages] -> [batch, max_pages * page_size, heads, head_dim]. Page
+  indices are clamped into range, as the native kernels clamp them.
+  """
+  num_pages, page_size = pages.shape[:2]
+  gathered = jnp.take(pages, jnp.clip(page_table, 0, num_pages - 1), axis=0)
+  return gathered.reshape((page_table.shape[0], page_table.shape[1] * page_size) + pages.shape[2:])
