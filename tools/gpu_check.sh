@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [main]    (default: all)
+#   tools/gpu_check.sh [build] [tests] [sanitize] [bench] [decode] [main]    (default: all)
 #
-# BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
+# BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
+# benchmarks/bench_decode.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, GPU tests ~5 min, sanitizer sweep ~2 min, a D=128 slice of the
 # benchmark ~70 s; the full grid takes longer, so split stages over calls when a call is time-limited.
 # Logs go to $OUT (or ./gpu_out); the last lines printed are a summary.
@@ -13,7 +14,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench main)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench decode main)
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
@@ -68,6 +69,21 @@ if has bench; then
       --png "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   note "benchmark exit $? [$((SECONDS - start)) s]"
   cat "$OUT/bench.log"
+fi
+
+if has decode; then
+  # The decode kernels (split-KV, GQA packing, paged K/V) on this GPU: their
+  # GPU tests plus the CPU-run decode and paged tests on the GPU backend (the
+  # Pallas decode kernel on Triton among them), then the decode benchmark.
+  start=$SECONDS
+  run_py timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 "$repo/tests/test_cuda_decode.py" \
+      "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" > "$OUT/decode_tests.log" 2>&1
+  note "decode tests: $(tail -n 1 "$OUT/decode_tests.log") [$((SECONDS - start)) s]"
+  start=$SECONDS
+  run_py timeout 300 python3 "$repo/benchmarks/bench_decode.py" --csv "$OUT/decode.csv" \
+      --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
+  note "decode benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/decode.log"
 fi
 
 if has main; then
