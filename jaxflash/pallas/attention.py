@@ -504,15 +504,18 @@ def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *
   """One split of one tile of packed rows (the query heads of a K/V head's
   group stacked over the query rows: packed row r is query row r // group).
   Writes the split's normalised output (float32) and base-2 LSE."""
+  # Integer division as lax.div/lax.rem (operands are non-negative), which the
+  # Triton lowering takes directly.
+  div = lambda x, n: lax.div(x, jnp.int32(n))
   i = pl.program_id(0)
-  split = i // row_tiles
-  r0 = (i % row_tiles) * block_r
+  split = div(i, row_tiles)
+  r0 = lax.rem(i, jnp.int32(row_tiles)) * block_r
   b = pl.program_id(1)
   mask = _Mask.make(q_len_ref[b], kv_len_ref[b], left, right, bottom_right)
-  rows = (r0 + jnp.arange(block_r, dtype=jnp.int32)[:, None]) // group
+  rows = div(r0 + jnp.arange(block_r, dtype=jnp.int32)[:, None], group)
   # The query rows of the tile's real packed rows: [q0, q0 + q_rows).
-  q0 = r0 // group
-  q_rows = (jnp.minimum(r0 + block_r, total_rows) - 1) // group + 1 - q0
+  q0 = div(r0, group)
+  q_rows = div(jnp.minimum(r0 + block_r, total_rows) - 1, group) + 1 - q0
   lo, a, bb, hi = _key_blocks(mask, q0, q_rows, block_k)
   # This split's blocks (spans differ by at most one block), and the three
   # ranges cut to them.
@@ -724,13 +727,14 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
       right=int(window_right), bottom_right=bool(bottom_right), block_r=br,
       block_k=bk, group=group, total_rows=total, row_tiles=row_tiles,
       num_splits=splits)
-  q_spec = pl.BlockSpec((None, None, br, dp),
-                        lambda i, b, h: (b, h, i % row_tiles, 0))
+  split_of = lambda i: lax.div(i, jnp.int32(row_tiles))
+  tile_of = lambda i: lax.rem(i, jnp.int32(row_tiles))
+  q_spec = pl.BlockSpec((None, None, br, dp), lambda i, b, h: (b, h, tile_of(i), 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h, 0))
   o_spec = pl.BlockSpec((None, None, None, br, dp),
-                        lambda i, b, h: (b, h, i // row_tiles, i % row_tiles, 0))
+                        lambda i, b, h: (b, h, split_of(i), tile_of(i), 0))
   lse_spec = pl.BlockSpec((None, None, None, br),
-                          lambda i, b, h: (b, h, i // row_tiles, i % row_tiles))
+                          lambda i, b, h: (b, h, split_of(i), tile_of(i)))
   o_part, lse_part = pl.pallas_call(
       kernel,
       grid=(row_tiles * splits, batch, hkv),
