@@ -63,10 +63,15 @@ def jax_peer(name: str):
   return jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=name))
 
 
+def _to_torch(x):
+  """A [B, T, H, D] device array as torch's [B, H, T, D], through DLPack (no host copy)."""
+  import torch
+  return torch.from_dlpack(x).transpose(1, 2).contiguous()
+
+
 def time_torch_sdpa(q, k, v, reps: int, repeats: int) -> float:
   import torch
-  tq, tk, tv = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).to("cuda", torch.bfloat16)
-                .transpose(1, 2).contiguous() for x in (q, k, v))
+  tq, tk, tv = (_to_torch(x) for x in (q, k, v))
   sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, enable_gqa=True)
   t = _measure.time_torch(sdpa, (tq, tk, tv), reps, repeats)
   del tq, tk, tv
@@ -75,9 +80,9 @@ def time_torch_sdpa(q, k, v, reps: int, repeats: int) -> float:
 
 
 def bench_shape(B, S, N, K, T, peers, page_sizes, copy_bw, reps, repeats):
-  rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), DTYPE)
-             for shape in ((B, T, N, D), (B, S, K, D), (B, S, K, D)))
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q, k, v = (jax.random.normal(key, shape, DTYPE)
+             for key, shape in zip(keys, ((B, T, N, D), (B, S, K, D), (B, S, K, D))))
   kv_bytes = 2 * B * S * K * D * jnp.dtype(DTYPE).itemsize
   rows = []
 
