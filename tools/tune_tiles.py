@@ -4,7 +4,7 @@
     python tools/tune_tiles.py --heads-dims 128 --seqs 16384 --direction fwd,bwd
 
 Every head-dim bucket compiles a few tile shapes (FwdCandidates in
-ffi/kernels/sm80/fwd_kernel.cuh and ffi/kernels/sm90/fwd_kernel.cuh, BwdCandidates in
+ffi/kernels/sm80/fwd_kernel.cuh and ffi/kernels/sm90/fwd_launch.cuh, BwdCandidates in
 ffi/kernels/sm90/bwd_kernel.cuh for the Hopper backward; the sm80 backward has one shape per
 bucket); the launchers pick one from a table keyed by head dim and causality. The GPU's own
 family is swept unless --sm80 forces the mma.sync kernels.
@@ -58,8 +58,8 @@ def main():
   ap.add_argument("--sm80", action="store_true", help="sweep the sm80 family on a newer GPU")
   args = ap.parse_args()
   print(f"device: {jax.devices()[0].device_kind}")
-  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 5)) + " | winner |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 6)) + " | winner |")
+  print("|---|---|---|---|" + "---|" * 6)
   for direction in args.direction.split(","):
     for D in (int(d) for d in args.heads_dims.split(",")):
       for causal in (False, True):

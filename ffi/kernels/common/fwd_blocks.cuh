@@ -41,6 +41,19 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
   return tiles;
 }
 
+// The key tiles, within `tiles`, that every row of [r0, r_end) sees whole
+// (no element masked): kernels run those without the mask. The visible
+// range of a row only moves right as the row grows, so they are contiguous:
+// from the first tile the last row's range starts at or before to the last
+// tile the first row's range covers. Empty (begin == end) when there is none.
+template <int kN>
+__device__ __forceinline__ KeyTiles FullKeyTiles(const MaskPolicy& pol, int r0, int r_end, KeyTiles tiles) {
+  KeyTiles full;
+  full.begin = MaxInt(tiles.begin, (pol.KeyBegin(r_end - 1) + kN - 1) / kN);
+  full.end = MaxInt(full.begin, MinInt(tiles.end, pol.KeyEnd(r0) / kN));
+  return full;
+}
+
 // One CTA's share of the forward (or of the dQ pass of the backward, which
 // walks keys the same way): query rows [r0, r_end) of (batch, head), the key
 // tiles those rows visit, and where their Q, K and V start in global memory
@@ -61,12 +74,18 @@ struct FwdBlock {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
   }
 
+  // Row block m_block of (batch, head); the grid-shaped kernels take head and
+  // batch from blockIdx.y and .z, the persistent ones from their scheduler.
   template <int kM, int kN, typename Params>  // FwdParams or BwdParams
   __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block) {
+    return At<kM, kN>(p, m_block, blockIdx.y, blockIdx.z);
+  }
+  template <int kM, int kN, typename Params>
+  __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block, int head, int batch) {
     const AttentionShape& sh = p.shape;
     FwdBlock b;
-    b.batch = blockIdx.z;
-    b.head = blockIdx.y;
+    b.batch = batch;
+    b.head = head;
     const int kv_head = b.head / static_cast<int>(sh.group_size());
     b.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, b.batch);
@@ -97,10 +116,11 @@ struct SameRow {
 };
 
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
-// and sets the entries the mask hides to -inf. `full` (the policy admits the
-// whole tile for the CTA's rows) skips the per-element test; `r0` is the
-// CTA's first row, `query_row` maps a row to the query row the mask knows.
-template <int kMT, int kNT, typename QueryRow = SameRow>
+// (unless kScale is false: MaskScores) and sets the entries the mask hides to
+// -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
+// per-element test; `r0` is the CTA's first row, `query_row` maps a row to the
+// query row the mask knows.
+template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
                                              QueryRow query_row = {}) {
@@ -123,9 +143,18 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
         for (int j = 0; j < 2; ++j) {
           const int col = nt * 8 + j;
           float& x = s[mt][nt][2 * half + j];
-          x = (full || (col >= lo && col < hi)) ? x * scale_log2 : -INFINITY;
+          x = (full || (col >= lo && col < hi)) ? (kScale ? x * scale_log2 : x) : -INFINITY;
         }
     }
+}
+
+// Sets the entries the mask hides to -inf and leaves the others as they are,
+// for kernels that fold the scale into the softmax's exponent (only boundary
+// tiles, the ones the policy does not find full, need it).
+template <int kMT, int kNT>
+__device__ __forceinline__ void MaskScores(float (&s)[kMT][kNT][4], const MaskPolicy& pol, int r0, int warp_row0,
+                                           int c0, int lane) {
+  ScaleAndMask<false>(s, pol, false, r0, warp_row0, c0, lane, 1.f);
 }
 
 // The A fragment (16 rows x 16 k) of P for k step kk, packed from two

@@ -31,24 +31,26 @@ struct OnlineSoftmax {
     }
   }
 
-  // Folds one tile of scores s[mt][nt][i] into the state: turns s into the
-  // unnormalised probabilities exp2(s - m_new) and returns, per row, the factor
+  // Folds one tile of scores into the state: turns s into the unnormalised
+  // probabilities exp2(scale * s - m_new) and returns, per row, the factor
   // alpha = exp2(m_old - m_new) by which output accumulated so far must be
   // rescaled (Rescale). Kept apart so a kernel can overlap the score math
-  // with a product still accumulating into o.
+  // with a product still accumulating into o. `scale` (> 0) lets a kernel
+  // pass raw scores and fold the scale into the exponent's FFMA; the row max
+  // is taken on the raw scores, which a positive scale does not reorder.
   template <int kNT>
-  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows]) {
+  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
-        float mx = m[r];
+        float mx = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
           mx = fmaxf(mx, fmaxf(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         }
-        mx = QuadMax(mx);
+        mx = fmaxf(m[r], QuadMax(mx) * scale);
         // A row that has seen only masked scores keeps m = -inf; subtracting 0
         // instead keeps exp2(-inf - ...) at 0 rather than NaN.
         const float ref = mx == -INFINITY ? 0.f : mx;
@@ -57,8 +59,8 @@ struct OnlineSoftmax {
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = Exp2(s[mt][nt][2 * half] - ref);
-          const float p1 = Exp2(s[mt][nt][2 * half + 1] - ref);
+          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
+          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;

@@ -1,5 +1,5 @@
 // sm90 forward instantiations for head-dim bucket 256 (fp16, bf16).
-#include "sm90/fwd_kernel.cuh"
+#include "sm90/fwd_launch.cuh"
 
 namespace jaxflash {
 namespace sm90 {

@@ -26,6 +26,7 @@ namespace sm90 {
 
 template <int kD_, int kWarpGroups_, int kN_, int kCtasPerSm_ = 1>
 struct FwdTile {
+  static constexpr bool kWarpSpecialised = false;
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kN = kN_;  // keys per K/V tile
@@ -43,32 +44,6 @@ struct FwdTile {
   static constexpr size_t kSmemBytes = size_t(QTile::kBytes) + 2 * kStages * KVTile::kBytes + 1024;
   static_assert(kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
 };
-
-// Tile candidates per head-dim bucket: FwdTile<kD, warpgroups, keys per tile,
-// CTAs per SM>. The accumulators per thread are kD / 2 (O) + kN / 2 (S) floats
-// plus kN / 4 registers of packed P, which bounds kN at kD = 256; shared memory
-// holds Q and two stages of K and V (at most 192 KiB here). One-warpgroup CTAs
-// trade more K/V traffic per query row for several CTAs per SM.
-template <int kD>
-struct FwdCandidates;
-template <>
-struct FwdCandidates<64> {
-  using type = TileList<FwdTile<64, 2, 128>, FwdTile<64, 3, 128>, FwdTile<64, 2, 64>, FwdTile<64, 1, 128, 3>>;
-};
-template <>
-struct FwdCandidates<128> {
-  using type = TileList<FwdTile<128, 2, 128>, FwdTile<128, 3, 64>, FwdTile<128, 2, 64>, FwdTile<128, 1, 64, 2>>;
-};
-template <>
-struct FwdCandidates<256> {
-  using type = TileList<FwdTile<256, 2, 64>, FwdTile<256, 1, 64>>;
-};
-
-// The tile table: index into FwdCandidates<kD>, measured on an H100 with
-// tools/tune_tiles.py (2026-11-21, docs/performance.md). D = 64 runs three
-// one-warpgroup CTAs per SM (+16-25% over any two-warpgroup shape); at D = 128
-// and 256 the two-warpgroup CTAs win or tie.
-inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 3 : 0; }
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(const FwdParams p) {
@@ -183,16 +158,6 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
   tc::StoreOutput<T>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane);
 #endif  // JAXFLASH_SM90A
-}
-
-template <typename T, int kD>
-Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  const bool causal = p.mask.window_right >= 0;
-  return FwdCandidates<kD>::type::With(p.tile, FwdTilePick(kD, causal), [&](auto tile) {
-    using Tile = decltype(tile);
-    return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,
-                                                 "attention forward (sm90)");
-  });
 }
 
 }  // namespace sm90

@@ -78,11 +78,15 @@ __device__ __forceinline__ void LoadSwizzledTile(uint32_t smem, const T* gmem, i
 
 // ------------------------------------------------------------ descriptors
 // The 64-bit shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor
-// Format") for a SwizzledTile: start address, leading and stride byte offsets
-// (all >> 4) and swizzle mode 1 (128 bytes).
-__device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
-  return uint64_t((smem_addr & 0x3FFFF) >> 4) | (uint64_t(leading_bytes >> 4) << 16) |
-         (uint64_t(stride_bytes >> 4) << 32) | (uint64_t(1) << 62);
+// Format") of a SwizzledTile: start address and leading byte offset (>> 4) in
+// the low word; the stride byte offset (1024: 8-row groups) and the 128-byte
+// swizzle mode in the high word, which is therefore the same for every
+// descriptor here. Only the low word is computed at run time and the wgmma
+// wrappers below pair it with the constant: a descriptor then costs one add
+// and one move to a uniform register, not a 64-bit build per k step.
+#define JAXFLASH_DESC_HI "0x40000040"  // (1024 >> 4) | (1 << 30)
+__device__ __forceinline__ uint32_t DescriptorLo(uint32_t smem_addr, uint32_t leading_bytes) {
+  return ((smem_addr & 0x3FFFF) >> 4) | ((leading_bytes >> 4) << 16);
 }
 
 // K-major operand (rows are M or N, columns are the reduction index k), the
@@ -90,16 +94,16 @@ __device__ __forceinline__ uint64_t Descriptor(uint32_t smem_addr, uint32_t lead
 // swizzle atom the k step is a 32-byte move of the start address (the hardware
 // applies the swizzle to the final address). The leading offset is unused.
 template <typename Tile>
-__device__ __forceinline__ uint64_t KMajorDescriptor(uint32_t tile, int kk) {
-  return Descriptor(tile + (kk >> 2) * Tile::kBlockBytes + (kk & 3) * 32, 16, 1024);
+__device__ __forceinline__ uint32_t KMajorDescriptor(uint32_t tile, int kk) {
+  return DescriptorLo(tile, 16) + (((kk >> 2) * Tile::kBlockBytes + (kk & 3) * 32) >> 4);
 }
 
 // MN-major operand (rows are the reduction index k, columns are N; e.g. V for
 // P·V), rows [16 kk, 16 kk + 16) and columns [n0, n0 + N): the leading offset
 // steps between 64-column blocks, the stride offset between 8-row groups.
 template <typename Tile>
-__device__ __forceinline__ uint64_t MnMajorDescriptor(uint32_t tile, int kk, int n0) {
-  return Descriptor(tile + (n0 >> 6) * Tile::kBlockBytes + kk * 16 * 128, Tile::kBlockBytes, 1024);
+__device__ __forceinline__ uint32_t MnMajorDescriptor(uint32_t tile, int kk, int n0) {
+  return DescriptorLo(tile, Tile::kBlockBytes) + (((n0 >> 6) * Tile::kBlockBytes + kk * 16 * 128) >> 4);
 }
 
 // ------------------------------------------------------------ ordering
@@ -128,9 +132,10 @@ __device__ __forceinline__ void FenceAccumulator(float (&d)[kTiles][4]) {
 }
 
 // ------------------------------------------------------------ wgmma
-// Compiled for N = 32, 64 and 128.
+// Compiled for N = 32, 64, 80, 128 and 176 (80 and 176: the forward's key
+// tiles at head dims 256 and 64/128, the widest whose scores fit the registers).
 // Wgmma<T, N>::SS: d (+)= A·B with A (64 x 16) and B (16 x N) both K-major in
-// shared memory; RS: d += A·B with A from registers (mma.sync A fragment of
+// shared memory (descriptor low words, see above); RS: d += A·B with A from registers (mma.sync A fragment of
 // this warp's 16 rows) and B MN-major in shared memory. `accumulate` false
 // overwrites d (the first k step of a fresh product).
 template <typename T, int N>
@@ -140,6 +145,8 @@ struct Wgmma;
 #define JAXFLASH_ACC16(i) JAXFLASH_ACC4(i), JAXFLASH_ACC4(i + 4), JAXFLASH_ACC4(i + 8), JAXFLASH_ACC4(i + 12)
 #define JAXFLASH_ACC32 JAXFLASH_ACC16(0), JAXFLASH_ACC16(16)
 #define JAXFLASH_ACC64 JAXFLASH_ACC32, JAXFLASH_ACC16(32), JAXFLASH_ACC16(48)
+#define JAXFLASH_ACC40 JAXFLASH_ACC32, JAXFLASH_ACC4(32), JAXFLASH_ACC4(36)
+#define JAXFLASH_ACC88 JAXFLASH_ACC64, JAXFLASH_ACC16(64), JAXFLASH_ACC4(80), JAXFLASH_ACC4(84)
 
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1); the other
 // operands follow them.
@@ -147,6 +154,8 @@ struct Wgmma;
 #define JAXFLASH_REGS32                                                                         \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
   "%25,%26,%27,%28,%29,%30,%31}"
+#define JAXFLASH_REGS40 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}"
+#define JAXFLASH_REGS88 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87}"
 #define JAXFLASH_REGS64                                                                         \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
   "%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"  \
@@ -160,20 +169,22 @@ struct Wgmma;
 #define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
   template <>                                                                                         \
   struct Wgmma<CTYPE, N> {                                                                            \
-    __device__ __forceinline__ static void SS(float (&d)[N / 2], uint64_t a, uint64_t b, bool accumulate) { \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " F0 ", 0;\n"                                   \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " A0 ", " B0 \
+    __device__ __forceinline__ static void SS(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) { \
+      asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                 \
+                   "mov.b64 da, {" A0 ", " JAXFLASH_DESC_HI "};\nmov.b64 db, {" B0 ", " JAXFLASH_DESC_HI "};\n" \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"     \
                    ", p, 1, 1, 0, 0;\n}\n"                                                             \
                    : ACC                                                                              \
-                   : "l"(a), "l"(b), "r"(int(accumulate)));                                           \
+                   : "r"(a), "r"(b), "r"(int(accumulate)));                                           \
     }                                                                                                 \
-    __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,       \
+    __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
                                               bool accumulate) {                                      \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " F1 ", 0;\n"                                   \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " AREGS ", " B1 \
+      asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, " F1 ", 0;\n"                     \
+                   "mov.b64 db, {" B1 ", " JAXFLASH_DESC_HI "};\n"                                        \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " AREGS ", db" \
                    ", p, 1, 1, 1;\n}\n"                                                                \
                    : ACC                                                                              \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)));       \
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b), "r"(int(accumulate)));       \
     }                                                                                                 \
   };
 
@@ -181,14 +192,23 @@ JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 32, JAXFLASH_REGS16, JAXFLASH_ACC16(0), "%
 JAXFLASH_WGMMA(__half, "f16", 32, JAXFLASH_REGS16, JAXFLASH_ACC16(0), "%16", "%17", "%18", "{%16,%17,%18,%19}", "%20", "%21")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
 JAXFLASH_WGMMA(__half, "f16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 80, JAXFLASH_REGS40, JAXFLASH_ACC40, "%40", "%41", "%42", "{%40,%41,%42,%43}", "%44", "%45")
+JAXFLASH_WGMMA(__half, "f16", 80, JAXFLASH_REGS40, JAXFLASH_ACC40, "%40", "%41", "%42", "{%40,%41,%42,%43}", "%44", "%45")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
 JAXFLASH_WGMMA(__half, "f16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89", "%90", "{%88,%89,%90,%91}", "%92", "%93")
+JAXFLASH_WGMMA(__half, "f16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89", "%90", "{%88,%89,%90,%91}", "%92", "%93")
 
 #undef JAXFLASH_WGMMA
+#undef JAXFLASH_DESC_HI
+#undef JAXFLASH_REGS88
 #undef JAXFLASH_REGS64
+#undef JAXFLASH_REGS40
 #undef JAXFLASH_REGS32
 #undef JAXFLASH_REGS16
+#undef JAXFLASH_ACC88
 #undef JAXFLASH_ACC64
+#undef JAXFLASH_ACC40
 #undef JAXFLASH_ACC32
 #undef JAXFLASH_ACC16
 #undef JAXFLASH_ACC4

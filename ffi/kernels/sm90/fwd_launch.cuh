@@ -1,0 +1,63 @@
+// The Hopper forward's tile candidates, its tile table and its launcher.
+//
+// Two kernel families compete per head-dim bucket: the warp-specialised TMA
+// kernel (fwd_ws_kernel.cuh: WsFwdTile<kD, keys per tile, stages, consumer
+// warpgroups, ping-pong>) and the cp.async kernel (fwd_kernel.cuh:
+// FwdTile<kD, warpgroups, keys per tile, CTAs per SM>), which every thread
+// both loads and computes in. tools/tune_tiles.py times every candidate; the
+// table holds the winners.
+#pragma once
+
+#include "common/launch_util.cuh"
+#include "sm90/fwd_kernel.cuh"
+#include "sm90/fwd_ws_kernel.cuh"
+#include "sm90/launch_sm90.h"
+
+namespace jaxflash {
+namespace sm90 {
+
+// Register pressure bounds the consumers' tiles: O (kD / 2 floats), S (kN / 2)
+// and packed P (kN / 4) per thread must fit in the 240 registers a consumer
+// gets with two consumer warpgroups (160 with three); shared memory holds Q and
+// kStages stages of K and V within 227 KiB.
+template <int kD>
+struct FwdCandidates;
+template <>
+struct FwdCandidates<64> {
+  using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 176, 4>, WsFwdTile<64, 128, 4, 2, false>,
+                        WsFwdTile<64, 64, 6, 3>, FwdTile<64, 1, 128, 3>>;
+};
+template <>
+struct FwdCandidates<128> {
+  using type = TileList<WsFwdTile<128, 128, 2>, WsFwdTile<128, 128, 2, 2, false>,
+                        FwdTile<128, 2, 128>>;
+};
+template <>
+struct FwdCandidates<256> {
+  using type = TileList<WsFwdTile<256, 64, 2>, WsFwdTile<256, 64, 2, 2, false>,
+                        FwdTile<256, 2, 64>>;
+};
+
+// The tile table: index into FwdCandidates<kD>, measured on an H100 with
+// tools/tune_tiles.py (2026-11-23, docs/performance.md): the warp-specialised
+// kernel without ping-pong turns won or tied at every head dim (at D = 64 the
+// 176-key tile tied it; it is not the pick because it is the newest and least
+// tested shape).
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 2 : 1; }
+
+template <typename T, int kD>
+Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const bool causal = p.mask.window_right >= 0;
+  return FwdCandidates<kD>::type::With(p.tile, FwdTilePick(kD, causal), [&](auto tile) {
+    using Tile = decltype(tile);
+    if constexpr (Tile::kWarpSpecialised) {
+      return LaunchWsForward<T, Tile>(p, device, stream);
+    } else {
+      return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,
+                                                   "attention forward (sm90)");
+    }
+  });
+}
+
+}  // namespace sm90
+}  // namespace jaxflash

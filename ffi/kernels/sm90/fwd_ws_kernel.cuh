@@ -1,0 +1,446 @@
+// FlashAttention forward for Hopper (sm_90a), warp-specialised.
+//
+// A CTA is one producer warpgroup and kConsumers consumer warpgroups of 64
+// query rows each, and lives for the whole launch (one per SM), walking work
+// tiles from the TileScheduler. The roles:
+//
+//   producer   one warp issues every copy through the TMA: the Q tile of a work
+//              tile once, then K and V tiles of kN keys into rings of kStages
+//              shared-memory stages; it hands most of its registers to the
+//              consumers (setmaxnreg).
+//   consumers  wait on a stage's "full" barrier, compute S = Q·Kᵀ and O += P·V
+//              with wgmma, run the online softmax, and release the stage on
+//              its "empty" barrier. Within a warpgroup the softmax of tile n
+//              overlaps P·V of tile n - 1 on the tensor cores; between
+//              warpgroups, "ping-pong" turns (named barriers) make them issue
+//              their products in alternation, so one warpgroup's softmax runs
+//              while the other's products occupy the tensor cores.
+//   epilogue   each consumer stages its normalised O rows in its (now unused)
+//              rows of the Q buffer and one thread stores them with the TMA;
+//              the producer loads the next Q only after those stores have read
+//              the buffer. LSE goes straight to global memory.
+//
+// Masking, the online softmax and the P packing are the other forwards' code
+// (common/fwd_blocks.cuh, common/softmax.cuh).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <type_traits>
+
+#include "common/fwd_blocks.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "common/softmax.cuh"
+#include "jaxflash/params.h"
+#include "sm90/barrier.cuh"
+#include "sm90/tensor_map.h"
+#include "sm90/tile_scheduler.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true>
+struct WsFwdTile {
+  static constexpr bool kWarpSpecialised = true;
+  static constexpr int kD = kD_;
+  static constexpr int kN = kN_;  // keys per K/V tile
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr bool kPingPong = kPingPong_;
+  static constexpr int kM = 64 * kConsumers;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kNT = kN / 8;
+  static constexpr int kDT = kD / 8;
+  using QTile = SwizzledTile<kM, kD>;
+  using KVTile = SwizzledTile<kN, kD>;
+  // Registers per thread once the producer has handed its surplus over; the
+  // sum over the CTA stays within the SM's 64 Ki.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
+  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
+  // Barriers: Q full / empty, the ragged-tail V copy, then per stage K full,
+  // K empty, V full, V empty.
+  static constexpr int kBarriers = 3 + 4 * kStages;
+  // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
+  static constexpr size_t kSmemBytes =
+      size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
+  static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
+  static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
+  // Named barriers: the consumers' turns, then one per consumer's epilogue.
+  static constexpr int kTurnBarrier = 1;
+  static constexpr int kEpilogueBarrier = kTurnBarrier + kConsumers;
+  static_assert(kEpilogueBarrier + kConsumers <= 16, "16 named barriers");
+};
+
+// Where the buffers and barriers of a WsFwdTile sit in shared memory.
+template <typename Tile>
+struct WsFwdSmem {
+  uint32_t q, k, v, bars;
+
+  __device__ __forceinline__ static WsFwdSmem At(uint32_t base) {
+    WsFwdSmem s;
+    s.q = base;
+    s.k = s.q + Tile::QTile::kBytes;
+    s.v = s.k + Tile::kStages * Tile::KVTile::kBytes;
+    s.bars = s.v + Tile::kStages * Tile::KVTile::kBytes;
+    return s;
+  }
+  __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
+  __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::KVTile::kBytes; }
+  __device__ __forceinline__ uint32_t QFull() const { return bars; }
+  __device__ __forceinline__ uint32_t QEmpty() const { return bars + 8; }
+  __device__ __forceinline__ uint32_t Tail() const { return bars + 16; }
+  __device__ __forceinline__ uint32_t KFull(int s) const { return bars + 24 + 8 * s; }
+  __device__ __forceinline__ uint32_t KEmpty(int s) const { return KFull(Tile::kStages + s); }
+  __device__ __forceinline__ uint32_t VFull(int s) const { return KFull(2 * Tile::kStages + s); }
+  __device__ __forceinline__ uint32_t VEmpty(int s) const { return KFull(3 * Tile::kStages + s); }
+
+  __device__ __forceinline__ void InitBarriers() const {
+    constexpr int kConsumerWarps = 4 * Tile::kConsumers;
+    MBarrier::Init(QFull(), 1);
+    MBarrier::Init(QEmpty(), Tile::kConsumers);  // one arrival per consumer's epilogue
+    MBarrier::Init(Tail(), 1);
+    for (int s = 0; s < Tile::kStages; ++s) {
+      MBarrier::Init(KFull(s), 1);  // the producer's arrival, plus the copied bytes
+      MBarrier::Init(VFull(s), 1);
+      MBarrier::Init(KEmpty(s), kConsumerWarps);  // every consumer warp is done reading
+      MBarrier::Init(VEmpty(s), kConsumerWarps);
+    }
+    MBarrier::FenceInit();
+  }
+};
+
+// What producer and consumers both derive from a work tile.
+struct WsWork {
+  WorkTile tile;
+  MaskPolicy pol;
+  int r0, r_end;
+  tc::KeyTiles keys;
+
+  template <int kM, int kN>
+  __device__ __forceinline__ static WsWork At(const FwdParams& p, const TileScheduler& sched, int index) {
+    WsWork w;
+    w.tile = sched.Get(index);
+    const AttentionShape& sh = p.shape;
+    w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
+                            p.kv_lengths, w.tile.batch);
+    w.r0 = w.tile.m_block * kM;
+    w.r_end = MinInt(w.r0 + kM, w.pol.q_valid);
+    w.keys = tc::KeyTileRange<kN>(w.pol, w.r0, w.r_end);
+    return w;
+  }
+  __device__ __forceinline__ bool Empty() const { return keys.begin >= keys.end; }
+};
+
+// ------------------------------------------------------------------ producer
+// One warp; lane 0 issues the copies. Keys at or past the batch element's
+// kv_valid but inside the tensor (padding of a ragged batch) are zeroed in the
+// V stage before the consumers see it: masked scores give P = 0 there, and
+// 0 · (NaN in padding) would be NaN. (Past the tensor the TMA fills zeros.)
+template <typename Tile>
+__device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
+                                              const TileScheduler& sched, const CUtensorMap& q_map,
+                                              const CUtensorMap& k_map, const CUtensorMap& v_map) {
+  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  const int lane = threadIdx.x & 31;
+  const int group = static_cast<int>(p.shape.group_size());
+  const int kv_len = static_cast<int>(p.shape.kv_len);
+  if (lane == 0) {
+    PrefetchTensorMap(q_map);
+    PrefetchTensorMap(k_map);
+    PrefetchTensorMap(v_map);
+  }
+  RingPosition<Tile::kStages> ring;
+  uint32_t q_parity = 0, tail_parity = 0;
+  for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
+    const WsWork w = WsWork::At<kM, kN>(p, sched, index);
+    if (w.Empty()) continue;
+    const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
+    if (lane == 0) {
+      MBarrier::Wait(sm.QEmpty(), q_parity ^ 1);  // the last tile's O has left the buffer
+      MBarrier::ArriveExpectBytes(sm.QFull(), QTile::kBytes);
+      for (int b = 0; b < kBlocks; ++b) {
+        TmaLoad4d(sm.q + b * QTile::kBlockBytes, q_map, sm.QFull(), 64 * b, head, w.r0, batch);
+      }
+    }
+    q_parity ^= 1;
+    for (int nb = w.keys.begin; nb < w.keys.end; ++nb) {
+      const int c0 = nb * kN;
+      const int s = ring.stage;
+      const bool ragged_tail = w.pol.kv_valid < kv_len && c0 + kN > w.pol.kv_valid;
+      if (lane == 0) {
+        MBarrier::Wait(sm.KEmpty(s), ring.parity ^ 1);
+        MBarrier::ArriveExpectBytes(sm.KFull(s), KVTile::kBytes);
+        for (int b = 0; b < kBlocks; ++b) {
+          TmaLoad4d(sm.K(s) + b * KVTile::kBlockBytes, k_map, sm.KFull(s), 64 * b, kv_head, c0, batch);
+        }
+        MBarrier::Wait(sm.VEmpty(s), ring.parity ^ 1);
+        const uint32_t bar = ragged_tail ? sm.Tail() : sm.VFull(s);
+        MBarrier::ArriveExpectBytes(bar, KVTile::kBytes);
+        for (int b = 0; b < kBlocks; ++b) {
+          TmaLoad4d(sm.V(s) + b * KVTile::kBlockBytes, v_map, bar, 64 * b, kv_head, c0, batch);
+        }
+      }
+      if (ragged_tail) {
+        __syncwarp();
+        MBarrier::Wait(sm.Tail(), tail_parity);
+        tail_parity ^= 1;
+        // Whole 128-byte rows, so the swizzle does not matter.
+        const int first = w.pol.kv_valid - c0;
+        const int chunks = (kN - first) * 8;
+        for (int i = lane; i < kBlocks * chunks; i += 32) {
+          const uint32_t at = sm.V(s) + (i / chunks) * KVTile::kBlockBytes + first * 128 + (i % chunks) * 16;
+          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
+        }
+        FenceSharedForAsyncProxy();
+        __syncwarp();
+        if (lane == 0) MBarrier::Arrive(sm.VFull(s));
+      }
+      ring.Advance();
+    }
+  }
+}
+
+// ------------------------------------------------------------------ consumer
+template <typename T, typename Tile>
+__device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
+                                              const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
+  constexpr int kM = Tile::kM, kN = Tile::kN, kD = Tile::kD;
+  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
+  const int lane = tid & 31;
+  const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
+  const uint32_t sQ_rows = sm.q + consumer * 64 * 128;    // this warpgroup's Q rows (A operand)
+  const float scale_log2 = p.scale * tc::kLog2e;
+  const AttentionShape& sh = p.shape;
+
+  // Ping-pong: consumer c issues its products after waiting for turn c and
+  // then passes the turn to c + 1; the last consumer hands the first turn out.
+  auto await_turn = [&] {
+    if constexpr (Tile::kPingPong) NamedBarrierSync(Tile::kTurnBarrier + consumer, 256);
+  };
+  auto pass_turn = [&] {
+    if constexpr (Tile::kPingPong) NamedBarrierArrive(Tile::kTurnBarrier + (consumer + 1) % kConsumers, 256);
+  };
+  // A stage is free once every consumer warp has read it: one arrival a warp.
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) MBarrier::Arrive(bar);
+  };
+  if (consumer == kConsumers - 1) pass_turn();
+
+  RingPosition<Tile::kStages> ring;
+  uint32_t q_parity = 0;
+  for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
+    const WsWork w = WsWork::At<kM, kN>(p, sched, index);
+    const int r0 = w.r0;
+    float o[1][kDT][4];
+    tc::Zero(o[0]);
+    tc::OnlineSoftmax<1> softmax;
+    softmax.Init();
+
+    if (!w.Empty()) {
+      MBarrier::Wait(sm.QFull(), q_parity);
+      q_parity ^= 1;
+      uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
+      float s[1][kNT][4];
+      // Masks (if kMasked) and folds S_n into the softmax state; returns the
+      // factor the output must be rescaled by. A positive scale rides in the
+      // exponent's FFMA (the usual case); any other is applied first.
+      auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
+        constexpr bool kMasked = decltype(masked)::value;
+        const int c0 = nb * kN;
+        if (scale_log2 > 0.f) {
+          if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
+          softmax.Scores(s, alpha, scale_log2);
+        } else {
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+          softmax.Scores(s, alpha);
+        }
+      };
+      // Q's address passes through an empty asm before each use, so the
+      // compiler rebuilds its kD / 16 descriptors per product instead of
+      // holding them (two registers each) across the loop.
+      auto q_rows = [&] {
+        uint32_t a = sQ_rows;
+        asm volatile("" : "+r"(a));
+        return a;
+      };
+      // Every product is issued right after its wgmma.fence, in one basic
+      // block with no wait loop between: otherwise the compiler adds fences
+      // of its own on a path it cannot prove uniform and serialises the
+      // wgmma (ptxas C7520). So all waits come first.
+      // The first key tile: S only.
+      float alpha[2];
+      MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+      await_turn();
+      WgmmaFence();
+      ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
+      WgmmaCommit();
+      pass_turn();
+      WgmmaWait<0>();
+      FenceAccumulator(s[0]);
+      release(sm.KEmpty(ring.stage));
+      softmax_step(w.keys.begin, std::true_type{}, alpha);
+      tc::PackAFragments<T>(s[0], pa);
+      RingPosition<Tile::kStages> prev = ring;
+      ring.Advance();
+      // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
+      // S_n runs while P·V is still on the tensor cores.
+      auto steady_step = [&](int nb, auto masked) {
+        MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+        MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+        await_turn();
+        WgmmaFence();
+        ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
+        WgmmaCommit();
+        ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<1>();  // S is done; P·V may still run
+        FenceAccumulator(s[0]);
+        release(sm.KEmpty(ring.stage));
+        softmax_step(nb, masked, alpha);
+        WgmmaWait<0>();
+        FenceAccumulator(o[0]);
+        release(sm.VEmpty(prev.stage));
+        softmax.Rescale(o, alpha);
+        tc::PackAFragments<T>(s[0], pa);
+        prev = ring;
+        ring.Advance();
+      };
+      // Tiles every row sees whole skip the mask: three loops rather than a
+      // branch per tile, which the compiler would turn into selects. At
+      // kD = 256 the three copies' register demand spills; one masked loop
+      // costs little there (the products are long).
+      int nb = w.keys.begin + 1;
+      if constexpr (Tile::kD <= 128) {
+        const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
+        for (; nb < MinInt(full.begin, w.keys.end); ++nb) steady_step(nb, std::true_type{});
+        for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
+      }
+      for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
+      // The last tile's P·V.
+      MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+      await_turn();
+      WgmmaFence();
+      ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+      WgmmaCommit();
+      pass_turn();
+      WgmmaWait<0>();
+      FenceAccumulator(o[0]);
+      release(sm.VEmpty(prev.stage));
+    }
+
+    // ---- epilogue
+    const int g = lane >> 2, t = lane & 3;
+    const int head_dim = static_cast<int>(sh.head_dim);
+    float lse[2];
+    softmax.Finalize(o, lse);
+    float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
+    for (int half = 0; half < 2; ++half) {
+      const int row = r0 + warp_row0 + g + half * 8;
+      if (t == 0 && row < sh.q_len) gLse[row] = row < w.pol.q_valid ? lse[half] : -INFINITY;
+    }
+    if (w.Empty()) {
+      // No Q was loaded and the buffer may be in flight for the next tile:
+      // write the zeros straight to global memory.
+      T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0);
+      for (int i = tid; i < 64 * kD / 8; i += 128) {
+        const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
+        if (r0 + row < sh.q_len && col < head_dim) {
+          *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      continue;
+    }
+    // Stage O in this warpgroup's rows of the Q buffer (its last Q·Kᵀ is done)
+    // in the swizzled layout the O tensor map expects; padding rows get zeros.
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+      const bool real = r0 + row < w.pol.q_valid;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        const uint32_t value = real ? tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]) : 0u;
+        const uint32_t at = sm.q + QTile::ChunkOffset(row, dt) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
+      }
+    }
+    FenceSharedForAsyncProxy();
+    NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
+    if (tid == 0) {
+      const int row0 = r0 + consumer * 64;
+      if (row0 < sh.q_len) {
+        for (int b = 0; b < kD / 64; ++b) {
+          TmaStore4d(o_map, sm.q + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
+                     w.tile.batch);
+        }
+        TmaStoreCommit();
+        TmaStoreWaitRead<0>();
+      }
+      MBarrier::Arrive(sm.QEmpty());
+    }
+  }
+  if (consumer == 0) await_turn();  // the last consumer's final pass, so no turn is left pending
+  if (tid == 0) TmaStoreWait<0>();
+}
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
+                const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
+                const __grid_constant__ CUtensorMap o_map) {
+#if defined(JAXFLASH_SM90A)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
+  if (threadIdx.x == 0) sm.InitBarriers();
+  __syncthreads();
+  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM);
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    ReleaseRegisters<Tile::kProducerRegs>();
+    if (threadIdx.x < 32) WsFwdProducer<Tile>(p, sm, sched, q_map, k_map, v_map);
+  } else {
+    ClaimRegisters<Tile::kConsumerRegs>();
+    WsFwdConsumer<T, Tile>(p, sm, sched, o_map, warpgroup - 1);
+  }
+#endif  // JAXFLASH_SM90A
+}
+
+// Encodes the four tensor maps and launches one CTA per SM (fewer when there
+// are fewer work tiles).
+template <typename T, typename Tile>
+Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile>>(Tile::kSmemBytes, device);
+  if (!st.ok()) return st;
+  const AttentionShape& sh = p.shape;
+  if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
+  if (CeilDiv(sh.q_len, Tile::kM) * sh.q_heads * sh.batch > INT_MAX) {
+    return Status::Unimplemented("more than 2^31 work tiles");
+  }
+  AttentionShape maps_shape = sh;
+  maps_shape.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
+  CUtensorMap q_map, k_map, v_map, o_map;
+  if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, maps_shape, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&k_map, p.k, p.dtype, maps_shape, false, Tile::kN)).ok() ||
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN)).ok() ||
+      !(st = EncodeRowsMap(&o_map, p.o, p.dtype, maps_shape, true, 64)).ok()) {
+    return st;
+  }
+  const TileScheduler sched = TileScheduler::For(sh, p.mask, Tile::kM);
+  const int grid = sched.total < device.sm_count ? sched.total : device.sm_count;
+  WsFwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, k_map, v_map, o_map);
+  return CheckLaunch("attention forward (sm90, warp-specialised)");
+}
+
+}  // namespace sm90
+}  // namespace jaxflash

@@ -1,0 +1,67 @@
+// Host side of the TMA: encodes the tensor maps the Hopper kernels copy through.
+//
+// The encoder is a CUDA driver function; it is fetched from the driver at run
+// time through the runtime's entry-point query, so the extension does not link
+// against the driver library (it imports on machines without a GPU).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "jaxflash/launch.h"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace sm90 {
+
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+inline EncodeTiledFn TensorMapEncoder() {
+  static const EncodeTiledFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+#if CUDART_VERSION >= 12050
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &found);
+#else
+    cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &f, cudaEnableDefault, &found);
+#endif
+    return err == cudaSuccess && found == cudaDriverEntryPointSuccess ? reinterpret_cast<EncodeTiledFn>(f) : nullptr;
+  }();
+  return fn;
+}
+
+// A map over a dense [batch, seq, heads, head_dim] tensor of 16-bit elements
+// whose box is `rows` consecutive rows x 64 columns of one (batch, head): one
+// 128-byte-swizzled column block of SwizzledTile (wgmma.cuh), so a tile of D
+// columns is D / 64 copies. Columns past head_dim and rows past seq are
+// zero-filled on load and clipped on store.
+inline Status EncodeRowsMap(CUtensorMap* map, const void* base, DType dtype, const AttentionShape& sh,
+                            bool query_side, int rows) {
+  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) return Status::Internal("TMA maps take 16-bit tensors");
+  EncodeTiledFn encode = TensorMapEncoder();
+  if (encode == nullptr) return Status::Internal("the CUDA driver has no cuTensorMapEncodeTiled");
+  const int64_t seq = query_side ? sh.q_len : sh.kv_len;
+  const int64_t heads = query_side ? sh.q_heads : sh.kv_heads;
+  constexpr int64_t kElem = 2;
+  const cuuint64_t dims[4] = {cuuint64_t(sh.head_dim), cuuint64_t(heads), cuuint64_t(seq), cuuint64_t(sh.batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(sh.head_dim * kElem), cuuint64_t(heads * sh.head_dim * kElem),
+                                 cuuint64_t(seq * heads * sh.head_dim * kElem)};
+  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("cuTensorMapEncodeTiled failed (error " + std::to_string(int(r)) + ")");
+  }
+  return Status::Ok();
+}
+
+}  // namespace sm90
+}  // namespace jaxflash
