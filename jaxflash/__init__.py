@@ -4,14 +4,16 @@
     out = jaxflash.dot_product_attention(q, k, v, is_causal=True)
 
 See `dot_product_attention` for the API (a drop-in for
-`jax.nn.dot_product_attention`) and `reference` for the semantics.
+`jax.nn.dot_product_attention`), `paged_attention` for decoding against a
+paged KV cache, and `reference` for the semantics.
 """
 
 from jaxflash import reference
 from jaxflash.attention import MAX_FUSED_HEAD_DIM, MaskSpec, dot_product_attention
 from jaxflash.checks import checked
+from jaxflash.paged import paged_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "checked", "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM",
-           "__version__"]
+__all__ = ["dot_product_attention", "paged_attention", "checked", "reference", "MaskSpec",
+           "MAX_FUSED_HEAD_DIM", "__version__"]

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [main]
-#                                          (default: build tests sanitize bench main)
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [decode] [main]
+#                                          (default: build tests sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
@@ -13,7 +13,10 @@
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
 #             bf16, B 1, 8 heads, D 128), finite and checked against a chunked float32 reference
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
-# BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
+# decode      the decode kernels (split-KV, GQA packing, paged K/V): their tests on this GPU, then
+#             benchmarks/bench_decode.py
+# BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
+# benchmarks/bench_decode.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
 # Logs go to $OUT (or ./gpu_out); each stage prints one summary line, repeated at the end.
@@ -23,7 +26,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench main)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench decode main)
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
@@ -100,6 +103,21 @@ if has bench; then
       --png "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   note "benchmark exit $? [$((SECONDS - start)) s]"
   cat "$OUT/bench.log"
+fi
+
+if has decode; then
+  # The decode kernels (split-KV, GQA packing, paged K/V) on this GPU: their
+  # GPU tests plus the CPU-run decode and paged tests on the GPU backend (the
+  # Pallas decode kernel on Triton among them), then the decode benchmark.
+  start=$SECONDS
+  run_py timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 "$repo/tests/test_cuda_decode.py" \
+      "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" > "$OUT/decode_tests.log" 2>&1
+  note "decode tests: $(tail -n 1 "$OUT/decode_tests.log") [$((SECONDS - start)) s]"
+  start=$SECONDS
+  run_py timeout 300 python3 "$repo/benchmarks/bench_decode.py" --csv "$OUT/decode.csv" \
+      --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
+  note "decode benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/decode.log"
 fi
 
 if has main; then
