@@ -49,17 +49,23 @@ fi
 run_py() { (cd /tmp && "$@"); }
 repo=$PWD
 
+# pytest under a time limit, from outside the checkout; notes the stage's
+# summary line (its last line, or that it timed out).
+pytest_stage() {  # name, time limit in s, log, pytest arguments...
+  local name=$1 limit=$2 log=$3 start=$SECONDS
+  shift 3
+  run_py timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  local last; last=$(tail -n 1 "$OUT/$log")
+  [ "$rc" -eq 124 ] && last="TIMED OUT after $limit s: $last"
+  note "$name: $last [$((SECONDS - start)) s]"
+}
+
 # The GPU-marked tests of one tier (CUDA kernels, Pallas on Triton), spread
 # over processes: most of their time is compiling references. PYTEST_K=<expr>
-# narrows them (e.g. to re-run what failed). Prints the tier's summary line.
+# narrows them (e.g. to re-run what failed).
 gpu_tier() {  # name, marker expression, time limit in s, log
-  local start=$SECONDS
-  run_py timeout "$3" python3 -m pytest -q -p no:cacheprovider -n 8 -m "$2" "$repo/tests" \
-      ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 > "$OUT/$4" 2>&1
-  local rc=$?
-  local last; last=$(tail -n 1 "$OUT/$4")
-  [ "$rc" -eq 124 ] && last="TIMED OUT after $3 s: $last"
-  note "$1: $last [$((SECONDS - start)) s]"
+  pytest_stage "$1" "$3" "$4" -n 8 -m "$2" "$repo/tests" ${PYTEST_K:+-k "$PYTEST_K"} --durations=15
 }
 
 if has tests; then
@@ -107,12 +113,14 @@ fi
 
 if has decode; then
   # The decode kernels (split-KV, GQA packing, paged K/V) on this GPU: their
-  # GPU tests plus the CPU-run decode and paged tests on the GPU backend (the
-  # Pallas decode kernel on Triton among them), then the decode benchmark.
-  start=$SECONDS
-  run_py timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 "$repo/tests/test_cuda_decode.py" \
-      "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" > "$OUT/decode_tests.log" 2>&1
-  note "decode tests: $(tail -n 1 "$OUT/decode_tests.log") [$((SECONDS - start)) s]"
+  # GPU tests, the non-finite cases of decode steps, and the CPU-run decode and
+  # paged tests on the GPU backend (the Pallas decode kernel on Triton among
+  # them), then the decode benchmark.
+  nonfinite="$repo/tests/test_nonfinite.py"
+  pytest_stage "decode tests" 300 decode_tests.log -n 8 "$repo/tests/test_cuda_decode.py" \
+      "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" \
+      "$nonfinite::test_nonfinite_cuda_decode" "$nonfinite::test_nonfinite_pallas_decode_gpu" \
+      "$nonfinite::test_padding_never_leaks_split_gpu"
   start=$SECONDS
   run_py timeout 300 python3 "$repo/benchmarks/bench_decode.py" --csv "$OUT/decode.csv" \
       --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1

@@ -88,22 +88,31 @@ struct ExactQueryRow {
   __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
 };
 
-// Row `row` of O for (batch, head), given its (correct) natural-log LSE;
-// store(d, value) writes column d (global memory, or a kernel's staging tile).
-template <typename T, typename Store>
-__device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, int head, int row, float lse,
-                                               int lane, Store&& store) {
-  const ExactQueryRow<T> r(p, batch, head, row);
-  const T* q_row = static_cast<const T*>(p.q) + r.q_off;
+// One output row over the keys [r.begin, r.end) that row `r` (ExactQueryRow,
+// or any type with its begin, end, dim, Key(j) and Value(j)) sees, given its
+// (correct) natural-log LSE; store(d, value) writes column d (global memory,
+// or a kernel's staging tile). An LSE of -inf (a split whose visible scores
+// are all -inf) weighs every value 0, so only a non-finite value shows.
+template <typename T, typename Row, typename Store>
+__device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, float scale, float lse, int lane,
+                                              Store&& store) {
   for (int c0 = 0; c0 < r.dim; c0 += 32) {
     const int d = c0 + lane;
     float acc = 0.f;
     for (int j = r.begin; j < r.end; ++j) {
-      const ExactPair pair = PairOf(q_row, r.Key(j), p.scale, lse, r.dim);
-      if (d < r.dim) acc += pair.prob * At(r.Value(j), d);
+      const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, lse, r.dim).prob;
+      if (d < r.dim) acc += prob * At(r.Value(j), d);
     }
     if (d < r.dim) store(d, acc);
   }
+}
+
+// Row `row` of O for (batch, head), given its (correct) natural-log LSE.
+template <typename T, typename Store>
+__device__ __forceinline__ void ExactOutputRow(const FwdParams& p, int batch, int head, int row, float lse,
+                                               int lane, Store&& store) {
+  const ExactQueryRow<T> r(p, batch, head, row);
+  ExactOutputOf<T>(r, static_cast<const T*>(p.q) + r.q_off, p.scale, lse, lane, store);
 }
 
 // Row `row` of dQ for (batch, head).

@@ -12,7 +12,11 @@
 // keeps its own online-softmax state over its slices, and the epilogue
 // combines the warps of a row group through shared memory. With one split it
 // writes O and LSE; with several it writes the split's normalised output and
-// base-2 LSE to the partial buffers, and merge.cu combines them.
+// base-2 LSE to the partial buffers, and merge.cu combines them. The row
+// rules of params.h and common/decode.h hold in both: emptiness comes from
+// the mask, and a row whose stored output shows a NaN although its LSE does
+// not (a masked pair's 0 * NaN in P·V) is recomputed pair by pair
+// (common/exact_rows.cuh) after the store.
 //
 // K/V rows are addressed through PagedKv::Row, so the same kernel reads a
 // dense cache or a paged one; keys past the batch element's length are
@@ -22,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "common/decode.h"
+#include "common/exact_rows.cuh"
 #include "common/fwd_blocks.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
@@ -56,7 +61,8 @@ struct DecodeTile {
   // Epilogue scratch, over the (then unused) tiles: each warp's 16 output rows
   // (padded by 4 floats against bank conflicts) and per-row (max, sum).
   static constexpr int kOStride = kD + 4;
-  static constexpr size_t kCombineBytes = size_t(kWarps) * 16 * (kOStride + 2) * sizeof(float);
+  // Then each row's LSE and exact-recomputation flag.
+  static constexpr size_t kCombineBytes = (size_t(kWarps) * 16 * (kOStride + 2) + 2 * kM) * sizeof(float);
   static constexpr size_t kSmemBytes = kTileBytes > kCombineBytes ? kTileBytes : kCombineBytes;
   static_assert(kD % 16 == 0 && kNw % 16 == 0, "tiles are built from 16x16 mma steps");
   // Every candidate must launch on sm80 too (A100: 163 KiB per block).
@@ -117,6 +123,30 @@ __device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, c
     tc::CpAsync16(tc::SmemAddr(sV + row * Tile::kStride + col), gV + offset, ok);
   }
 }
+
+// Packed row r of (batch, kv_head) with the keys of [k0, k1) it sees, its K/V
+// rows addressed through PagedKv::Row: the row type tc::ExactOutputOf takes.
+template <typename T>
+struct ExactPackedRow {
+  int begin, end, dim, batch;
+  const FwdParams& p;
+  const T *k, *v;
+
+  __device__ __forceinline__ ExactPackedRow(const FwdParams& p_, const MaskPolicy& pol, const PackedRows& rows,
+                                            int batch_, int kv_head, int r, int k0, int k1)
+      : begin(MaxInt(pol.KeyBegin(rows.QueryRow(r)), k0)),
+        end(MinInt(pol.KeyEnd(rows.QueryRow(r)), k1)),
+        dim(static_cast<int>(p_.shape.head_dim)),
+        batch(batch_),
+        p(p_),
+        k(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
+        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim) {}
+  __device__ __forceinline__ int64_t RowOf(int j) const {
+    return p.paged.Row(batch, p.shape.kv_len, j) * p.shape.kv_row_stride();
+  }
+  __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j); }
+  __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
+};
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParams p) {
@@ -229,6 +259,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
   __syncthreads();
   float* sO = reinterpret_cast<float*>(smem_raw);         // [kWarps][16][kOStride]
   float* sStats = sO + Tile::kWarps * 16 * kOStride;      // [kWarps][16] x (max, sum)
+  float* sLse = sStats + Tile::kWarps * 16 * 2;             // [kM] the row's LSE (natural log)
+  int* sRedo = reinterpret_cast<int*>(sLse + kM);           // [kM] recompute the row exactly
+  // The split's keys: a row that sees none of them gets O = 0 (and
+  // kEmptyRowLse), whatever its accumulator holds.
+  const int k0 = span.begin * kN, k1 = span.end * kN;
+  const auto seen = [&](int r) { return r < rows.total && pol.HasKeysIn(rows.QueryRow(r), k0, k1); };
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -247,14 +283,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
     const float* stats = sStats + (wm * kWarpsN * 16 + row) * 2;
     float m_all = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < kWarpsN; ++j) m_all = fmaxf(m_all, stats[j * 32]);
-    // m_all = -inf: no warp saw a visible key (an empty row or split).
-    float l_all = 0.f, factor = 0.f;
+    for (int j = 0; j < kWarpsN; ++j) m_all = tc::MaxNaN(m_all, stats[j * 32]);
+    // m_all = -inf: no warp saw a finite visible score (an empty row or split,
+    // or scores all -inf). As in a dense softmax the latter gets 0 / 0 = NaN;
+    // a split keeps its accumulator (l_all taken as 1) and LSE -inf for the
+    // merge. A NaN m_all makes the row NaN.
+    float l_all = 0.f, weight = 1.f;
     if (m_all != -INFINITY) {
 #pragma unroll
       for (int j = 0; j < kWarpsN; ++j) l_all += stats[j * 32 + 1] * tc::Exp2(stats[j * 32] - m_all);
-      factor = tc::Exp2(softmax.m[half] - m_all) / l_all;
+      weight = tc::Exp2(softmax.m[half] - m_all);
     }
+    if (partial && l_all == 0.f) l_all = 1.f;
+    const float factor = weight / l_all;
     float* dst = sO + (warp * 16 + row) * kOStride + 2 * t;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -263,36 +304,55 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
     }
     const int r = r0 + warp_row0 + row;
     if (wn == 0 && t == 0 && r < rows.total) {
-      const bool real = rows.QueryRow(r) < pol.q_valid;
-      const float lse2 = real && m_all != -INFINITY ? m_all + __log2f(l_all) : -INFINITY;
+      const float lse2 = m_all + __log2f(l_all);
+      const bool keys = seen(r);
+      sLse[warp_row0 + row] = lse2 * 0.6931471805599453f;  // natural log
+      sRedo[warp_row0 + row] = 0;
       if (partial) {
-        p.lse_partial[rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r)] = lse2;
+        p.lse_partial[rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r)] = keys ? lse2 : kEmptyRowLse;
       } else {
-        p.lse[rows.LseIndex(sh, batch, kv_head, r)] = lse2 * 0.6931471805599453f;  // natural log
+        p.lse[rows.LseIndex(sh, batch, kv_head, r)] = keys ? lse2 * 0.6931471805599453f : kEmptyRowLse;
       }
     }
   }
   __syncthreads();
 
   // Sum each row over its warps and store it, 8 columns per thread: O in the
-  // input dtype, or the split's float32 partial. Rows of padding queries
-  // (past q_lengths) are stored as zeros.
+  // input dtype, or the split's float32 partial. Rows that see no key of the
+  // split (padding queries among them) are stored as zeros; a NaN in a row
+  // whose LSE is not NaN (nor, unsplit, -inf: then the row is 0 / 0) flags it.
   constexpr int kChunks = kD / 8;
+  const auto out_of = [&](int r) -> int64_t {
+    return partial ? rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r) * head_dim
+                   : rows.Offset(sh, batch, kv_head, r);
+  };
+  const auto store = [&](int r, int col, const float* x, int n) {
+    if (partial) {
+      for (int e = 0; e < n; ++e) p.o_partial[out_of(r) + col + e] = x[e];
+    } else {
+      T* dst = static_cast<T*>(p.o) + out_of(r) + col;
+      for (int e = 0; e < n; ++e) dst[e] = tc::ElemTraits<T>::FromFloat(x[e]);
+    }
+  };
   for (int idx = tid; idx < kM * kChunks; idx += kThreads) {
     const int row = idx / kChunks, col = (idx % kChunks) * 8;
     const int r = r0 + row;
     if (r >= rows.total || col >= head_dim) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (rows.QueryRow(r) < pol.q_valid) {
+    if (seen(r)) {
       const float* src = sO + ((row / 16) * kWarpsN * 16 + row % 16) * kOStride + col;
+      bool nan = false;
 #pragma unroll
       for (int j = 0; j < kWarpsN; ++j)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] += src[j * 16 * kOStride + e];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) nan |= isnan(acc[e]);
+      const float lse = sLse[row];
+      if (nan && !isnan(lse) && (partial || lse != -INFINITY)) sRedo[row] = 1;
     }
     if (partial) {
-      float4* dst = reinterpret_cast<float4*>(
-          p.o_partial + rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r) * head_dim + col);
+      float4* dst = reinterpret_cast<float4*>(p.o_partial + out_of(r) + col);
       dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
       dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     } else {
@@ -301,8 +361,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
       packed.y = tc::ElemTraits<T>::Pack(acc[2], acc[3]);
       packed.z = tc::ElemTraits<T>::Pack(acc[4], acc[5]);
       packed.w = tc::ElemTraits<T>::Pack(acc[6], acc[7]);
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.o) + rows.Offset(sh, batch, kv_head, r) + col) = packed;
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.o) + out_of(r) + col) = packed;
     }
+  }
+  __syncthreads();
+  // Flagged rows (only ever with a non-finite input), one warp per row.
+  for (int row = warp; row < kM; row += Tile::kWarps) {
+    if (r0 + row >= rows.total || !sRedo[row]) continue;
+    const int r = r0 + row;
+    const ExactPackedRow<T> exact(p, pol, rows, batch, kv_head, r, k0, k1);
+    const T* q_row = static_cast<const T*>(p.q) + rows.Offset(sh, batch, kv_head, r);
+    tc::ExactOutputOf<T>(exact, q_row, p.scale, sLse[row], lane, [&](int d, float x) { store(r, d, &x, 1); });
   }
 }
 

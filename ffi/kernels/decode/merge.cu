@@ -1,6 +1,6 @@
 // The merge pass of split-KV: combines the per-split normalised outputs and
 // base-2 LSEs (FwdParams::o_partial, lse_partial) into O and the natural-log
-// LSE by the rule in common/decode.h. One warp per output row; lanes take 4
+// LSE by the rule in common/decode.h (SplitMerge, shared with the CPU). One warp per output row; lanes take 4
 // columns at a time with 16-byte loads. The partials are num_splits x the
 // size of O in float32, small next to the K/V a split decode step reads.
 #include <cuda_bf16.h>
@@ -33,29 +33,27 @@ __global__ void __launch_bounds__(32 * kWarpsPerBlock) MergeSplitsKernel(const F
   const float* lse_s = p.lse_partial + batch * splits * per_batch + within;
   const float* o_s = p.o_partial + (batch * splits * per_batch + within) * head_dim;
 
-  // The largest split LSE; a NaN one wins, so NaN inputs stay NaN.
-  float m = -INFINITY;
-  for (int s = 0; s < splits; ++s) {
-    const float x = lse_s[s * per_batch];
-    m = (x > m || isnan(x)) ? x : m;
-  }
-  const bool empty = m == -INFINITY;  // no split saw a visible key
+  // The rule of common/decode.h: splits that saw no key of the row are
+  // skipped, a row no split saw gets O = 0 and kEmptyRowLse, a NaN split LSE
+  // makes the row NaN, and all -inf splits give 0 / 0 = NaN.
+  const auto lse = [&](int s) { return lse_s[s * per_batch]; };
+  const SplitMerge merge = SplitMerge::Of(splits, lse);
+  const auto exp2 = [](float x) { return tc::Exp2(x); };
   float sum = 0.f;
-  if (!empty) {
-    for (int s = 0; s < splits; ++s) sum += tc::Exp2(lse_s[s * per_batch] - m);
-  }
-  const float inv = empty ? 0.f : 1.f / sum;
+  for (int s = 0; s < splits; ++s) sum += merge.Weight(lse(s), exp2);
+  const float inv = merge.seen ? 1.f / sum : 0.f;
   if (lane == 0) {
     const int64_t head = within % sh.q_heads, q_row = within / sh.q_heads;
     p.lse[(batch * sh.q_heads + head) * sh.q_len + q_row] =
-        empty ? -INFINITY : (m + __log2f(sum)) * 0.6931471805599453f;
+        merge.seen ? (merge.shift + __log2f(sum)) * 0.6931471805599453f : kEmptyRowLse;
   }
   T* out = static_cast<T*>(p.o) + row * head_dim;
   for (int d = lane * 4; d < head_dim; d += 32 * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (!empty) {
+    if (merge.seen) {
       for (int s = 0; s < splits; ++s) {
-        const float w = tc::Exp2(lse_s[s * per_batch] - m) * inv;
+        if (lse(s) == kEmptyRowLse) continue;  // skipped, not multiplied by 0
+        const float w = merge.Weight(lse(s), exp2) * inv;
         const float4 x = *reinterpret_cast<const float4*>(o_s + s * per_batch * head_dim + d);
         acc.x += w * x.x;
         acc.y += w * x.y;
