@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +30,7 @@ from jaxflash import _measure
 
 flops = _measure.attention_flops
 time_fn = _measure.time_jitted
+time_torch = _measure.time_torch
 
 
 def jax_impl(name, causal, backward):
@@ -60,22 +60,6 @@ def torch_impl(backend_name, causal, backward):
         return torch.autograd.grad(o, (q, k, v), do)
       return o
   return run
-
-
-def time_torch(fn, args, reps, repeats):
-  import torch
-  fn(*args)
-  torch.cuda.synchronize()
-  times = []
-  for _ in range(repeats):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-      fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    times.append(start.elapsed_time(end) / 1e3 / reps)
-  return statistics.median(times)
 
 
 def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats):

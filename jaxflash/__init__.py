@@ -4,16 +4,18 @@
     out = jaxflash.dot_product_attention(q, k, v, is_causal=True)
 
 See `dot_product_attention` for the API (a drop-in for
-`jax.nn.dot_product_attention`) and `reference` for the semantics;
-`ring_attention` runs it over a sequence sharded across devices.
+`jax.nn.dot_product_attention`), `paged_attention` for decoding against a
+paged KV cache, `ring_attention` for a sequence sharded across devices, and
+`reference` for the semantics.
 """
 
 from jaxflash import reference
 from jaxflash.attention import MAX_FUSED_HEAD_DIM, MaskSpec, dot_product_attention
 from jaxflash.checks import checked
+from jaxflash.paged import paged_attention
 from jaxflash.ring import ring_attention, zigzag_order, zigzag_restore
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "checked", "ring_attention", "zigzag_order", "zigzag_restore",
-           "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM", "__version__"]
+__all__ = ["dot_product_attention", "paged_attention", "checked", "ring_attention", "zigzag_order",
+           "zigzag_restore", "reference", "MaskSpec", "MAX_FUSED_HEAD_DIM", "__version__"]

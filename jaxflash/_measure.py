@@ -23,6 +23,25 @@ def time_jitted(fn, args, reps: int = 10, repeats: int = 5) -> float:
   return statistics.median(times)
 
 
+def time_torch(fn, args, reps: int = 10, repeats: int = 5) -> float:
+  """Median seconds per call of a torch function on the GPU (the benchmarks'
+  torch peers), timed with CUDA events around `reps` back-to-back calls.
+  torch is imported here only, so the package never needs it."""
+  import torch
+  fn(*args)
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(repeats):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+      fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end) / 1e3 / reps)
+  return statistics.median(times)
+
+
 def scratch_bytes(fn, args) -> int | None:
   """Temporary device memory XLA allocates for one call of jitted `fn` (beyond
   its arguments and outputs), from the compiled executable's memory analysis."""

@@ -34,6 +34,11 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
   return tile_cache.lookup(direction, head_dim, causal, device.device_kind)
 
 
+def forced_tile_attr() -> int:
+  """The `tile` attribute of a call that takes no tile cache (the forced tile, or 0)."""
+  return _forced_tile or 0
+
+
 def library_path() -> str | None:
   """The compiled extension's file (for the tile cache's build hash), or None."""
   ext, _ = _load()

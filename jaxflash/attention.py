@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, checks, derivatives, pallas as _pallas, reference, sharding
+from jaxflash import _native, _splits, checks, derivatives, pallas as _pallas, reference, sharding
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 _IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -35,13 +35,15 @@ MAX_FUSED_HEAD_DIM = 256
 class MaskSpec:
   """The static part of a call: scale and the mask rule (see reference.py).
 
-  window_left / window_right are -1 for an unbounded side.
+  window_left / window_right are -1 for an unbounded side; num_splits is 0
+  for the automatic split-KV choice (jaxflash/_splits.py) or the forced count.
   """
   scale: float
   window_left: int = -1
   window_right: int = -1
   bottom_right: bool = False
   deterministic: bool = False
+  num_splits: int = 0
 
 
 # ------------------------------------------------------------------ kernels
@@ -65,16 +67,27 @@ class _NativeKernels:
     return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
                 window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
 
+  @staticmethod
+  def out_types(q, splits: int):
+    """o, lse, and the split-KV partials (empty unless split), as the FFI returns them."""
+    B, T, N, D = q.shape
+    s = splits if splits > 1 else 0
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+            jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
+
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
-    B, T, N, _ = q.shape
-    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    splits = _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, _platform())
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
-    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, out_types, vmap_method="broadcast_all")
-    return call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, B), **cls._attrs(spec),
-                tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)))
+    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
+                            vmap_method="broadcast_all")
+    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, q.shape[0]),
+                        **cls._attrs(spec),
+                        tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
+                        num_splits=np.int64(splits))
+    return o, lse
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
@@ -104,7 +117,7 @@ class _PallasKernels:
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
     return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
-                                  diagonal_offsets=offsets)
+                                  diagonal_offsets=offsets, num_splits=spec.num_splits or None)
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
@@ -163,6 +176,20 @@ def _lengths(x, name: str, batch: int) -> jax.Array | None:
   if x.shape != (batch,):
     raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
   return x.astype(jnp.int32)
+
+
+def _check_heads_and_dtypes(q_heads: int, kv_heads: int, arrays: dict[str, jax.Array]) -> None:
+  """The GQA rule, and one floating dtype for query, keys and values."""
+  if kv_heads < 1 or q_heads % kv_heads != 0:
+    raise ValueError(f"the number of query heads ({q_heads}) must be a positive multiple of the "
+                     f"number of key/value heads ({kv_heads})")
+  for name, x in arrays.items():
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+  names, dtypes = list(arrays), [x.dtype for x in arrays.values()]
+  if any(t != dtypes[0] for t in dtypes):
+    raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share one dtype, got "
+                    f"{', '.join(str(t) for t in dtypes)}")
 
 
 def _window(local_window_size) -> tuple[int, int] | None:
@@ -230,7 +257,8 @@ class _Call:
 
 
 def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-              key_value_seq_lengths, local_window_size, causal_alignment, deterministic) -> _Call:
+              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
+              num_splits=None) -> _Call:
   q = _as_array(query, "query")
   k = _as_array(key, "key")
   v = _as_array(value, "value")
@@ -246,15 +274,7 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
     raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
   if H < 1:
     raise ValueError("head_dim must be at least 1")
-  if K < 1 or N % K != 0:
-    raise ValueError(f"the number of query heads ({N}) must be a positive multiple of the number "
-                     f"of key/value heads ({K})")
-  for name, x in (("query", q), ("key", k), ("value", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
-  if not q.dtype == k.dtype == v.dtype:
-    raise TypeError(f"query, key and value must share one dtype, got {q.dtype}, {k.dtype}, "
-                    f"{v.dtype}")
+  _check_heads_and_dtypes(N, K, {"query": q, "key": k, "value": v})
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
   if causal_alignment not in ("top_left", "bottom_right"):
@@ -265,7 +285,7 @@ def _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths
   spec = MaskSpec(scale=_scale(scale, H), window_left=-1 if left is None else left,
                   window_right=-1 if right is None else right,
                   bottom_right=causal_alignment == "bottom_right",
-                  deterministic=bool(deterministic))
+                  deterministic=bool(deterministic), num_splits=_splits.validate(num_splits))
   return _Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", (B, N, T, S)),
                mask=_dense_term(mask, "mask", (B, N, T, S)),
                q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", B),
@@ -357,6 +377,7 @@ def dot_product_attention(
     residual_dtype=None,
     differentiable_residual: bool = False,
     deterministic: bool = False,
+    num_splits: int | None = None,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
 
@@ -401,6 +422,14 @@ def dot_product_attention(
       gradient, as in ``jax.nn``: a cotangent for it is ignored.
     deterministic: ask GPU kernels for a bit-reproducible backward (the CPU
       kernels always are).
+    num_splits: split-KV for the forward of the fused implementations: the
+      keys each query tile visits are cut into this many ranges computed in
+      parallel, then merged. ``None`` chooses from the shape and the machine
+      (it splits decode steps that would leave the GPU or CPU idle); an int in
+      [1, 1024] forces it. O and the LSE equal the unsplit result up to
+      rounding; the backward is unaffected. On the GPU the split applies to the
+      16-bit tensor-core path; float32 (and head dims that are not a multiple
+      of 8) run unsplit. ``xla`` ignores it.
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple
@@ -408,7 +437,8 @@ def dot_product_attention(
     log-sum-exp of each row's scaled logits.
   """
   call = _validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-                   key_value_seq_lengths, local_window_size, causal_alignment, deterministic)
+                   key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
+                   num_splits)
   if not isinstance(differentiable_residual, (bool, np.bool_)):
     raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
   if differentiable_residual and not return_residual:
@@ -424,7 +454,7 @@ def dot_product_attention(
 
   if chosen == "cudnn":
     if (call.spec.bottom_right or residual_dtype is not None or deterministic
-        or differentiable_residual):
+        or differentiable_residual or num_splits is not None):
       raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
                        "takes none of jaxflash's extra keywords")
     return jax.nn.dot_product_attention(

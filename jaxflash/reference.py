@@ -148,3 +148,15 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   out = jnp.where(jnp.transpose(sees, (0, 2, 1, 3)), out.reshape(B, T, N, H), 0)
   lse = jnp.where(sees, jnp.log(jnp.where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
   return out.astype(out_dtype), lse[..., 0]
+
+
+def gather_pages(pages, page_table):
+  """The pages of a paged cache in page-table order: contiguous keys or values.
+
+  ``pages`` [num_pages, page_size, heads, head_dim] and ``page_table`` int
+  [batch, max_pages] -> [batch, max_pages * page_size, heads, head_dim]. Page
+  indices are clamped into range, as the native kernels clamp them.
+  """
+  num_pages, page_size = pages.shape[:2]
+  gathered = jnp.take(pages, jnp.clip(page_table, 0, num_pages - 1), axis=0)
+  return gathered.reshape((page_table.shape[0], page_table.shape[1] * page_size) + pages.shape[2:])

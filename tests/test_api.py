@@ -217,26 +217,27 @@ def test_handlers_revalidate_what_reaches_them(rng):
   q, k, v = _inputs(rng)
   lengths = jnp.full((2,), 29, jnp.int32)
   offsets = jnp.zeros((2,), jnp.int32)
+  o = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  lse = jax.ShapeDtypeStruct((2, 4, 33), jnp.float32)
   wrong_lse = jax.ShapeDtypeStruct((2, 4, 5), jnp.float32)  # should be (2, 4, 33)
-  call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype), wrong_lse))
-  with pytest.raises(Exception, match="jaxflash: lse"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(1),
-                               window_left=np.int64(-1), window_right=np.int64(-1),
-                               bottom_right=False, tile=np.int64(0)))
-  call = jax.ffi.ffi_call("jaxflash_fwd", (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                                           jax.ShapeDtypeStruct((2, 4, 33), jnp.float32)))
-  with pytest.raises(Exception, match="jaxflash: scale"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(np.inf),
-                               window_left=np.int64(-1), window_right=np.int64(-1),
-                               bottom_right=False, tile=np.int64(0)))
-  with pytest.raises(Exception, match="jaxflash: tile"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets, scale=np.float32(1),
-                               window_left=np.int64(-1), window_right=np.int64(-1),
-                               bottom_right=False, tile=np.int64(-1)))
-  with pytest.raises(Exception, match="jaxflash: diagonal_offsets"):
-    jax.block_until_ready(call(q, k, v, lengths, lengths, offsets[:1], scale=np.float32(1),
-                               window_left=np.int64(-1), window_right=np.int64(-1),
-                               bottom_right=False, tile=np.int64(0)))
+  empty = (jax.ShapeDtypeStruct((2, 0, 33, 4, 16), jnp.float32),
+           jax.ShapeDtypeStruct((2, 0, 33, 4), jnp.float32))
+  attrs = dict(scale=np.float32(1), window_left=np.int64(-1), window_right=np.int64(-1),
+               bottom_right=False, tile=np.int64(0), num_splits=np.int64(1))
+
+  def refused(outputs, match, diag=offsets, **changed):
+    call = jax.ffi.ffi_call("jaxflash_fwd", outputs)
+    with pytest.raises(Exception, match=match):
+      jax.block_until_ready(call(q, k, v, lengths, lengths, diag, **{**attrs, **changed}))
+
+  refused((o, wrong_lse) + empty, "jaxflash: lse")
+  refused((o, lse) + empty, "jaxflash: scale", scale=np.float32(np.inf))
+  refused((o, lse) + empty, "jaxflash: tile", tile=np.int64(-1))
+  refused((o, lse) + empty, "jaxflash: tile", tile=np.int64(256))
+  refused((o, lse) + empty, "jaxflash: diagonal_offsets", diag=offsets[:1])
+  refused((o, lse) + empty, "jaxflash: num_splits", num_splits=np.int64(0))
+  # Three splits need [batch, 3, q_len, q_heads, head_dim] partials, not empty ones.
+  refused((o, lse) + empty, "jaxflash: o_partial", num_splits=np.int64(3))
 
 
 # ------------------------------------------------------------------ transformations

@@ -1,10 +1,11 @@
 """The contract, fuzzed: random calls checked against the float64 truth.
 
 Hypothesis draws every argument that shapes a call: batch, query and key
-lengths, heads and GQA ratio, head dim (most not a multiple of 8), dtype,
-causal masks in both alignments, windows, sequence lengths (0 and full
-included), scale (zero and negative included), `return_residual` with and
-without a float32 or differentiable residual. Each call's output, residual and
+lengths (decode-step queries of 1 to 4 rows often), heads and GQA ratio, head
+dim (most not a multiple of 8), dtype, causal masks in both alignments,
+windows, sequence lengths (0 and full included), scale (zero and negative
+included), forced split-KV (`num_splits`), `return_residual` with and without
+a float32 or differentiable residual. Each call's output, residual and
 gradients are held to the tolerance rule against `numpy_reference` in
 float64. The rule's yardstick is the `xla` implementation in the input dtype,
 whose compilation per shape would cost a second a call; the check first uses
@@ -86,7 +87,8 @@ def _masks(draw):
 @st.composite
 def calls(draw, max_len=70, max_dim=72, max_batch=3, max_kv_heads=3, max_group=4):
   B = draw(st.integers(1, max_batch))
-  T, S = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+  T = draw(st.one_of(st.integers(1, 4), st.integers(1, max_len)))  # decode steps often
+  S = draw(st.integers(1, max_len))
   K, G = draw(st.integers(1, max_kv_heads)), draw(st.integers(1, max_group))
   D = draw(st.integers(1, max_dim))
   static = dict(draw(_masks()))
@@ -94,6 +96,9 @@ def calls(draw, max_len=70, max_dim=72, max_batch=3, max_kv_heads=3, max_group=4
                          st.floats(0.01, 1.0, allow_nan=False)))
   if scale is not None:
     static["scale"] = scale
+  splits = draw(st.sampled_from([None, None, 1, 2, 3, 7]))  # None: automatic
+  if splits is not None:
+    static["num_splits"] = splits
   rr = draw(st.booleans())
   return Call(shape=(B, T, S, K * G, K, D), dtype=draw(st.sampled_from(DTYPES)),
               static=tuple(sorted(static.items())), q_lengths=_lengths(draw, B, T),
@@ -121,6 +126,10 @@ PALLAS_MENU = [
     ((2, 33, 47, 4, 1, 9), jnp.float32, dict(local_window_size=(7, 7), causal_alignment="bottom_right")),
     ((1, 70, 65, 2, 1, 72), jnp.bfloat16, dict(is_causal=True, scale=0.0)),
     ((1, 70, 65, 2, 1, 72), jnp.float32, dict(local_window_size=(12, 1), is_causal=True)),
+    # split-KV over packed GQA rows (the decode kernel and the jnp merge)
+    ((2, 1, 150, 8, 2, 32), jnp.bfloat16, dict(is_causal=True, causal_alignment="bottom_right",
+                                               num_splits=3)),
+    ((1, 3, 140, 4, 1, 20), jnp.float32, dict(local_window_size=(40, 0), num_splits=4)),
 ]
 
 

@@ -46,11 +46,11 @@ def max_logit(q, k, scale) -> float:
   return float(np.max(np.abs(np.einsum("btnd,bsnd->bnts", q, k) * scale), initial=0.0))
 
 
-def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native"):
+def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", **extra):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = mask_kwargs(mask_name, rng, B, T, S)
-  out, lse = attention(q, k, v, implementation=implementation, **kw)
+  out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
   base_o, base_lse = baseline(q, k, v, **kw)

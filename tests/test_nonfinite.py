@@ -87,7 +87,7 @@ def _run(impl, arrays, dtype, kw):
   q, k, v, do = (jnp.asarray(arrays[n], dtype) for n in ("q", "k", "v", "do"))
   lengths = {n: kw[n] for n in ("query_seq_lengths", "key_value_seq_lengths") if n in kw}
   static = tuple(sorted((n, x) for n, x in kw.items() if n not in lengths))
-  return _run_jit(q, k, v, do, lengths, impl=impl, static=static, tile=_native._forced_tile)
+  return _run_jit(q, k, v, do, lengths, impl=impl, static=static, tile=_native.forced_tile_attr())
 
 
 @functools.partial(jax.jit, static_argnames=("impl", "static", "tile"))
@@ -143,12 +143,13 @@ def _subset(a, b):
 SHAPE = (2, 70, 90, 4, 2, 16)  # several CPU tiles and Pallas blocks, GQA 2
 
 
-def check_case(rng, impl, poison, mask_name, dtype, shape=SHAPE, padding=False):
+def check_case(rng, impl, poison, mask_name, dtype, shape=SHAPE, padding=False, **extra):
+  """`extra`: keywords for jaxflash only (num_splits)."""
   B, T, S = shape[:3]
   kw = _mask_kwargs(mask_name, rng, B, T, S)
   arrays = _inputs(rng, shape, dtype)
   _poison(rng, arrays, poison, kw, padding)
-  got = _run(impl, arrays, dtype, kw)
+  got = _run(impl, arrays, dtype, dict(kw, **extra))
   want = _truth(arrays, dtype, kw)
   with_jax_nn, padding_only = MASKS[mask_name][1:]
   if impl != "xla" or padding_only:
@@ -202,13 +203,18 @@ def test_nonfinite_inputs_native_bfloat16(rng, poison):
 @pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan", "v_inf", "do_nan"])
 def test_padding_never_leaks(rng, impl, poison):
   """NaN or Inf past the sequence lengths changes nothing at all."""
-  arrays = _inputs(rng, SHAPE, jnp.float32)
-  kw = _mask_kwargs("lengths_causal", rng, *SHAPE[:3])
-  clean = _run(impl, dict(arrays), jnp.float32, kw)
+  check_padding(rng, impl, poison, SHAPE, jnp.float32)
+
+
+def check_padding(rng, impl, poison, shape, dtype, **extra):
+  arrays = _inputs(rng, shape, dtype)
+  kw = _mask_kwargs("lengths_causal", rng, *shape[:3])
+  clean = _run(impl, dict(arrays), dtype, dict(kw, **extra))
   _poison(rng, arrays, poison, kw, padding=True)
-  dirty = _run(impl, arrays, jnp.float32, kw)
+  dirty = _run(impl, arrays, dtype, dict(kw, **extra))
   for name, a, b in zip(NAMES, clean, dirty):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)
 
 
 @pytest.mark.parametrize("impl", ["native", "pallas", "xla"])
@@ -221,20 +227,107 @@ def test_nan_query_row_is_not_hidden(rng, impl):
   assert bad[0, 10, 1].all() and bad.sum() == 32 and np.isnan(np.asarray(lse)[0, 10, 1])
 
 
+@pytest.mark.parametrize("splits", [None, 2])
 @pytest.mark.parametrize("impl", ["native", "pallas", "xla"])
-def test_visible_scores_all_minus_inf_is_nan(impl):
+def test_visible_scores_all_minus_inf_is_nan(impl, splits):
   """0 / 0: a row that sees keys whose scores are all -inf is NaN (jax.nn's
-  dense softmax gives NaN too); a row that sees no key is zero."""
+  dense softmax gives NaN too); a row that sees no key is zero. Split in two,
+  the second split sees no key at all: it adds nothing, and the row stays
+  0 / 0."""
   q = jnp.zeros((1, 4, 1, 8), jnp.float32).at[0, 1].set(1e30).at[0, 1, 0, 1:].set(0)
   k = jnp.zeros((1, 4, 1, 8), jnp.float32).at[:, :, :, 0].set(-1e30)
   v = jnp.ones((1, 4, 1, 8), jnp.float32)
   out, lse = jaxflash.dot_product_attention(
       q, k, v, implementation=impl, return_residual=True, residual_dtype=jnp.float32,
-      query_seq_lengths=jnp.array([3]))
+      query_seq_lengths=jnp.array([3]), num_splits=splits)
   out, lse = np.asarray(out), np.asarray(lse)
   assert np.isnan(out[0, 1]).all() and np.isneginf(lse[0, 1, 0])
   assert np.all(out[0, 3] == 0) and lse[0, 3, 0] == np.finfo(np.float32).min
   assert np.all(out[0, [0, 2]] == 1)
+
+
+# ------------------------------------------------------------------ decode steps
+# Short queries with GQA packing (the query heads of a K/V head stacked into
+# one tile) and split-KV: the partials' row rules and their merge.
+
+DECODE_SHAPE = (2, 3, 200, 8, 2, 16)  # q_len 3, 4 query heads per K/V head, several key tiles
+DECODE_MASKS = ["none", "causal_bottom_right", "window", "lengths_causal"]
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("mask_name", DECODE_MASKS)
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_nonfinite_decode_native(rng, poison, mask_name, splits):
+  check_case(rng, "native", poison, mask_name, jnp.float32, DECODE_SHAPE, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("mask_name", ["causal_bottom_right", "lengths_causal"])
+@pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan", "v_inf", "k_neginf"])
+def test_nonfinite_decode_pallas_interpret(rng, poison, mask_name, splits):
+  check_case(rng, "pallas", poison, mask_name, jnp.float32, DECODE_SHAPE, num_splits=splits)
+
+
+@pytest.mark.parametrize("impl", ["native", "pallas"])
+@pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan"])
+def test_padding_never_leaks_split(rng, impl, poison):
+  check_padding(rng, impl, poison, DECODE_SHAPE, jnp.float32, num_splits=4)
+
+
+@pytest.mark.parametrize("impl", ["native", "pallas"])
+def test_minus_inf_scores_in_one_split_only(impl):
+  """A split whose visible scores are all -inf weighs 0 in the merge: the row
+  is the softmax over the other split's keys, finite, as unsplit."""
+  B, S, D = 1, 256, 8
+  q = jnp.zeros((B, 1, 2, D), jnp.float32).at[..., 0].set(1e30)
+  k = jax.random.normal(jax.random.PRNGKey(0), (B, S, 1, D), jnp.float32)
+  k = k.at[:, :128, :, 0].set(-1e30).at[:, 128:, :, 0].set(0)  # scores -inf, then finite
+  v = jax.random.normal(jax.random.PRNGKey(1), (B, S, 1, D), jnp.float32)
+  call = functools.partial(jaxflash.dot_product_attention, q, k, v, implementation=impl,
+                           return_residual=True, residual_dtype=jnp.float32)
+  out, lse = call(num_splits=2)
+  want_o, want_lse = call(num_splits=1)
+  assert np.all(np.isfinite(np.asarray(out))) and np.all(np.isfinite(np.asarray(lse)))
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_o), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-6)
+
+
+def _paged(arrays, page_size, rng):
+  """K/V of `arrays` in shuffled pages of a pool with one spare page (last)."""
+  B, S, K, D = arrays["k"].shape
+  pages = -(-S // page_size)
+  table = rng.permutation(B * pages).reshape(B, pages).astype(np.int32)
+  pool = {}
+  for name in ("k", "v"):
+    x = np.pad(arrays[name], ((0, 0), (0, pages * page_size - S), (0, 0), (0, 0)))
+    pool[name] = np.zeros((B * pages + 1, page_size, K, D))
+    pool[name][table.reshape(-1)] = x.reshape(B * pages, page_size, K, D)
+  return pool, table
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan", "v_inf"])
+def test_nonfinite_paged_native(rng, poison, splits):
+  """paged_attention follows the row rules too: a poisoned element reaches
+  exactly the rows that see it; a page in no table and the keys past
+  kv_lengths reach nothing."""
+  B, T, S, N, K, D = DECODE_SHAPE
+  arrays = _inputs(rng, DECODE_SHAPE, jnp.float32)
+  kv_lengths = rng.integers(T, S + 1, size=B).astype(np.int32)
+  kv_lengths[0] = S - 7
+  _poison(rng, arrays, poison, dict(key_value_seq_lengths=kv_lengths), padding=False)
+  pool, table = _paged(arrays, 16, rng)
+  pool["v"][-1] = np.nan  # the spare page
+  for pos in range(kv_lengths[0], S):  # sequence 0's keys past its length
+    pool["v"][table[0, pos // 16], pos % 16] = np.nan
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  out = jaxflash.paged_attention(f32(arrays["q"]), f32(pool["k"]), f32(pool["v"]),
+                                 jnp.asarray(table), jnp.asarray(kv_lengths),
+                                 implementation="native", num_splits=splits)
+  truth = numpy_reference.exact(arrays["q"], arrays["k"], arrays["v"], arrays["do"],
+                                scale=1 / np.sqrt(D), left=-1, right=0, bottom_right=True,
+                                q_lengths=None, kv_lengths=kv_lengths)
+  assert_same_nonfinite((out,), truth[:1], f"paged {poison}")
 
 
 # ------------------------------------------------------------------ GPU
@@ -284,3 +377,34 @@ def test_padding_never_leaks_gpu(rng, impl, poison):
   _poison(rng, arrays, poison, kw, padding=True)
   for name, a, b in zip(NAMES, clean, _run(impl, arrays, jnp.bfloat16, kw)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
+
+
+# Decode steps on the GPU: the tensor-core decode kernel (16-row CTAs for a
+# few packed rows, 64-row ones beyond), its epilogue's exact recomputation
+# and the merge kernel; the Pallas decode kernel on Triton.
+GPU_DECODE_SHAPES = {"rows4": (2, 1, 300, 8, 2, 128), "rows24": (2, 3, 300, 16, 2, 128)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("mask_name", tiered(DECODE_MASKS, ["causal_bottom_right", "lengths_causal"]))
+@pytest.mark.parametrize("poison", list(POISONS))
+@pytest.mark.parametrize("rows", list(GPU_DECODE_SHAPES))
+def test_nonfinite_cuda_decode(rng, rows, poison, mask_name, splits):
+  check_case(rng, "native", poison, mask_name, jnp.bfloat16, GPU_DECODE_SHAPES[rows],
+             num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan", "v_inf"])
+def test_nonfinite_pallas_decode_gpu(rng, poison, splits):
+  check_case(rng, "pallas", poison, "causal_bottom_right", jnp.bfloat16,
+             GPU_DECODE_SHAPES["rows24"], num_splits=splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["native", "pallas"])
+@pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan"])
+def test_padding_never_leaks_split_gpu(rng, impl, poison):
+  check_padding(rng, impl, poison, GPU_DECODE_SHAPES["rows24"], jnp.bfloat16, num_splits=4)

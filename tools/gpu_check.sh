@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [main] [sharding]
-#                                          (default: build tests sanitize bench main)
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [decode] [main]
+#                      [sharding]           (default: build tests sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
@@ -13,9 +13,12 @@
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
 #             bf16, B 1, 8 heads, D 128), finite and checked against a chunked float32 reference
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
+# decode      the decode kernels (split-KV, GQA packing, paged K/V): their tests on this GPU, then
+#             benchmarks/bench_decode.py
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
-# BENCH_ARGS are passed to benchmarks/bench_attention.py, PYTEST_K to pytest -k.
+# BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
+# benchmarks/bench_decode.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
 # Logs go to $OUT (or ./gpu_out); each stage prints one summary line, repeated at the end.
@@ -25,7 +28,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench main)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench decode main)
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
@@ -48,17 +51,23 @@ fi
 run_py() { (cd /tmp && "$@"); }
 repo=$PWD
 
+# pytest under a time limit, from outside the checkout; notes the stage's
+# summary line (its last line, or that it timed out).
+pytest_stage() {  # name, time limit in s, log, pytest arguments...
+  local name=$1 limit=$2 log=$3 start=$SECONDS
+  shift 3
+  run_py timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  local last; last=$(tail -n 1 "$OUT/$log")
+  [ "$rc" -eq 124 ] && last="TIMED OUT after $limit s: $last"
+  note "$name: $last [$((SECONDS - start)) s]"
+}
+
 # The GPU-marked tests of one tier (CUDA kernels, Pallas on Triton), spread
 # over processes: most of their time is compiling references. PYTEST_K=<expr>
-# narrows them (e.g. to re-run what failed). Prints the tier's summary line.
+# narrows them (e.g. to re-run what failed).
 gpu_tier() {  # name, marker expression, time limit in s, log
-  local start=$SECONDS
-  run_py timeout "$3" python3 -m pytest -q -p no:cacheprovider -n 8 -m "$2" "$repo/tests" \
-      ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 > "$OUT/$4" 2>&1
-  local rc=$?
-  local last; last=$(tail -n 1 "$OUT/$4")
-  [ "$rc" -eq 124 ] && last="TIMED OUT after $3 s: $last"
-  note "$1: $last [$((SECONDS - start)) s]"
+  pytest_stage "$1" "$3" "$4" -n 8 -m "$2" "$repo/tests" ${PYTEST_K:+-k "$PYTEST_K"} --durations=15
 }
 
 if has tests; then
@@ -102,6 +111,23 @@ if has bench; then
       --png "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
   note "benchmark exit $? [$((SECONDS - start)) s]"
   cat "$OUT/bench.log"
+fi
+
+if has decode; then
+  # The decode kernels (split-KV, GQA packing, paged K/V) on this GPU: their
+  # GPU tests, the non-finite cases of decode steps, and the CPU-run decode and
+  # paged tests on the GPU backend (the Pallas decode kernel on Triton among
+  # them), then the decode benchmark.
+  nonfinite="$repo/tests/test_nonfinite.py"
+  pytest_stage "decode tests" 300 decode_tests.log -n 8 "$repo/tests/test_cuda_decode.py" \
+      "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" \
+      "$nonfinite::test_nonfinite_cuda_decode" "$nonfinite::test_nonfinite_pallas_decode_gpu" \
+      "$nonfinite::test_padding_never_leaks_split_gpu"
+  start=$SECONDS
+  run_py timeout 300 python3 "$repo/benchmarks/bench_decode.py" --csv "$OUT/decode.csv" \
+      --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
+  note "decode benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/decode.log"
 fi
 
 if has main; then

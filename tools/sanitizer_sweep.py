@@ -45,6 +45,37 @@ def main():
       jax.block_until_ready(jax.grad(f)(q))
     n += 1
   print(f"sanitizer sweep: {n} configurations, forward and backward")
+  print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+
+
+# Decode shapes (q_len 1..16, GQA 1/4/8), forced splits including more splits
+# than key tiles, and paged caches whose tables hold out-of-range entries and
+# whose lengths run past the table: the kernels must clamp, never read outside.
+DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 2, 32),
+                 (1, 5, 200, 4, 1, 256)]
+
+
+def decode_sweep(rng):
+  n = 0
+  for (B, T, S, N, K, D), dtype, splits in itertools.product(
+      DECODE_SHAPES, [jnp.bfloat16, jnp.float32], [1, 3, 40]):
+    q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
+    k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    lengths = rng.integers(0, S + 1, B).astype(np.int32)
+    jax.block_until_ready(jaxflash.dot_product_attention(
+        q, k, v, implementation="native", is_causal=True, causal_alignment="bottom_right",
+        key_value_seq_lengths=lengths, num_splits=splits))
+    page_size = (1, 16, 24)[n % 3]
+    pages = -(-S // page_size)
+    kp = jnp.asarray(rng.standard_normal((pages, page_size, K, D)), dtype)
+    vp = jnp.asarray(rng.standard_normal((pages, page_size, K, D)), dtype)
+    table = rng.integers(-3, pages + 3, (B, pages + 2)).astype(np.int32)  # some out of range
+    kv_lengths = rng.integers(0, 2 * S, B).astype(np.int32)            # some past the table
+    paged = jax.jit(lambda q, t, n: jaxflash.paged_attention(q, kp, vp, t, n, num_splits=splits))
+    jax.block_until_ready(paged(q, table, kv_lengths))
+    n += 1
+  return n
 
 
 if __name__ == "__main__":

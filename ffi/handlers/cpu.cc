@@ -60,11 +60,27 @@ class PoolRunner final : public ParallelRunner {
 
 ffi::Error CpuForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
-                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                      int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile) {
+                      ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                      ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
+                      float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                      int64_t tile, int64_t num_splits) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, o, lse, scale,
-                                         window_left, window_right, bottom_right, tile, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, {o, lse, o_partial, lse_partial},
+                                         scale, window_left, window_right, bottom_right, tile,
+                                         num_splits, &p));
+  return ToFfiError(CpuAttentionForward(p, PoolRunner(&pool)));
+}
+
+ffi::Error CpuPagedForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                           ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
+                           ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                           ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
+                           float scale, int64_t window_left, int64_t window_right, int64_t tile,
+                           int64_t num_splits) {
+  FwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
+                                              {o, lse, o_partial, lse_partial}, scale, window_left,
+                                              window_right, tile, num_splits, &p));
   return ToFfiError(CpuAttentionForward(p, PoolRunner(&pool)));
 }
 
@@ -88,6 +104,8 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForward,
                               BindForward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForward,
+                              BindPagedForward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackward, CpuBackward,
                               BindBackward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 

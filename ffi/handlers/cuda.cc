@@ -11,11 +11,29 @@ namespace {
 
 ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
-                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse, float scale,
-                       int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile) {
+                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                       ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
+                       float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                       int64_t tile, int64_t num_splits) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, o, lse, scale,
-                                         window_left, window_right, bottom_right, tile, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, {o, lse, o_partial, lse_partial},
+                                         scale, window_left, window_right, bottom_right, tile,
+                                         num_splits, &p));
+  CudaDevice device;
+  JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  return ToFfiError(CudaAttentionForward(p, device, stream));
+}
+
+ffi::Error CudaPagedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
+                            ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
+                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
+                            float scale, int64_t window_left, int64_t window_right, int64_t tile,
+                            int64_t num_splits) {
+  FwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
+                                              {o, lse, o_partial, lse_partial}, scale, window_left,
+                                              window_right, tile, num_splits, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
   return ToFfiError(CudaAttentionForward(p, device, stream));
@@ -51,6 +69,9 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForward,
                               BindForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForward,
+                              BindPagedForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackward,
                               BindBackward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),

@@ -80,6 +80,29 @@ inline ffi::Error ExpectShape(const char* name, ffi::AnyBuffer::Dimensions dims,
                  "] with batch " + std::to_string(batch));
 }
 
+// The rules every forward and backward shape must meet, once decoded.
+inline ffi::Error CheckProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               const AttentionShape& shape, DType* dtype) {
+  if (!DecodeDType(q.element_type(), dtype)) {
+    return Invalid("query dtype must be float32, float16 or bfloat16");
+  }
+  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
+    return Invalid("query, key and value must share one dtype");
+  }
+  if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim) {
+    return Invalid("head_dim must be in [1, 256], got " + std::to_string(shape.head_dim));
+  }
+  if (shape.kv_heads < 1 || shape.q_heads % shape.kv_heads != 0) {
+    return Invalid("query heads (" + std::to_string(shape.q_heads) +
+                   ") must be a positive multiple of key/value heads (" +
+                   std::to_string(shape.kv_heads) + ")");
+  }
+  if (shape.q_len >= kMaxSequence || shape.kv_len >= kMaxSequence) {
+    return Invalid("sequence lengths must be below 2^30");
+  }
+  return ffi::Error::Success();
+}
+
 // Fills shape and dtype from q, k, v and checks every rule the kernels assume.
 inline ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 AttentionShape* shape, DType* dtype) {
@@ -106,24 +129,7 @@ inline ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       e.failure()) {
     return e;
   }
-  if (!DecodeDType(q.element_type(), dtype)) {
-    return Invalid("query dtype must be float32, float16 or bfloat16");
-  }
-  if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
-    return Invalid("query, key and value must share one dtype");
-  }
-  if (shape->head_dim < 1 || shape->head_dim > kMaxHeadDim) {
-    return Invalid("head_dim must be in [1, 256], got " + std::to_string(shape->head_dim));
-  }
-  if (shape->kv_heads < 1 || shape->q_heads % shape->kv_heads != 0) {
-    return Invalid("query heads (" + std::to_string(shape->q_heads) +
-                   ") must be a positive multiple of key/value heads (" +
-                   std::to_string(shape->kv_heads) + ")");
-  }
-  if (shape->q_len >= kMaxSequence || shape->kv_len >= kMaxSequence) {
-    return Invalid("sequence lengths must be below 2^30");
-  }
-  return ffi::Error::Success();
+  return CheckProblem(q, k, v, *shape, dtype);
 }
 
 inline ffi::Error CheckRowStats(const char* name, ffi::AnyBuffer buf, const AttentionShape& s) {
@@ -175,18 +181,52 @@ inline ffi::Error DecodeTile(int64_t tile, int* out) {
   return ffi::Error::Success();
 }
 
+// The outputs of a forward call: o and lse, and the split-KV partials, which
+// the caller sizes for num_splits (FwdParams::num_splits; unused, and
+// normally empty, with one split).
+struct ForwardOutputs {
+  ffi::Result<ffi::AnyBuffer> o, lse, o_partial, lse_partial;
+};
+
+constexpr int64_t kMaxSplits = 1024;
+
+inline ffi::Error DecodeOutputs(ForwardOutputs out, ffi::AnyBuffer q, int64_t num_splits,
+                                FwdParams* p) {
+  const AttentionShape& s = p->shape;
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *out.o, q));
+  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *out.lse, s));
+  if (num_splits < 1 || num_splits > kMaxSplits) {
+    return Invalid("num_splits must be in [1, " + std::to_string(kMaxSplits) + "], got " +
+                   std::to_string(num_splits));
+  }
+  p->num_splits = static_cast<int>(num_splits);
+  p->o = out.o->untyped_data();
+  p->lse = static_cast<float*>(out.lse->untyped_data());
+  if (num_splits == 1) return ffi::Error::Success();
+  if (out.o_partial->element_type() != ffi::DataType::F32 ||
+      out.lse_partial->element_type() != ffi::DataType::F32) {
+    return Invalid("the split-KV partials must be float32");
+  }
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("o_partial", out.o_partial->dimensions(),
+                                       {num_splits, s.q_len, s.q_heads, s.head_dim}, s.batch));
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("lse_partial", out.lse_partial->dimensions(),
+                                       {num_splits, s.q_len, s.q_heads}, s.batch));
+  p->o_partial = static_cast<float*>(out.o_partial->untyped_data());
+  p->lse_partial = static_cast<float*>(out.lse_partial->untyped_data());
+  return ffi::Error::Success();
+}
+
 // Everything both platforms decode for the forward call.
 inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                                ffi::AnyBuffer diag_offsets, ffi::Result<ffi::AnyBuffer> o,
-                                ffi::Result<ffi::AnyBuffer> lse, float scale, int64_t window_left,
-                                int64_t window_right, bool bottom_right, int64_t tile, FwdParams* p) {
+                                ffi::AnyBuffer diag_offsets, ForwardOutputs out, float scale,
+                                int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile,
+                                int64_t num_splits, FwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", q_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", kv_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("diagonal_offsets", diag_offsets, p->shape));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *o, q));
-  JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *lse, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   p->mask.diag_offsets = static_cast<const int32_t*>(diag_offsets.untyped_data());
@@ -196,8 +236,59 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   p->v = v.untyped_data();
   p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
   p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
-  p->o = o->untyped_data();
-  p->lse = static_cast<float*>(lse->untyped_data());
+  return ffi::Error::Success();
+}
+
+// The paged forward: q [batch, q_len, q_heads, head_dim], key/value pages
+// [num_pages, page_size, kv_heads, head_dim], page_table [batch, max_pages]
+// int32, kv_lengths [batch] int32; bottom-right alignment (query row i at
+// position kv_lengths[b] - q_len + i). The kernels read K/V through PagedKv
+// (params.h), over a logical length of max_pages * page_size.
+inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                     ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
+                                     ForwardOutputs out, float scale, int64_t window_left,
+                                     int64_t window_right, int64_t tile, int64_t num_splits,
+                                     FwdParams* p) {
+  const auto qd = q.dimensions();
+  const auto kd = k_pages.dimensions();
+  const auto td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || td.size() != 2) {
+    return Invalid("paged attention takes query [batch, q_len, heads, head_dim], pages [num_pages, "
+                   "page_size, kv_heads, head_dim] and page_table [batch, max_pages], got " +
+                   ShapeString(qd) + ", " + ShapeString(kd) + " and " + ShapeString(td));
+  }
+  AttentionShape& sh = p->shape;
+  sh.batch = qd[0];
+  sh.q_len = qd[1];
+  sh.q_heads = qd[2];
+  sh.head_dim = qd[3];
+  sh.kv_heads = kd[2];
+  p->paged.num_pages = kd[0];
+  p->paged.page_size = kd[1];
+  p->paged.max_pages = td[1];
+  if (kd[3] != sh.head_dim || td[0] != sh.batch) {
+    return Invalid("key_pages " + ShapeString(kd) + " and page_table " + ShapeString(td) +
+                   " do not match query " + ShapeString(qd));
+  }
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("value_pages", v_pages, k_pages));
+  if (page_table.element_type() != ffi::DataType::S32) return Invalid("page_table must be int32");
+  if (p->paged.num_pages < 1 || p->paged.page_size < 1 || p->paged.max_pages < 1 ||
+      p->paged.max_pages * p->paged.page_size >= kMaxSequence) {
+    return Invalid("paged attention needs at least one page and max_pages * page_size below 2^30");
+  }
+  sh.kv_len = p->paged.max_pages * p->paged.page_size;
+  JAXFLASH_RETURN_IF_ERROR(CheckProblem(q, k_pages, v_pages, sh, &p->dtype));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("kv_lengths", kv_lengths, sh));
+  JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, /*bottom_right=*/true, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
+  p->scale = scale;
+  p->q = q.untyped_data();
+  p->k = k_pages.untyped_data();
+  p->v = v_pages.untyped_data();
+  p->q_lengths = nullptr;  // every query row is real
+  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->paged.table = static_cast<const int32_t*>(page_table.untyped_data());
   return ffi::Error::Success();
 }
 
@@ -245,23 +336,46 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   return ffi::Error::Success();
 }
 
-// The argument lists of the two FFI targets, shared by both platforms so the
+// The argument lists of the FFI targets, shared by both platforms so the
 // Python side calls one signature; each platform prepends its context.
+
+// The results of both forward targets (ForwardOutputs).
+template <typename Binding>
+auto WithForwardResults(Binding binding) {
+  return std::move(binding).template Ret<ffi::AnyBuffer>()  // o
+      .template Ret<ffi::AnyBuffer>()            // lse
+      .template Ret<ffi::AnyBuffer>()            // o_partial (split-KV workspace)
+      .template Ret<ffi::AnyBuffer>();           // lse_partial
+}
+
 template <typename Binding>
 auto BindForward(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()            // k
-      .template Arg<ffi::AnyBuffer>()            // v
-      .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
-      .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
-      .template Arg<ffi::AnyBuffer>()            // diagonal_offsets
-      .template Ret<ffi::AnyBuffer>()            // o
-      .template Ret<ffi::AnyBuffer>()            // lse
+  return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+                                .template Arg<ffi::AnyBuffer>()                // k
+                                .template Arg<ffi::AnyBuffer>()                // v
+                                .template Arg<ffi::AnyBuffer>()                // query_seq_lengths
+                                .template Arg<ffi::AnyBuffer>()                // key_value_seq_lengths
+                                .template Arg<ffi::AnyBuffer>())               // diagonal_offsets
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
-      .template Attr<int64_t>("tile");
+      .template Attr<int64_t>("tile")
+      .template Attr<int64_t>("num_splits");
+}
+
+template <typename Binding>
+auto BindPagedForward(Binding binding) {
+  return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+                                .template Arg<ffi::AnyBuffer>()                // key_pages
+                                .template Arg<ffi::AnyBuffer>()                // value_pages
+                                .template Arg<ffi::AnyBuffer>()                // page_table
+                                .template Arg<ffi::AnyBuffer>())               // kv_lengths
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<int64_t>("tile")
+      .template Attr<int64_t>("num_splits");
 }
 
 template <typename Binding>

@@ -5,9 +5,11 @@
 
 extern "C" {
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackward(XLA_FFI_CallFrame* call_frame);
 #ifdef JAXFLASH_WITH_CUDA
 XLA_FFI_Error* JaxflashCudaForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackward(XLA_FFI_CallFrame* call_frame);
 #endif
 }

@@ -21,6 +21,7 @@ NB_MODULE(_jaxflash, m) {
   m.def("cpu_targets", [] {
     nb::dict d;
     d["jaxflash_fwd"] = Capsule(JaxflashCpuForward);
+    d["jaxflash_paged_fwd"] = Capsule(JaxflashCpuPagedForward);
     d["jaxflash_bwd"] = Capsule(JaxflashCpuBackward);
     return d;
   });
@@ -28,6 +29,7 @@ NB_MODULE(_jaxflash, m) {
     nb::dict d;
 #ifdef JAXFLASH_WITH_CUDA
     d["jaxflash_fwd"] = Capsule(JaxflashCudaForward);
+    d["jaxflash_paged_fwd"] = Capsule(JaxflashCudaPagedForward);
     d["jaxflash_bwd"] = Capsule(JaxflashCudaBackward);
 #endif
     return d;

@@ -2,6 +2,8 @@
 // -> compiled variant. Masks are runtime policies inside every variant
 // (MaskPolicy), so they add no instantiations here.
 //
+//   fp16/bf16, split-KV, paged K/V or a short query (decode::UseDecodeKernel)
+//       -> the decode kernels (GQA-packed rows, split keys), arch >= 80
 //   fp16/bf16, arch == 90, buckets 64, 128, 256
 //       -> sm90 kernels (wgmma), when the build has sm_90a code
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
@@ -17,6 +19,7 @@
 #include <string>
 
 #include "common/launch_util.cuh"
+#include "decode/launch_decode.h"
 #include "jaxflash/launch.h"
 #include "jaxflash/params.h"
 #include "sm80/launch_sm80.h"
@@ -67,7 +70,21 @@ bool Sm90Allowed(int tile, const CudaDevice& device) {
 }
 
 template <typename T>
+Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  switch (HeadDimBucket(p.shape.head_dim)) {
+    case 32: return decode::LaunchDecode<T, 32>(p, device, stream);
+    case 64: return decode::LaunchDecode<T, 64>(p, device, stream);
+    case 96: return decode::LaunchDecode<T, 96>(p, device, stream);
+    case 128: return decode::LaunchDecode<T, 128>(p, device, stream);
+    case 192: return decode::LaunchDecode<T, 192>(p, device, stream);
+    case 256: return decode::LaunchDecode<T, 256>(p, device, stream);
+  }
+  return Status::Unimplemented("no decode kernel for head_dim " + std::to_string(p.shape.head_dim));
+}
+
+template <typename T>
 Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
+  if (decode::UseDecodeKernel(p)) return DecodeBucket<T>(p, device, stream);
   const int bucket = HeadDimBucket(p.shape.head_dim);
   if (Sm90Allowed(p.tile, device)) {
     switch (bucket) {

@@ -13,6 +13,9 @@
 //   q_lengths,
 //   kv_lengths      [batch]                   int32, clamped to [0, q_len] / [0, kv_len]
 //   diag_offsets    [batch]                   int32, clamped to [-2^30, 2^30]
+//   o_partial       [batch, num_splits, q_len, q_heads, head_dim]  float32 (split-KV forward)
+//   lse_partial     [batch, num_splits, q_len, q_heads]            float32, log2 units
+//   k, v when paged [num_pages, page_size, kv_heads, head_dim]      (see PagedKv)
 #pragma once
 
 #include <cstdint>
@@ -84,6 +87,28 @@ struct AttentionShape {
   JAXFLASH_HD int64_t kv_batch_stride() const { return kv_len * kv_heads * head_dim; }
 };
 
+// Where key j of batch element b lives in k and v, in rows of kv_row_stride
+// elements. Dense K/V (table == nullptr): row b * kv_len + j. Paged K/V: row
+// j % page_size of physical page table[b * max_pages + j / page_size]; an
+// entry outside [0, num_pages) is clamped into it, so a bad table can give a
+// wrong answer but never an out-of-bounds read. A paged call has
+// shape.kv_len = max_pages * page_size (the longest sequence the table holds).
+struct PagedKv {
+  const int32_t* table = nullptr;  // [batch, max_pages]
+  int64_t page_size = 0;
+  int64_t max_pages = 0;
+  int64_t num_pages = 0;
+
+  JAXFLASH_HD int64_t Row(int64_t batch_index, int64_t kv_len, int key) const {
+    if (table == nullptr) return batch_index * kv_len + key;
+    // 32-bit division: keys and page sizes are below 2^30 (the handlers check).
+    const int slot = key / static_cast<int>(page_size);
+    int64_t page = table[batch_index * max_pages + slot];
+    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
+    return page * page_size + (key - slot * static_cast<int>(page_size));
+  }
+};
+
 struct FwdParams {
   AttentionShape shape;
   DType dtype = DType::kFloat32;
@@ -107,6 +132,17 @@ struct FwdParams {
 
   void* o = nullptr;
   float* lse = nullptr;
+
+  // Split-KV: the keys each query tile visits are cut into num_splits
+  // contiguous ranges computed apart; their normalised partial outputs and
+  // log2-unit LSEs go to o_partial / lse_partial (outputs of the call, sized
+  // by the caller) and a merge pass combines them into o and lse. With
+  // num_splits == 1 the partial buffers are not touched (and may be empty).
+  int num_splits = 1;
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+
+  PagedKv paged;  // dense K/V unless paged.table is set
 };
 
 struct BwdParams {

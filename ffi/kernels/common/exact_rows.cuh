@@ -7,8 +7,9 @@
 // rows that cannot see it. Every such leak leaves a NaN in the result, so the
 // epilogues check the accumulator entries each lane holds and a lane that
 // finds a NaN recomputes its own entries of that row pair by pair over the
-// visible pairs only (the contract in params.h), into the same registers,
-// before the usual store. They run only when an input is not finite, so they
+// visible pairs only (the contract in params.h), into its registers, memory or
+// a staging tile (the decode kernel, which flags rows in shared memory, gives
+// a flagged row a whole warp instead). They run only when an input is not finite, so they
 // are written for clarity and few registers, not for speed: every score and
 // dP is a dot product the lane computes whole from global memory.
 //
@@ -91,6 +92,26 @@ struct ExactQueryRow {
   __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
   __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
 };
+
+// One output row with the whole warp (lane = column; no shuffles), for the
+// decode kernel, which flags rows in shared memory and gives each flagged row
+// a warp: over the keys [r.begin, r.end) that row `r` (any type with begin,
+// end, dim, Key(j) and Value(j)) sees, given its (correct) natural-log LSE;
+// store(d, value) writes column d. An LSE of -inf (a split whose visible
+// scores are all -inf) weighs every value 0, so only a non-finite value shows.
+template <typename T, typename Row, typename Store>
+__device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, float scale, float lse, int lane,
+                                              Store&& store) {
+  for (int c0 = 0; c0 < r.dim; c0 += 32) {
+    const int d = c0 + lane;
+    float acc = 0.f;
+    for (int j = r.begin; j < r.end; ++j) {
+      const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, lse, r.dim).prob;
+      if (d < r.dim) acc += prob * At(r.Value(j), d);
+    }
+    if (d < r.dim) store(d, acc);
+  }
+}
 
 // The columns lane `t` of a quad holds in an m16 accumulator row:
 // d_base + dt * 8 + 2t + {0, 1} for dt < kDT (those below `dim` are real).

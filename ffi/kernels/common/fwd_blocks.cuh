@@ -110,13 +110,21 @@ __device__ __forceinline__ int HeavyFirstBlock(const MaskParams& mask) {
   return mask.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
 }
 
+// The query row of CTA row r: the identity, except in the decode kernels,
+// whose rows pack the query heads of a GQA group (decode/decode_kernel.cuh).
+struct SameRow {
+  __device__ __forceinline__ int operator()(int r) const { return r; }
+};
+
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
 // (unless kScale is false: MaskScores) and sets the entries the mask hides to
 // -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
-// per-element test; `r0` is the CTA's first query row.
-template <bool kScale = true, int kMT, int kNT>
+// per-element test; `r0` is the CTA's first row, `query_row` maps a row to the
+// query row the mask knows.
+template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
-                                             int warp_row0, int c0, int lane, float scale_log2) {
+                                             int warp_row0, int c0, int lane, float scale_log2,
+                                             QueryRow query_row = {}) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -130,7 +138,7 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
       // loaded diagonal offset costs (it kept three tiles from spilling).
       int lo = 0, hi = kNT * 8;
       if (!full) {
-        const int row = r0 + warp_row0 + mt * 16 + g + half * 8;
+        const int row = query_row(r0 + warp_row0 + mt * 16 + g + half * 8);
         lo = pol.KeyBegin(row) - c0 - 2 * t;
         hi = pol.KeyEnd(row) - c0 - 2 * t;
       }

@@ -70,6 +70,10 @@ struct MaskPolicy {
   // Whether the row sees at least one key: rows that do not output zeros and
   // kEmptyRowLse whatever their inputs hold.
   JAXFLASH_HD bool HasKeys(int row) const { return row < q_valid && KeyBegin(row) < KeyEnd(row); }
+  // Whether the row sees a key of [c0, c1) (a split's share of the keys).
+  JAXFLASH_HD bool HasKeysIn(int row, int c0, int c1) const {
+    return row < q_valid && MaxInt(KeyBegin(row), c0) < MinInt(KeyEnd(row), c1);
+  }
 
   JAXFLASH_HD bool Visible(int row, int col) const {
     return row < q_valid && col >= KeyBegin(row) && col < KeyEnd(row);

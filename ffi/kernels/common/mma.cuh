@@ -169,6 +169,13 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// Threads a tile loader gives each row: the row's 16-byte chunks rounded up
+// to a power of two, so that a thread count is a multiple of it; slots past
+// the row's chunks stay idle.
+__host__ __device__ constexpr int ChunkSlots(int chunks_per_row) {
+  return chunks_per_row <= 4 ? 4 : chunks_per_row <= 8 ? 8 : chunks_per_row <= 16 ? 16 : 32;
+}
+
 // Copies rows [0, kRows) x columns [0, kCols) of a global tile (row stride
 // `gstride` elements) into shared memory (row stride `sstride`), 16 bytes per
 // copy, spread over kThreads threads. Rows >= `rows_valid` and columns >=
@@ -183,9 +190,7 @@ __device__ __forceinline__ void LoadTile(T* smem, int sstride, const T* gmem, in
                                          int rows_valid, int cols_valid, int tid) {
   static_assert(kCols % 8 == 0, "tile width must be a multiple of 8 elements");
   constexpr int kChunksPerRow = kCols / 8;
-  // Chunk slots per row rounded up to a power of two so that kThreads is a
-  // multiple of it; slots past kChunksPerRow stay idle.
-  constexpr int kSlots = kChunksPerRow <= 4 ? 4 : kChunksPerRow <= 8 ? 8 : kChunksPerRow <= 16 ? 16 : 32;
+  constexpr int kSlots = ChunkSlots(kChunksPerRow);
   static_assert(kThreads % kSlots == 0, "thread count must cover whole rows");
   constexpr int kRowStep = kThreads / kSlots;
   const int chunk = tid % kSlots;

@@ -1,15 +1,22 @@
 // CPU forward: tiled online softmax, fp32 accumulation.
 //
-// One work item is (batch, query head, tile of kRowsPerTile rows). It streams
-// the K/V tiles the mask policy says the rows can see, keeps a running max and
-// sum per row in base 2 (log2(e) folded into the scale), and writes O and the
-// LSE once. Memory beyond inputs and outputs: a few tiles per worker.
+// One work item is (batch, K/V head, tile of kRowsPerTile packed rows, split).
+// Packed rows stack the query heads of a GQA group (common/decode.h), so a
+// K/V tile is loaded once for all the heads that read it. The item streams
+// its split's share of the K/V tiles the mask policy says the rows can see,
+// keeps a running max and sum per row in base 2 (log2(e) folded into the
+// scale), and writes O and the LSE once; with several splits it writes the
+// split's partials instead and a second pass merges them (MergeRow). K/V rows
+// are found through PagedKv, so a paged cache is read in place. Memory beyond
+// inputs and outputs: a few tiles per worker.
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
-#include "jaxflash/launch.h"
+#include "common/decode.h"
 #include "common/mask.h"
 #include "cpu/tile.h"
+#include "jaxflash/launch.h"
 
 namespace jaxflash {
 namespace {
@@ -26,45 +33,71 @@ struct ForwardTile {
   float row_sum[kRowsPerTile];
 };
 
+// Loads keys [c0, c0 + cols) of one K/V head: K transposed into kt, V into v.
+// Dense K/V is one run of rows; paged K/V one run per page touched.
+JAXFLASH_CPU_INLINE void LoadKeys(const FwdParams& p, int64_t b, int64_t kv_head, int c0, int cols,
+                                  ForwardTile& t) {
+  const AttentionShape& sh = p.shape;
+  const int dim = static_cast<int>(sh.head_dim);
+  for (int c = 0; c < cols;) {
+    const int key = c0 + c;
+    const int run = p.paged.table == nullptr
+                        ? cols - c
+                        : std::min<int>(cols - c, static_cast<int>(p.paged.page_size - key % p.paged.page_size));
+    const int64_t offset = p.paged.Row(b, sh.kv_len, key) * sh.kv_row_stride() + kv_head * dim;
+    LoadRowsTransposed(p.k, offset, sh.kv_row_stride(), run, dim, p.dtype, kKeysPerTile, t.kt + c);
+    LoadRows(p.v, offset, sh.kv_row_stride(), run, dim, p.dtype, 1.f, t.v + c * dim);
+    c += run;
+  }
+}
+
 JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTile& t) {
   const AttentionShape& sh = p.shape;
   const int dim = static_cast<int>(sh.head_dim);
-  const int64_t row_tiles = (sh.q_len + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t b = item / (sh.q_heads * row_tiles);
-  const int64_t h = (item / row_tiles) % sh.q_heads;
-  const int r0 = static_cast<int>((item % row_tiles) * kRowsPerTile);
-  const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
-  const int64_t kv_head = h / sh.group_size();
+  const PackedRows packed = PackedRows::For(sh);
+  const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
+  const int split = static_cast<int>(item % p.num_splits);
+  const int64_t tile_item = item / p.num_splits;
+  const int64_t b = tile_item / (sh.kv_heads * row_tiles);
+  const int64_t kv_head = (tile_item / row_tiles) % sh.kv_heads;
+  const int r0 = static_cast<int>((tile_item % row_tiles) * kRowsPerTile);
+  const int rows = std::min(kRowsPerTile, packed.total - r0);
 
   const MaskPolicy mask = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len),
                                           static_cast<int>(sh.kv_len), p.q_lengths,
                                           p.kv_lengths, static_cast<int>(b));
-  const int64_t q_offset = b * sh.q_batch_stride() + r0 * sh.q_row_stride() + h * dim;
-  float* lse = p.lse + (b * sh.q_heads + h) * sh.q_len + r0;
 
   std::fill(t.acc, t.acc + rows * dim, 0.f);
   std::fill(t.row_max, t.row_max + rows, kNegInf);
   std::fill(t.row_sum, t.row_sum + rows, 0.f);
 
-  const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
-  const int key_begin = valid_rows > 0 ? mask.KeyBegin(r0) : 0;
-  const int key_end = valid_rows > 0 ? mask.KeyEnd(r0 + valid_rows - 1) : 0;
-  if (key_begin < key_end) {
-    LoadRows(p.q, q_offset, sh.q_row_stride(), rows, dim, p.dtype, p.scale * kLog2e, t.q);
+  // Packed rows of padding queries (past q_lengths) come last in the tile.
+  const int valid_rows = std::min(rows, std::max(0, mask.q_valid * packed.group - r0));
+  const int key_begin = valid_rows > 0 ? mask.KeyBegin(packed.QueryRow(r0)) : 0;
+  const int key_end = valid_rows > 0 ? mask.KeyEnd(packed.QueryRow(r0 + valid_rows - 1)) : 0;
+  // This split's key tiles, counted from key_begin (one split: all of them).
+  const Span span = SplitSpan(0, (std::max(0, key_end - key_begin) + kKeysPerTile - 1) / kKeysPerTile, split,
+                              p.num_splits);
+  const int split_begin = key_begin + span.begin * kKeysPerTile;
+  const int split_end = std::min(key_end, key_begin + span.end * kKeysPerTile);
+  if (split_begin < split_end) {
+    for (int r = 0; r < rows; ++r) {
+      LoadRows(p.q, packed.Offset(sh, static_cast<int>(b), static_cast<int>(kv_head), r0 + r), 0, 1, dim,
+               p.dtype, p.scale * kLog2e, t.q + r * dim);
+    }
   }
-  for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
-    const int cols = std::min(kKeysPerTile, key_end - c0);
-    const int64_t kv_offset = b * sh.kv_batch_stride() + c0 * sh.kv_row_stride() + kv_head * dim;
-    LoadRowsTransposed(p.k, kv_offset, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
-    LoadRows(p.v, kv_offset, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.v);
+  for (int c0 = split_begin; c0 < split_end; c0 += kKeysPerTile) {
+    const int cols = std::min(kKeysPerTile, split_end - c0);
+    LoadKeys(p, b, kv_head, c0, cols, t);
     RowsTimesTransposed(t.q, valid_rows, dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
 
-    const bool full = mask.TileIsFull(r0, r0 + valid_rows, c0, c0 + cols);
+    const bool full = mask.TileIsFull(packed.QueryRow(r0), packed.QueryRow(r0 + valid_rows - 1) + 1, c0, c0 + cols);
     for (int r = 0; r < valid_rows; ++r) {
       float* s = t.s + r * kKeysPerTile;
       if (!full) {
+        const int query_row = packed.QueryRow(r0 + r);
         for (int c = 0; c < cols; ++c) {
-          if (!mask.Visible(r0 + r, c0 + c)) s[c] = kNegInf;
+          if (!mask.Visible(query_row, c0 + c)) s[c] = kNegInf;
         }
       }
       float tile_max = kNegInf;
@@ -86,25 +119,70 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     // O += P V; in a partly visible tile each row multiplies only the keys it
     // sees, so a NaN or Inf in the value of a masked key never reaches it.
     AccumulateVisible(full, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim,
-                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
+                      [&](int r) { return VisibleColsOf(mask, packed.QueryRow(r0 + r), c0, cols); });
   }
 
+  // The rows' results, by the rules of params.h and common/decode.h: one
+  // split writes O and the natural LSE, several write their partials.
+  const bool partial = p.num_splits > 1;
   for (int r = 0; r < rows; ++r) {
     float* acc = t.acc + r * dim;
-    if (!mask.HasKeys(r0 + r)) {
+    const int pr = r0 + r;
+    const bool seen = mask.HasKeysIn(packed.QueryRow(pr), split_begin, split_end);
+    float lse2 = kEmptyRowLse;
+    if (!seen) {
       std::fill(acc, acc + dim, 0.f);
-      lse[r] = kEmptyRowLse;
-      continue;
+    } else {
+      // As in a dense softmax: a row whose visible scores are all -inf has sum
+      // 0 and gets 0 / 0 = NaN (a split keeps its acc and LSE -inf for the
+      // merge); a +inf or NaN score makes the sum, and so the whole row and
+      // its LSE, NaN.
+      const float sum = partial && t.row_sum[r] == 0.f ? 1.f : t.row_sum[r];
+      const float inv = 1.f / sum;
+      for (int d = 0; d < dim; ++d) acc[d] *= inv;
+      lse2 = t.row_max[r] + std::log2(sum);
     }
-    // As in a dense softmax: a row whose visible scores are all -inf has sum 0
-    // and gets 0 / 0 = NaN; a +inf or NaN score makes the sum, and so the
-    // whole row and its LSE, NaN.
-    const float sum = t.row_sum[r];
-    const float inv = 1.f / sum;
-    for (int d = 0; d < dim; ++d) acc[d] *= inv;
-    lse[r] = (t.row_max[r] + std::log2(sum)) * kLn2;
+    if (!partial) {
+      p.lse[packed.LseIndex(sh, static_cast<int>(b), static_cast<int>(kv_head), pr)] =
+          seen ? lse2 * kLn2 : kEmptyRowLse;
+      StoreRows(p.o, packed.Offset(sh, static_cast<int>(b), static_cast<int>(kv_head), pr), 0, 1, dim, p.dtype,
+                acc);
+    } else {
+      const int64_t row = packed.PartialRow(sh, p.num_splits, static_cast<int>(b), split,
+                                            static_cast<int>(kv_head), pr);
+      p.lse_partial[row] = lse2;
+      std::copy(acc, acc + dim, p.o_partial + row * dim);
+    }
   }
-  StoreRows(p.o, q_offset, sh.q_row_stride(), rows, dim, p.dtype, t.acc);
+}
+
+// Output row `row` ((batch, query row, head) in O's order) from the splits'
+// partials, by the rule in common/decode.h.
+JAXFLASH_CPU_CLONES void MergeRow(const FwdParams& p, int64_t row, float* out) {
+  const AttentionShape& sh = p.shape;
+  const int dim = static_cast<int>(sh.head_dim);
+  const int64_t per_batch = sh.q_len * sh.q_heads;
+  const int64_t b = row / per_batch, within = row % per_batch;
+  const int64_t first = b * p.num_splits * per_batch + within;  // split s: first + s * per_batch
+  const auto lse = [&](int s) { return p.lse_partial[first + s * per_batch]; };
+  const SplitMerge merge = SplitMerge::Of(p.num_splits, lse);
+  float sum = 0.f;
+  std::fill(out, out + dim, 0.f);
+  for (int s = 0; s < p.num_splits && merge.seen; ++s) {
+    if (lse(s) == kEmptyRowLse) continue;
+    const float w = merge.Weight(lse(s), [](float x) { return Exp2(x); });
+    const float* o = p.o_partial + (first + s * per_batch) * dim;
+    for (int d = 0; d < dim; ++d) out[d] += w * o[d];
+    sum += w;
+  }
+  if (merge.seen) {
+    const float inv = 1.f / sum;  // 0 when every split's scores were -inf: NaN, as dense
+    for (int d = 0; d < dim; ++d) out[d] *= inv;
+  }
+  StoreRows(p.o, row * dim, 0, 1, dim, p.dtype, out);
+  const int64_t head = within % sh.q_heads, q_row = within / sh.q_heads;
+  p.lse[(b * sh.q_heads + head) * sh.q_len + q_row] =
+      merge.seen ? (std::log2(sum) + merge.shift) * kLn2 : kEmptyRowLse;
 }
 
 }  // namespace
@@ -113,13 +191,20 @@ Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
   if (p.shape.head_dim > kMaxHeadDim) {
     return Status::Unimplemented("CPU kernels support head_dim <= 256");
   }
-  const int64_t row_tiles = (p.shape.q_len + kRowsPerTile - 1) / kRowsPerTile;
-  const int64_t items = p.shape.batch * p.shape.q_heads * row_tiles;
+  const PackedRows packed = PackedRows::For(p.shape);
+  const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
+  const int64_t items = p.shape.batch * p.shape.kv_heads * row_tiles * p.num_splits;
   runner.For(items, [&p](int64_t item) {
     // Per-call scratch; large arrays stay off the worker's stack.
     thread_local std::vector<ForwardTile> tile(1);
     ForwardItem(p, item, tile[0]);
   });
+  if (p.num_splits > 1) {
+    runner.For(p.shape.batch * p.shape.q_len * p.shape.q_heads, [&p](int64_t row) {
+      float out[kMaxHeadDim];
+      MergeRow(p, row, out);
+    });
+  }
   return Status::Ok();
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "common/decode.h"
 #include "common/mask.h"
 #include "jaxflash/params.h"
 
@@ -246,10 +247,8 @@ JAXFLASH_CPU_INLINE void RowsTimesTransposed(const float* a, int rows, int dim, 
 
 // Visible keys of a row form one interval, and so do the rows that see a key,
 // so a partly masked tile product can run over exactly the visible pairs and
-// never multiply a masked pair's zero weight into a NaN or Inf.
-struct Span {
-  int begin, end;
-};
+// never multiply a masked pair's zero weight into a NaN or Inf. (Span is
+// common/decode.h's [begin, end).)
 // The columns of the tile [c0, c0 + cols) that `row` sees, relative to c0.
 JAXFLASH_CPU_INLINE Span VisibleColsOf(const MaskPolicy& mask, int row, int c0, int cols) {
   if (!mask.HasKeys(row)) return {0, 0};

@@ -72,6 +72,21 @@ __device__ void StageRows(const T* src, int64_t row_stride, int count, int dim, 
   }
 }
 
+// Keys [c0, c0 + count) of K/V head kv_head into dst[kTile][stride] as fp32
+// (rows >= count zero), each row found through PagedKv::Row: the forward's
+// staging, which reads a dense or a paged cache alike.
+template <typename T>
+__device__ void StageKeys(const FwdParams& p, const T* base, int b, int kv_head, int c0, int count,
+                          int stride, float* dst) {
+  const int dim = static_cast<int>(p.shape.head_dim);
+  for (int idx = threadIdx.x; idx < kTile * dim; idx += kThreads) {
+    const int r = idx / dim, d = idx - r * dim;
+    const int64_t row = r < count ? p.paged.Row(b, p.shape.kv_len, c0 + r) : 0;
+    dst[r * stride + d] =
+        r < count ? ToFloat(base[row * p.shape.kv_row_stride() + int64_t(kv_head) * dim + d]) : 0.f;
+  }
+}
+
 // One row of `dim` elements into dst[dim], by one warp.
 template <typename T>
 __device__ void WarpLoadRow(const T* src, int dim, float multiplier, float* dst) {
@@ -120,8 +135,8 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
   for (int c0 = key_begin; c0 < key_end; c0 += kTile) {
     const int cols = min(kTile, key_end - c0);
     __syncthreads();  // the previous tile is consumed (and qs is written)
-    StageRows(k + g.Kv(b, kv_head, c0), p.shape.kv_row_stride(), cols, dim, stride, 1.f, ks);
-    StageRows(v + g.Kv(b, kv_head, c0), p.shape.kv_row_stride(), cols, dim, stride, 1.f, vs);
+    StageKeys(p, k, b, kv_head, c0, cols, stride, ks);
+    StageKeys(p, v, b, kv_head, c0, cols, stride, vs);
     __syncthreads();
     if (!live) continue;
     const int key = c0 + lane;

@@ -1,0 +1,9 @@
+// Decode instantiations for head-dim bucket 96 (fp16, bf16).
+#include "decode/decode_kernel.cuh"
+
+namespace jaxflash {
+namespace decode {
+template Status LaunchDecode<__half, 96>(const FwdParams&, const CudaDevice&, cudaStream_t);
+template Status LaunchDecode<__nv_bfloat16, 96>(const FwdParams&, const CudaDevice&, cudaStream_t);
+}  // namespace decode
+}  // namespace jaxflash

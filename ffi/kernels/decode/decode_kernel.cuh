@@ -1,0 +1,407 @@
+// Decode forward: short queries against long K/V (a KV-cache step, chunked
+// prefill, speculative decoding) for sm80 and later, Hopper included. The
+// work is bound by K/V bandwidth, so mma.sync keeps up and one kernel family
+// serves both architectures.
+//
+// One CTA takes kM packed rows (the query heads of one GQA group times the
+// query rows, common/decode.h) of one (batch, K/V head), and one split of the
+// key tiles those rows visit (split-KV). Every K/V tile is therefore read once
+// per K/V head and split, by 16-byte cp.async copies, kStages tiles deep, so
+// several tiles are in flight while one is computed. The warps cut each tile
+// into kWarpsN key slices (and the rows into kWarpsM groups of 16); every warp
+// keeps its own online-softmax state over its slices, and the epilogue
+// combines the warps of a row group through shared memory. With one split it
+// writes O and LSE; with several it writes the split's normalised output and
+// base-2 LSE to the partial buffers, and merge.cu combines them. The row
+// rules of params.h and common/decode.h hold in both: emptiness comes from
+// the mask, and a row whose stored output shows a NaN although its LSE does
+// not (a masked pair's 0 * NaN in P·V) is recomputed pair by pair
+// (common/exact_rows.cuh) after the store.
+//
+// K/V rows are addressed through PagedKv::Row, so the same kernel reads a
+// dense cache or a paged one; keys past the batch element's length are
+// zero-filled and never read.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common/decode.h"
+#include "common/exact_rows.cuh"
+#include "common/fwd_blocks.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "common/mma.cuh"
+#include "common/softmax.cuh"
+#include "decode/launch_decode.h"
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace decode {
+
+__host__ __device__ constexpr int ClampInt(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+template <int kD_, int kWarpsM_, int kN_ = 64>
+struct DecodeTile {
+  static constexpr int kD = kD_;
+  static constexpr int kWarps = 4;
+  static constexpr int kWarpsM = kWarpsM_;          // warps along the packed rows, 16 rows each
+  static constexpr int kWarpsN = kWarps / kWarpsM;  // warps along the keys of a tile
+  static constexpr int kM = 16 * kWarpsM;           // packed rows per CTA
+  static constexpr int kN = kN_;                    // keys per K/V tile (the split unit)
+  static constexpr int kNw = kN / kWarpsN;          // keys of a tile per warp
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStride = kD + 8;  // +16 bytes: conflict-free ldmatrix (mma.cuh)
+  static constexpr int kNT = kNw / 8;     // n8 tiles of scores per warp
+  static constexpr int kDT = kD / 8;      // n8 tiles of output per warp
+  static constexpr int kStageElems = 2 * kN * kStride;  // K then V, 2-byte elements
+  // As many stages as fit in 112 KiB (2 to 4): two CTAs per H100 SM at head
+  // dims up to 128 with 16-row tiles, and two or three tiles in flight per CTA.
+  static constexpr int kStages = ClampInt(112 * 1024 / (kStageElems * 2), 2, 4);
+  static constexpr size_t kTileBytes = (size_t(kM) * kStride + size_t(kStages) * kStageElems) * 2;
+  // Epilogue scratch, over the (then unused) tiles: each warp's 16 output rows
+  // (padded by 4 floats against bank conflicts) and per-row (max, sum).
+  static constexpr int kOStride = kD + 4;
+  // Then each row's LSE and exact-recomputation flag.
+  static constexpr size_t kCombineBytes = (size_t(kWarps) * 16 * (kOStride + 2) + 2 * kM) * sizeof(float);
+  static constexpr size_t kSmemBytes = kTileBytes > kCombineBytes ? kTileBytes : kCombineBytes;
+  static_assert(kD % 16 == 0 && kNw % 16 == 0, "tiles are built from 16x16 mma steps");
+  // Every candidate must launch on sm80 too (A100: 163 KiB per block).
+  static_assert(kSmemBytes <= 163 * 1024, "decode tile exceeds the sm80 shared-memory limit");
+};
+
+// Two shapes per head-dim bucket: 16-row CTAs (a decode step of up to 16
+// packed rows: GQA groups up to 16, or q_len x group <= 16), whose four warps
+// split every tile's keys, and 64-row CTAs for longer queries, whose warps
+// split the rows (32-key tiles at head_dim 256, so that Q and two stages fit
+// in an A100's shared memory). The launcher picks by packed rows; the tile
+// attribute can force either (tests).
+template <int kD>
+using DecodeCandidates = TileList<DecodeTile<kD, 1>, DecodeTile<kD, 4, kD == 256 ? 32 : 64>>;
+
+inline int DecodeTilePick(int packed_rows) { return packed_rows <= 16 ? 0 : 1; }
+
+// Q rows [r0, r0 + kM) of the packed rows into sQ; rows past the packed total
+// and columns past head_dim are zero-filled.
+template <typename Tile, typename T>
+__device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const PackedRows& rows, int batch,
+                                            int kv_head, int r0, int tid) {
+  constexpr int kChunks = Tile::kD / 8;
+  const int head_dim = static_cast<int>(p.shape.head_dim);
+  const T* q = static_cast<const T*>(p.q);
+  for (int idx = tid; idx < Tile::kM * kChunks; idx += Tile::kThreads) {
+    const int row = idx / kChunks, col = (idx % kChunks) * 8;
+    const bool ok = r0 + row < rows.total && col < head_dim;
+    const int64_t offset = ok ? rows.Offset(p.shape, batch, kv_head, r0 + row) + col : 0;
+    tc::CpAsync16(tc::SmemAddr(sQ + row * Tile::kStride + col), q + offset, ok);
+  }
+}
+
+// Keys [key0, key0 + kN) of one K/V head into a stage (K rows, then V rows).
+// Each thread owns one 16-byte column chunk and walks rows; a row's address
+// comes from PagedKv::Row (one table read per row when paged), shared by its
+// K and V copies. Keys at or past kv_valid are zero-filled, unread.
+template <typename Tile, typename T>
+__device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, const FwdParams& p, int batch,
+                                           int key0, int kv_valid, int tid) {
+  constexpr int kChunksPerRow = Tile::kD / 8;
+  constexpr int kSlots = tc::ChunkSlots(kChunksPerRow);
+  constexpr int kRowStep = Tile::kThreads / kSlots;
+  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRowStep == 0, "threads must cover whole rows");
+  const int chunk = tid % kSlots;
+  if (kSlots != kChunksPerRow && chunk >= kChunksPerRow) return;
+  const int col = chunk * 8;
+  const bool col_ok = col < static_cast<int>(p.shape.head_dim);
+  const int64_t kv_row_stride = p.shape.kv_row_stride();
+  T* sK = stage;
+  T* sV = stage + Tile::kN * Tile::kStride;
+#pragma unroll
+  for (int it = 0; it < Tile::kN / kRowStep; ++it) {
+    const int row = tid / kSlots + it * kRowStep;
+    const bool ok = col_ok && key0 + row < kv_valid;
+    const int64_t offset = ok ? p.paged.Row(batch, p.shape.kv_len, key0 + row) * kv_row_stride + col : 0;
+    tc::CpAsync16(tc::SmemAddr(sK + row * Tile::kStride + col), gK + offset, ok);
+    tc::CpAsync16(tc::SmemAddr(sV + row * Tile::kStride + col), gV + offset, ok);
+  }
+}
+
+// Packed row r of (batch, kv_head) with the keys of [k0, k1) it sees, its K/V
+// rows addressed through PagedKv::Row: the row type tc::ExactOutputOf takes.
+template <typename T>
+struct ExactPackedRow {
+  int begin, end, dim, batch;
+  const FwdParams& p;
+  const T *k, *v;
+
+  __device__ __forceinline__ ExactPackedRow(const FwdParams& p_, const MaskPolicy& pol, const PackedRows& rows,
+                                            int batch_, int kv_head, int r, int k0, int k1)
+      : begin(MaxInt(pol.KeyBegin(rows.QueryRow(r)), k0)),
+        end(MinInt(pol.KeyEnd(rows.QueryRow(r)), k1)),
+        dim(static_cast<int>(p_.shape.head_dim)),
+        batch(batch_),
+        p(p_),
+        k(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
+        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim) {}
+  __device__ __forceinline__ int64_t RowOf(int j) const {
+    return p.paged.Row(batch, p.shape.kv_len, j) * p.shape.kv_row_stride();
+  }
+  __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j); }
+  __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
+};
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParams p) {
+  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kNw = Tile::kNw;
+  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kStride = Tile::kStride;
+  constexpr int kStages = Tile::kStages, kStageElems = Tile::kStageElems;
+  constexpr int kWarpsN = Tile::kWarpsN, kThreads = Tile::kThreads, kOStride = Tile::kOStride;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sStages = sQ + kM * kStride;
+
+  const AttentionShape& sh = p.shape;
+  const PackedRows rows = PackedRows::For(sh);
+  const int q_tiles = (rows.total + kM - 1) / kM;
+  const int tile = blockIdx.x % q_tiles;  // query tiles vary fastest: CTAs that read
+  const int split = blockIdx.x / q_tiles;  // the same K/V run side by side (L2 reuse)
+  const int kv_head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const MaskPolicy pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
+                                         p.q_lengths, p.kv_lengths, batch);
+  const int r0 = tile * kM;
+  // The real query rows among this CTA's packed rows: [q0, q_end).
+  const int q0 = rows.QueryRow(r0);
+  const int q_end = MinInt(rows.QueryRow(MinInt(r0 + kM, rows.total) - 1) + 1, pol.q_valid);
+  const tc::KeyTiles visited = tc::KeyTileRange<kN>(pol, q0, q_end);
+  const Span span = SplitSpan(visited.begin, visited.end, split, p.num_splits);
+  const int n_tiles = span.end - span.begin;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  const int warp_row0 = wm * 16;  // the warp's rows within the CTA
+  const int64_t head_offset = int64_t(kv_head) * sh.head_dim;
+  const T* gK = static_cast<const T*>(p.k) + head_offset;
+  const T* gV = static_cast<const T*>(p.v) + head_offset;
+
+  float o[1][kDT][4];
+  tc::Zero(o[0]);
+  tc::OnlineSoftmax<1> softmax;
+  softmax.Init();
+
+  if (n_tiles > 0) {
+    // Q joins the first stage's copy group; the prologue fills kStages - 1
+    // stages (committing empty groups past the span keeps the count uniform).
+    LoadPackedQ<Tile>(sQ, p, rows, batch, kv_head, r0, tid);
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) {
+      if (st < n_tiles) {
+        LoadKvTile<Tile>(sStages + st * kStageElems, gK, gV, p, batch, (span.begin + st) * kN, pol.kv_valid, tid);
+      }
+      tc::CpAsyncCommit();
+    }
+  }
+
+  const float scale_log2 = p.scale * tc::kLog2e;
+  const auto query_row = [rows](int r) { return rows.QueryRow(r); };
+  for (int it = 0; it < n_tiles; ++it) {
+    tc::CpAsyncWait<kStages - 2>();
+    __syncthreads();  // tile `it` visible to all; everyone is done with tile it - 1's stage
+    const int ahead = it + kStages - 1;
+    if (ahead < n_tiles) {
+      LoadKvTile<Tile>(sStages + (ahead % kStages) * kStageElems, gK, gV, p, batch, (span.begin + ahead) * kN,
+                       pol.kv_valid, tid);
+    }
+    tc::CpAsyncCommit();
+    const T* sK = sStages + (it % kStages) * kStageElems;
+    const T* sV = sK + kN * kStride;
+    const int key_slice = wn * kNw;          // the warp's keys within the tile
+    const int c0 = (span.begin + it) * kN + key_slice;
+
+    // ---- S = Q Kᵀ over the warp's keys
+    float s[1][kNT][4];
+    tc::Zero(s[0]);
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t a[4];
+      tc::Ldmatrix4(a, tc::AFragAddr(sQ, kStride, warp_row0, kk * 16, lane));
+#pragma unroll
+      for (int np = 0; np < kNw / 16; ++np) {
+        uint32_t b[4];
+        tc::Ldmatrix4(b, tc::BFragAddrNK(sK, kStride, key_slice + np * 16, kk * 16, lane));
+        tc::Mma<T>(s[0][2 * np], a, b[0], b[1]);
+        tc::Mma<T>(s[0][2 * np + 1], a, b[2], b[3]);
+      }
+    }
+
+    const bool full = pol.TileIsFull(q0, q_end, c0, c0 + kNw);
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row);
+    softmax.Update(s, o);
+
+    // ---- O += P V, P straight from the score registers
+#pragma unroll
+    for (int kk = 0; kk < kNw / 16; ++kk) {
+      uint32_t a[4];
+      tc::PackAFragment<T>(s[0], kk, a);
+#pragma unroll
+      for (int dp = 0; dp < kD / 16; ++dp) {
+        uint32_t b[4];
+        tc::Ldmatrix4Trans(b, tc::BFragAddrKN(sV, kStride, key_slice + kk * 16, dp * 16, lane));
+        tc::Mma<T>(o[0][2 * dp], a, b[0], b[1]);
+        tc::Mma<T>(o[0][2 * dp + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  // ---- Epilogue. Combine the warps that share a row group: per row, the
+  // overall max M and sum L of their states, then each warp's output rescaled
+  // by 2^(m_warp - M) / L into shared memory (over the tiles, now unused).
+  tc::CpAsyncWait<0>();
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(smem_raw);         // [kWarps][16][kOStride]
+  float* sStats = sO + Tile::kWarps * 16 * kOStride;      // [kWarps][16] x (max, sum)
+  float* sLse = sStats + Tile::kWarps * 16 * 2;             // [kM] the row's LSE (natural log)
+  int* sRedo = reinterpret_cast<int*>(sLse + kM);           // [kM] recompute the row exactly
+  // The split's keys: a row that sees none of them gets O = 0 (and
+  // kEmptyRowLse), whatever its accumulator holds.
+  const int k0 = span.begin * kN, k1 = span.end * kN;
+  const auto seen = [&](int r) { return r < rows.total && pol.HasKeysIn(rows.QueryRow(r), k0, k1); };
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = tc::QuadSum(softmax.l[half]);
+    if (t == 0) {
+      sStats[(warp * 16 + g + 8 * half) * 2] = softmax.m[half];
+      sStats[(warp * 16 + g + 8 * half) * 2 + 1] = l;
+    }
+  }
+  __syncthreads();
+  const int head_dim = static_cast<int>(sh.head_dim);
+  const bool partial = p.num_splits > 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = g + 8 * half;  // within the warp's 16
+    const float* stats = sStats + (wm * kWarpsN * 16 + row) * 2;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kWarpsN; ++j) m_all = tc::MaxNaN(m_all, stats[j * 32]);
+    // m_all = -inf: no warp saw a finite visible score (an empty row or split,
+    // or scores all -inf). As in a dense softmax the latter gets 0 / 0 = NaN;
+    // a split keeps its accumulator (l_all taken as 1) and LSE -inf for the
+    // merge. A NaN m_all makes the row NaN.
+    float l_all = 0.f, weight = 1.f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int j = 0; j < kWarpsN; ++j) l_all += stats[j * 32 + 1] * tc::Exp2(stats[j * 32] - m_all);
+      weight = tc::Exp2(softmax.m[half] - m_all);
+    }
+    if (partial && l_all == 0.f) l_all = 1.f;
+    const float factor = weight / l_all;
+    float* dst = sO + (warp * 16 + row) * kOStride + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      dst[dt * 8] = o[0][dt][2 * half] * factor;
+      dst[dt * 8 + 1] = o[0][dt][2 * half + 1] * factor;
+    }
+    const int r = r0 + warp_row0 + row;
+    if (wn == 0 && t == 0 && r < rows.total) {
+      const float lse2 = m_all + __log2f(l_all);
+      const bool keys = seen(r);
+      sLse[warp_row0 + row] = lse2 * 0.6931471805599453f;  // natural log
+      sRedo[warp_row0 + row] = 0;
+      if (partial) {
+        p.lse_partial[rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r)] = keys ? lse2 : kEmptyRowLse;
+      } else {
+        p.lse[rows.LseIndex(sh, batch, kv_head, r)] = keys ? lse2 * 0.6931471805599453f : kEmptyRowLse;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Sum each row over its warps and store it, 8 columns per thread: O in the
+  // input dtype, or the split's float32 partial. Rows that see no key of the
+  // split (padding queries among them) are stored as zeros; a NaN in a row
+  // whose LSE is not NaN (nor, unsplit, -inf: then the row is 0 / 0) flags it.
+  constexpr int kChunks = kD / 8;
+  const auto out_of = [&](int r) -> int64_t {
+    return partial ? rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r) * head_dim
+                   : rows.Offset(sh, batch, kv_head, r);
+  };
+  const auto store = [&](int r, int col, const float* x, int n) {
+    if (partial) {
+      for (int e = 0; e < n; ++e) p.o_partial[out_of(r) + col + e] = x[e];
+    } else {
+      T* dst = static_cast<T*>(p.o) + out_of(r) + col;
+      for (int e = 0; e < n; ++e) dst[e] = tc::ElemTraits<T>::FromFloat(x[e]);
+    }
+  };
+  for (int idx = tid; idx < kM * kChunks; idx += kThreads) {
+    const int row = idx / kChunks, col = (idx % kChunks) * 8;
+    const int r = r0 + row;
+    if (r >= rows.total || col >= head_dim) continue;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (seen(r)) {
+      const float* src = sO + ((row / 16) * kWarpsN * 16 + row % 16) * kOStride + col;
+      bool nan = false;
+#pragma unroll
+      for (int j = 0; j < kWarpsN; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] += src[j * 16 * kOStride + e];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) nan |= isnan(acc[e]);
+      const float lse = sLse[row];
+      if (nan && !isnan(lse) && (partial || lse != -INFINITY)) sRedo[row] = 1;
+    }
+    if (partial) {
+      float4* dst = reinterpret_cast<float4*>(p.o_partial + out_of(r) + col);
+      dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    } else {
+      uint4 packed;
+      packed.x = tc::ElemTraits<T>::Pack(acc[0], acc[1]);
+      packed.y = tc::ElemTraits<T>::Pack(acc[2], acc[3]);
+      packed.z = tc::ElemTraits<T>::Pack(acc[4], acc[5]);
+      packed.w = tc::ElemTraits<T>::Pack(acc[6], acc[7]);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.o) + out_of(r) + col) = packed;
+    }
+  }
+  __syncthreads();
+  // Flagged rows (only ever with a non-finite input), one warp per row.
+  for (int row = warp; row < kM; row += Tile::kWarps) {
+    if (r0 + row >= rows.total || !sRedo[row]) continue;
+    const int r = r0 + row;
+    const ExactPackedRow<T> exact(p, pol, rows, batch, kv_head, r, k0, k1);
+    const T* q_row = static_cast<const T*>(p.q) + rows.Offset(sh, batch, kv_head, r);
+    tc::ExactOutputOf<T>(exact, q_row, p.scale, sLse[row], lane, [&](int d, float x) { store(r, d, &x, 1); });
+  }
+}
+
+// Launches the decode forward (and, when split, the merge) for one (dtype,
+// head-dim bucket); instantiated per bucket in decode_d*.cu.
+template <typename T, int kD>
+Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const int64_t packed = p.shape.q_len * p.shape.group_size();
+  if (packed >= (int64_t{1} << 30)) {
+    return Status::Unimplemented("decode kernel: q_len x (query heads per K/V head) must be below 2^30");
+  }
+  const int pick = DecodeTilePick(static_cast<int>(packed));
+  // A forced index names a decode candidate (tests); a tile cache preference
+  // was measured for the forward's candidates, so the decode table decides.
+  const int tile = (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile % FwdParams::kTileSm80;
+  return DecodeCandidates<kD>::With(tile, pick, [&](auto tile) {
+    using Tile = decltype(tile);
+    Status st = EnsureDynamicSmem<DecodeKernel<T, Tile>>(Tile::kSmemBytes, device);
+    if (!st.ok()) return st;
+    if (packed == 0 || p.shape.batch == 0 || p.shape.kv_heads == 0) return Status::Ok();
+    const int64_t ctas = CeilDiv(packed, Tile::kM) * p.num_splits;
+    if (ctas >= (int64_t{1} << 31)) return Status::Unimplemented("decode kernel: too many query tiles x splits");
+    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.shape.kv_heads),
+                    static_cast<unsigned>(p.shape.batch));
+    DecodeKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
+    st = CheckLaunch("decode forward");
+    if (!st.ok() || p.num_splits == 1) return st;
+    return LaunchMergeSplits<T>(p, stream);
+  });
+}
+
+}  // namespace decode
+}  // namespace jaxflash

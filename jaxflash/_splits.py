@@ -1,0 +1,117 @@
+"""How many key ranges a forward splits its work into (split-KV).
+
+A decode step (a few query rows against a long K/V cache) has few work
+items: (batch, K/V head, query tile). Alone they leave most of the machine
+idle while each streams the whole K/V sequence. Splitting every item's keys
+into `s` ranges multiplies the items by `s`; a merge then combines the
+partial results by the online-softmax rule, at a cost of `s` times the size
+of O in float32, small next to K/V.
+
+`None` (automatic) asks the heuristic here; an int forces that many splits
+(tests, tuning). The number is resolved on the Python side because the
+partial buffers are outputs of the call, sized here: nothing is allocated at
+run time.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+import jax
+import jax.numpy as jnp
+
+MAX_SPLITS = 1024  # the handlers' limit (ffi/handlers/decode.h)
+
+# The GPU decode kernels (native and Pallas) take up to this many packed rows
+# (q_len x query heads per K/V head) unsplit (ffi/kernels/decode/launch_decode.h,
+# kMaxPackedRows); longer queries run the training kernels, which automatic
+# splitting leaves alone.
+DECODE_MAX_ROWS = 64
+# Both use 16-row tiles up to 16 packed rows, else 64 (DecodeTilePick), and
+# the native one fits two CTAs per SM (shared memory, head_dim <= 128).
+_GPU_CTAS_PER_SM = 2
+# The CPU forward's packed rows per work item (ffi/kernels/cpu/tile.h).
+_CPU_TILE_ROWS = 32
+_H100_SMS = 132  # when a GPU does not report its SM count
+
+
+def decode_tile_rows(rows: int) -> int:
+  """Packed rows per tile of the GPU decode kernels."""
+  return 16 if rows <= 16 else DECODE_MAX_ROWS
+
+
+def validate(num_splits) -> int:
+  """`num_splits` as the API takes it -> 0 (automatic) or the forced count."""
+  if num_splits is None:
+    return 0
+  if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+    raise TypeError(f"num_splits must be None or an int, got {num_splits!r}")
+  num_splits = int(num_splits)
+  if not 1 <= num_splits <= MAX_SPLITS:
+    raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}] (or None for automatic), got "
+                     f"{num_splits}")
+  return num_splits
+
+
+def heuristic(work_items: int, kv_len: int, slots: int, *, min_keys: int = 256,
+              max_splits: int = 64) -> int:
+  """Splits for `work_items` items over `kv_len` keys on `slots` parallel workers.
+
+  No split when the items already fill most of the slots. Otherwise the
+  smallest split count whose wave efficiency (items x splits over slots,
+  against the next whole number of waves) is within 15% of the best one
+  reachable, keeping at least `min_keys` keys per split.
+  """
+  if work_items <= 0 or slots <= 0 or work_items >= 0.8 * slots:
+    return 1
+  limit = max(1, min(max_splits, kv_len // min_keys))
+  efficiency = []
+  for s in range(1, limit + 1):
+    waves = work_items * s / slots
+    efficiency.append(waves / math.ceil(waves))
+  best = max(efficiency)
+  return next(s for s, e in enumerate(efficiency, 1) if e >= 0.85 * best)
+
+
+def _gpu_sms() -> int:
+  count = getattr(jax.devices()[0], "core_count", None)
+  return int(count) if isinstance(count, int) and count > 0 else _H100_SMS
+
+
+def _gpu_decode(q_shape, k_shape) -> int:
+  B, T, N, _ = q_shape
+  S, K = k_shape[1], k_shape[2]
+  rows = T * (N // K)
+  if rows > DECODE_MAX_ROWS:
+    return 1
+  items = B * K * math.ceil(rows / decode_tile_rows(rows))
+  return heuristic(items, S, _gpu_sms() * _GPU_CTAS_PER_SM)
+
+
+def native(forced: int, q_shape, k_shape, dtype, platform: str) -> int:
+  """The split count of a native forward of q [B, T, N, D] against k [B, S, K, D].
+
+  On the GPU only the tensor-core decode kernel splits: float32 and head dims
+  that are not a multiple of 8 run the SIMT kernels unsplit, and automatic
+  splitting stays off for queries past DECODE_MAX_ROWS packed rows.
+  """
+  if platform in ("gpu", "cuda"):
+    if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8:
+      return 1
+    return forced or _gpu_decode(q_shape, k_shape)
+  if forced:
+    return forced
+  B, T, N, _ = q_shape
+  S, K = k_shape[1], k_shape[2]
+  items = B * K * math.ceil(T * (N // K) / _CPU_TILE_ROWS)
+  return heuristic(items, S, os.cpu_count() or 1, min_keys=512)
+
+
+def pallas(forced: int, q_shape, k_shape, platform: str) -> int:
+  """The split count of a Pallas forward: automatic only on the GPU (the CPU
+  interpreter runs one program at a time, so splitting cannot help there)."""
+  if forced:
+    return forced
+  return _gpu_decode(q_shape, k_shape) if platform in ("gpu", "cuda") else 1

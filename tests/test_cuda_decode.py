@@ -1,0 +1,109 @@
+"""The CUDA decode kernels (GQA packing, split-KV, paged K/V) against float64.
+
+Every test here needs a GPU (marker `gpu`). Each compiled head-dim bucket, both
+decode tile shapes, split counts from one to more splits than key tiles, every
+mask and GQA 1/4/8 with q_len 1..16; paged caches with page sizes 1, 16, 24
+and 64; and a long (32k) decode step with the automatic split count.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import _native, _splits
+from cases import MASKS
+from conftest import assert_within_budget, numpy_reference, random_inputs
+from test_cuda_kernels import _poison_allocator
+from test_native import attention, baseline, check_forward
+from test_paged import contiguous, make_cache
+
+pytestmark = pytest.mark.gpu
+
+LOW = [jnp.bfloat16, jnp.float16]
+_ids = lambda x: getattr(x, "__name__", str(x))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 40])
+@pytest.mark.parametrize("D", [32, 40, 64, 96, 128, 160, 192, 256])
+@pytest.mark.parametrize("dtype", LOW, ids=_ids)
+def test_decode_head_dims(rng, dtype, D, splits):
+  _poison_allocator()
+  check_forward(rng, (2, 2, 1000, 16, 2, D), "lengths_causal_bottom_right", dtype, num_splits=splits)
+
+
+# q_len 1..16 x GQA 1/4/8: 1 to 128 packed rows (one 16-row tile up to two 64-row tiles).
+DECODE_SHAPES = [(2, 1, 777, 8, 8, 128), (2, 1, 500, 8, 2, 64), (1, 2, 900, 16, 2, 128),
+                 (2, 4, 333, 16, 2, 64), (1, 16, 600, 8, 2, 128), (2, 16, 257, 16, 2, 64)]
+
+
+@pytest.mark.parametrize("splits", [1, 5, 64])
+@pytest.mark.parametrize("mask_name", list(MASKS))
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_masks_and_splits(rng, shape, mask_name, splits):
+  _poison_allocator()
+  check_forward(rng, shape, mask_name, jnp.bfloat16, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("candidate", [1, 2])
+@pytest.mark.parametrize("shape", [(2, 1, 300, 8, 1, 64), (1, 6, 400, 8, 1, 128),
+                                   (1, 130, 200, 4, 4, 96)], ids=str)
+def test_every_decode_tile(rng, shape, candidate, splits):
+  """Both tile shapes (16 rows, warps split keys; 64 rows, warps split rows)
+  on 8, 48 and 130 packed rows, whichever the table would pick."""
+  _poison_allocator()
+  with _native.forced_tile(candidate):
+    check_forward(rng, shape, "window_causal_bottom_right", jnp.float16, num_splits=splits)
+
+
+def test_forced_splits_on_a_long_query(rng):
+  """num_splits > 1 routes any query length to the decode kernel (many query tiles)."""
+  _poison_allocator()
+  check_forward(rng, (2, 300, 500, 8, 2, 64), "causal", jnp.bfloat16, num_splits=3)
+  check_forward(rng, (1, 200, 200, 4, 4, 128), "lengths", jnp.float16, num_splits=5)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=_ids)
+def test_long_decode_step_automatic_splits(rng, dtype):
+  """One query against 32k keys, 32 query / 8 K/V heads: the heuristic splits it."""
+  B, T, S, N, K, D = 1, 1, 32768, 32, 8, 128
+  assert _splits.native(0, (B, T, N, D), (B, S, K, D), dtype, "gpu") > 1
+  check_forward(rng, (B, T, S, N, K, D), "causal_bottom_right", dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW + [jnp.float32], ids=_ids)
+@pytest.mark.parametrize("page_size", [1, 16, 24, 64])
+@pytest.mark.parametrize("shape", [(4, 1, 32, 8, 128), (2, 5, 8, 1, 64), (2, 16, 16, 2, 96)],
+                         ids=str)
+def test_paged_on_gpu(rng, shape, page_size, dtype):
+  """Paged against float64, and against contiguous bit for bit wherever both run
+  the same kernel (float32: SIMT; 16-bit: the decode kernel, which a paged call
+  always takes and a contiguous one takes up to 64 packed rows or when split);
+  sequences of length 0 and 1 included."""
+  _poison_allocator()
+  B, T, N, K, D = shape
+  lengths = [0, 1, 300, 1000] if B == 4 else [0, 777]
+  q, kp, vp, table, kv_lengths, k, v = make_cache(rng, B, T, N, K, D, page_size,
+                                                 -(-1024 // page_size), dtype, lengths=lengths)
+  kw = dict(is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=kv_lengths)
+  truth, _, _ = numpy_reference.forward(q, k, v, scale=1 / np.sqrt(D), right=0, bottom_right=True,
+                                        kv_lengths=np.asarray(kv_lengths))
+  base = baseline(q, k, v, **kw)[0]
+  for splits in (None, 1, 4):
+    paged = jaxflash.paged_attention(q, kp, vp, table, kv_lengths, num_splits=splits)
+    assert_within_budget(paged, truth, base, f"paged output, num_splits={splits}")
+    resolved = _splits.native(splits or 0, q.shape, k.shape, dtype, "gpu")
+    if dtype == jnp.float32 or T * (N // K) <= 64 or resolved > 1:
+      dense = contiguous(q, k, v, kv_lengths, num_splits=splits, implementation="native")
+      np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(dense, np.float32))
+
+
+def test_split_results_repeat(rng):
+  """Split-KV has no atomics: the same call gives the same bits."""
+  q, k, v = random_inputs(rng, 2, 1, 5000, 16, 2, 128, jnp.bfloat16)
+  first = np.asarray(attention(q, k, v, num_splits=9)[0], np.float32)
+  for _ in range(3):
+    np.testing.assert_array_equal(np.asarray(attention(q, k, v, num_splits=9)[0], np.float32), first)
