@@ -126,6 +126,13 @@ class _PallasKernels:
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                                    **cls._kw(spec), diagonal_offsets=offsets)
 
+  @classmethod
+  def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
+              offsets=None):
+    """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
+    return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                                  **cls._kw(spec), diagonal_offsets=offsets)
+
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
 def _fused(q, k, v, q_lengths, kv_lengths, kernels, spec):

@@ -12,7 +12,9 @@ How it fits (attention._fused is a `jax.custom_jvp`):
 * `tangent_p` gives (tO, tLSE) for tangents (tQ, tK, tV). It is linear in
   them, and its transpose is the kernels' backward, so reverse mode
   (linearize, then transpose) still runs only the fast kernels, while forward
-  mode evaluates the scan below.
+  mode evaluates the implementation's tangent kernel where it has one (the
+  Pallas kernels: pallas/tangent.py; ring attention: its own pass), else the
+  scan below.
 * `kernel_backward` is that backward as a `custom_jvp`: its value comes from
   the kernels, its tangent from differentiating `backward`, the same
   quantities in jnp. That is the second-order rule a Hessian-vector product
@@ -200,8 +202,8 @@ def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kerne
 
 
 def _tangent_impl(*args, kernels, spec):
-  # Kernels that see only part of the problem (ring attention's shards)
-  # bring their own tangent; for the others the blockwise one is exact.
+  # Kernels with a tangent pass of their own (Pallas, ring attention's
+  # shards) use it; for the others the blockwise jnp one is exact.
   if hasattr(kernels, "tangent"):
     return kernels.tangent(*args, spec=spec)
   return tangent(*args, spec=spec)

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflash import ring as ring_lib
+from jaxflash import derivatives, ring as ring_lib
 
 
 # ------------------------------------------------------------------ the plan
@@ -356,6 +356,14 @@ def partitioned(kernels):
                                      ("rows", "keys", "keys"))
         grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths)
       return _varying_like(grads, (q, k, v))
+
+    if hasattr(kernels, "tangent"):
+      # Forward mode on one device is the kernels' tangent pass; on several it
+      # is the blockwise jnp tangent, which the partitioner splits like any jnp.
+      @staticmethod
+      def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
+        fn = kernels.tangent if jax.device_count() == 1 else derivatives.tangent
+        return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec)
 
   Partitioned.__name__ = Partitioned.__qualname__ = f"Partitioned{kernels.__name__}"
   return Partitioned

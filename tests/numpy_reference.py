@@ -165,3 +165,30 @@ def exact(q, k, v, do, dlse=None, *, scale, **mask):
     dk = pair_sum(ds, q, "rows") * scale
     fold = lambda x: x.reshape(B, S, K, N // K, D).sum(3)
     return o, lse, dq, fold(dk), fold(dv)
+
+
+def exact_tangent(q, k, v, tq, tk, tv, *, scale, **mask):
+  """Forward mode in IEEE float64 over the visible pairs only: (tO, tLSE [B, N, T])
+  for tangents (tq, tk, tv), from `exact`'s O and LSE. With P = exp(S - LSE)
+  and tS = scale (tQ Kᵀ + Q tKᵀ): tLSE = Σ_j P tS, tO = Σ_j P (tS V_j + tV_j) - tLSE O;
+  rows that see nothing get 0. Materialises [B, N, T, S, D]: small shapes.
+  """
+  q, k, v, tq, tk, tv = (np.asarray(x, np.float64) for x in (q, k, v, tq, tk, tv))
+  B, T, N, D = q.shape
+  S = k.shape[1]
+  o, lse = exact(q, k, v, np.zeros_like(q), scale=scale, **mask)[:2]
+  ke, ve, tke, tve = (_expand(x, N) for x in (k, v, tk, tv))
+  vis = np.broadcast_to(visible(B, T, S, **mask)[:, None], (B, N, T, S))
+  with np.errstate(all="ignore"):
+    s = np.einsum("btnd,bsnd->bnts", q, ke) * scale
+    p = np.where(vis, np.exp(np.where(vis, s - lse[..., None], 0.0)), 0.0)
+    ts = (np.einsum("btnd,bsnd->bnts", tq, ke) + np.einsum("btnd,bsnd->bnts", q, tke)) * scale
+    pts = np.where(vis, p * ts, 0.0)
+
+    def key_sum(weights, x):  # Σ over visible keys of weights * x rows: [B, T, N, D]
+      prod = weights[..., None] * x.transpose(0, 2, 1, 3)[:, :, None, :, :]
+      return np.where(vis[..., None], prod, 0.0).sum(3).transpose(0, 2, 1, 3)
+
+    t_lse = pts.sum(-1)
+    t_o = key_sum(pts, ve) + key_sum(p, tve) - t_lse.transpose(0, 2, 1)[..., None] * o
+  return t_o, t_lse

@@ -16,7 +16,8 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxflash
-from conftest import max_abs, random_inputs
+import jaxflash.pallas
+from conftest import assert_within_budget, max_abs, numpy_reference, random_inputs
 
 FUSED = ["native", "pallas"]
 MASKS = {
@@ -152,6 +153,151 @@ def test_tangent_never_materialises_the_scores(rng, impl):
   assert biggest <= B * N * T * 128 and biggest < T * S
 
 
+# ------------------------------------------------------------------ the Pallas tangent kernel
+
+# Ragged T, S against the blocks, GQA 2, a head dim padded to 32; masks with
+# an empty batch element (kv length 0), both causal alignments, a window.
+TANGENT_SHAPE = (2, 37, 45, 4, 2, 20)
+TANGENT_MASKS = {
+    "causal_lengths": (dict(is_causal=True), [37, 20], [45, 0]),
+    "causal_bottom_right": (dict(is_causal=True, causal_alignment="bottom_right"), [30, 37],
+                            [45, 17]),
+    "window": (dict(local_window_size=(6, 2)), None, [45, 31]),
+    "none": (dict(scale=0.3), None, None),
+}
+
+
+def _numpy_mask(kw, q_lengths, kv_lengths, offsets=None):
+  left, right = kw.get("local_window_size", (-1, -1))
+  if kw.get("is_causal"):
+    right = 0
+  return dict(left=left, right=right, bottom_right=kw.get("causal_alignment") == "bottom_right",
+              q_lengths=q_lengths, kv_lengths=kv_lengths, offsets=offsets)
+
+
+def _tangent_inputs(rng, shape, dtype):
+  primals = random_inputs(rng, *shape, dtype)
+  return primals, random_inputs(rng, *shape, dtype)
+
+
+def _truth(primals, tangents, kw, mask):
+  """Float64 (tO, tLSE [B, T, N] as the public residual) of the inputs as rounded to their dtype."""
+  up = [np.asarray(x, np.float64) for x in (*primals, *tangents)]
+  scale = kw.get("scale", 1 / np.sqrt(up[0].shape[-1]))
+  t_o, t_lse = numpy_reference.exact_tangent(*up, scale=scale, **mask)
+  return t_o, t_lse.transpose(0, 2, 1)
+
+
+@pytest.fixture
+def tangent_calls(monkeypatch):
+  """How often the Pallas tangent kernel was traced."""
+  calls = []
+  real = jaxflash.pallas.pallas_tangent
+  monkeypatch.setattr(jaxflash.pallas, "pallas_tangent",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  return calls
+
+
+def _check_pallas_jvp(rng, mask_name, dtype, shape=TANGENT_SHAPE):
+  kw, q_lengths, kv_lengths = TANGENT_MASKS[mask_name]
+  kw = dict(kw, query_seq_lengths=q_lengths and np.array(q_lengths, np.int32),
+            key_value_seq_lengths=kv_lengths and np.array(kv_lengths, np.int32))
+  primals, tangents = _tangent_inputs(rng, shape, dtype)
+  _, (t_out, t_lse) = jax.jvp(_attention("pallas", kw), primals, tangents)
+  assert t_out.dtype == dtype and t_lse.dtype == jnp.float32
+  _, baseline = jax.jvp(_attention("xla", kw), primals, tangents)
+  truth = _truth(primals, tangents, kw, _numpy_mask(kw, q_lengths, kv_lengths))
+  for name, got, want, base in zip(("tO", "tLSE"), (t_out, t_lse), truth, baseline):
+    assert_within_budget(got, want, base, f"{mask_name} {name}")
+
+
+@pytest.mark.parametrize("mask_name", list(TANGENT_MASKS))
+def test_pallas_jvp_against_float64(rng, tangent_calls, mask_name):
+  """jvp through implementation="pallas" runs the tangent kernel, within the
+  tolerance rule of the float64 truth (the xla implementation the yardstick)."""
+  _check_pallas_jvp(rng, mask_name, jnp.float32)
+  assert tangent_calls
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask_name", list(TANGENT_MASKS))
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+def test_pallas_jvp_against_float64_half(rng, mask_name, dtype):
+  _check_pallas_jvp(rng, mask_name, dtype)
+
+
+def test_pallas_reverse_mode_runs_no_tangent_kernel(rng, tangent_calls):
+  """grad transposes the tangent primitive into the backward kernels."""
+  q, k, v = random_inputs(rng, 1, 20, 24, 2, 1, 16, jnp.float32)
+  loss = lambda q: jnp.sum(jaxflash.dot_product_attention(q, k, v, implementation="pallas",
+                                                          is_causal=True) ** 2)
+  jax.grad(loss)(q)
+  assert not tangent_calls
+
+
+def _tangent_with_offsets(rng, shape, dtype, offsets, kw, q_lengths, kv_lengths):
+  """The kernel called directly (diagonal offsets are not in the public API)."""
+  (q, k, v), (tq, tk, tv) = _tangent_inputs(rng, shape, dtype)
+  left, right = kw.get("local_window_size", (-1, -1))
+  call = dict(scale=0.25, window_left=left, window_right=0 if kw.get("is_causal") else right,
+              bottom_right=kw.get("causal_alignment") == "bottom_right",
+              diagonal_offsets=jnp.asarray(offsets, jnp.int32))
+  lengths = (jnp.asarray(q_lengths, jnp.int32), jnp.asarray(kv_lengths, jnp.int32))
+  o, lse = jaxflash.pallas.pallas_forward(q, k, v, *lengths, **call)
+  t_o, t_lse = jaxflash.pallas.pallas_tangent(q, k, v, o, lse, *lengths, tq, tk, tv, **call)
+  got = t_o, jnp.transpose(t_lse, (0, 2, 1))
+  truth = _truth((q, k, v), (tq, tk, tv), dict(scale=0.25),
+                 _numpy_mask(kw, q_lengths, kv_lengths, offsets))
+  return got, truth
+
+
+@pytest.mark.parametrize("kw", [dict(is_causal=True),
+                                dict(local_window_size=(5, 3), causal_alignment="bottom_right")],
+                         ids=["causal", "window_bottom_right"])
+def test_pallas_tangent_diagonal_offsets(rng, kw):
+  """Per-batch diagonal offsets (ring attention's blocks) move the mask as in the forward."""
+  got, truth = _tangent_with_offsets(rng, TANGENT_SHAPE, jnp.float32, [9, -20], kw,
+                                     [37, 33], [40, 45])
+  for name, g, w in zip(("tO", "tLSE"), got, truth):
+    # float32 throughout: a few ulps of the truth's magnitude.
+    assert max_abs(g, w) <= 2e-5 * max(1.0, float(np.max(np.abs(w)))), name
+
+
+POISONS = {"q": 0, "k": 1, "v": 2, "tq": 3, "tk": 4, "tv": 5}
+
+
+def _check_nonfinite_tangent(rng, poison, value, dtype, shape=TANGENT_SHAPE):
+  """One non-finite element at a real row/key: the same non-finite elements as
+  the float64 truth over the visible pairs, and the finite ones agree."""
+  kw, q_lengths, kv_lengths = TANGENT_MASKS["causal_lengths"]
+  kw = dict(kw, query_seq_lengths=np.array(q_lengths, np.int32),
+            key_value_seq_lengths=np.array(kv_lengths, np.int32))
+  arrays = [np.asarray(x, np.float64) for x in (*random_inputs(rng, *shape, dtype),
+                                                *random_inputs(rng, *shape, dtype))]
+  x = arrays[POISONS[poison]]
+  valid = q_lengths[0]  # under the causal mask, rows and keys below it are all seen
+  x[0, int(rng.integers(valid)), int(rng.integers(x.shape[2])), int(rng.integers(x.shape[3]))] = value
+  arrays = [jnp.asarray(x, dtype) for x in arrays]
+  _, got = jax.jvp(_attention("pallas", kw), arrays[:3], arrays[3:])
+  truth = _truth(arrays[:3], arrays[3:], kw, _numpy_mask(kw, q_lengths, kv_lengths))
+  for name, g, w in zip(("tO", "tLSE"), got, truth):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    bad = np.argwhere(np.isnan(g) != np.isnan(w))
+    assert not bad.size, f"{poison} {name}: NaN differs at {len(bad)} elements, first {bad[0]}"
+    fin = np.isfinite(w)
+    assert np.array_equal(np.isfinite(g), fin), f"{poison} {name}: Inf pattern differs"
+    tol = 2e-4 if dtype == jnp.float32 else 5e-2
+    assert max_abs(g[fin], w[fin]) <= tol * max(1.0, float(np.max(np.abs(w[fin]), initial=0)))
+  # The poison reached something, and the empty batch element stayed zero.
+  assert not np.all(np.isfinite(np.asarray(got[0], np.float64)))
+  assert np.all(np.asarray(got[0][1, :, :, :], np.float64) == 0)
+
+
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_pallas_tangent_nan_reaches_exactly_the_rows_that_see_it(rng, poison):
+  _check_nonfinite_tangent(rng, poison, np.nan, jnp.float32)
+
+
 # ------------------------------------------------------------------ GPU
 
 @pytest.mark.gpu
@@ -176,3 +322,19 @@ def test_forward_mode_on_gpu(rng, impl, dtype):
       theirs = hvp("xla")
     for a, b in zip(jax.tree.leaves(hvp(impl)), jax.tree.leaves(theirs)):
       assert max_abs(a, b) < tol * max(1.0, float(np.max(np.abs(np.asarray(b)))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
+def test_pallas_tangent_kernel_on_gpu(rng, dtype):
+  """The Pallas tangent through Triton: every mask, offsets, NaN inputs."""
+  shape = (2, 150, 133, 4, 2, 96)
+  for mask_name in TANGENT_MASKS:
+    _check_pallas_jvp(rng, mask_name, dtype, shape)
+  got, truth = _tangent_with_offsets(rng, shape, dtype, [40, -70], dict(is_causal=True),
+                                     [150, 120], [133, 100])
+  tol = 2e-4 if dtype == jnp.float32 else 0.05
+  for g, w in zip(got, truth):
+    assert max_abs(g, w) <= tol * max(1.0, float(np.max(np.abs(w))))
+  for poison in POISONS:
+    _check_nonfinite_tangent(rng, poison, np.nan, dtype, shape)

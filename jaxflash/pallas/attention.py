@@ -32,6 +32,8 @@ dK/dV     grid (kv blocks, B, Hkv). For one K/V block, walks the query heads
           of its group and the query blocks that can see it, recomputing P
           from the LSE; the group sum of dK/dV happens in the fp32 accumulator.
 dQ        grid (q blocks, B, Hq). Same walk as the forward, accumulates dS K.
+tangent   grid (q blocks, B, Hq). Same walk as the forward, forward mode's
+          (tO, tLSE) from O, the LSE and (tQ, tK, tV); in tangent.py.
 
 Every kernel splits its walk into three ranges of blocks: a masked range at
 each end and an unmasked interior of tiles that are entirely visible, so the
@@ -164,14 +166,14 @@ _SMEM_BUDGET = 128 * 1024
 
 
 def _fit_smem(itemsize: int, dp: int, major: int, minor: int, stages: int,
-              resident: int) -> tuple[int, int, int]:
+              resident: int, streamed: int = 2) -> tuple[int, int, int]:
   """Shrinks (stages, minor block, major block) until the tiles fit.
 
-  ``resident`` tiles of ``major x dp`` stay for the whole program and two
-  streamed tiles of ``minor x dp`` are buffered ``stages`` deep.
+  ``resident`` tiles of ``major x dp`` stay for the whole program and
+  ``streamed`` tiles of ``minor x dp`` are buffered ``stages`` deep.
   """
   def smem(major, minor, stages):
-    return itemsize * dp * (resident * major + 2 * minor * stages)
+    return itemsize * dp * (resident * major + streamed * minor * stages)
 
   while smem(major, minor, stages) > _SMEM_BUDGET:
     if stages > 1:
@@ -556,8 +558,8 @@ def _zero_padding(x, index, valid):
 
 
 def _exact_where_nan(xs, rows_ok, exact):
-  """`xs` (a tuple of [rows, cols] results), or `exact(xs)` when a NaN shows
-  in a row that `rows_ok` flags.
+  """`xs` (a tuple of [rows, cols] or [rows] results), or `exact(xs)` when a
+  NaN shows in a row that `rows_ok` flags.
 
   A product over a partly masked tile multiplies masked pairs by an exact
   zero weight, and 0 * NaN (or Inf) of a key the row cannot see would be NaN.
@@ -567,7 +569,8 @@ def _exact_where_nan(xs, rows_ok, exact):
   """
   # A max over int32 flags: Triton has no lowering for jnp.any.
   bad = functools.reduce(jnp.maximum, [
-      jnp.max((jnp.isnan(x) & rows_ok[:, None]).astype(jnp.int32)) for x in xs]) > 0
+      jnp.max((jnp.isnan(x) & (rows_ok if x.ndim == 1 else rows_ok[:, None])).astype(jnp.int32))
+      for x in xs]) > 0
   return lax.cond(bad, exact, lambda xs: xs, xs)
 
 

@@ -1,0 +1,161 @@
+"""The forward-mode tangent of attention as a Pallas kernel.
+
+Given the outputs (O, LSE) of a forward call and tangents (tQ, tK, tV), one
+pass over the keys a block of query rows sees gives (tO, tLSE), with no
+rescaling since the LSE is known (natural log, scale c, visible keys j):
+
+    P = exp(c Q Kᵀ - LSE),  tS = c (tQ Kᵀ + Q tKᵀ),
+    tLSE = Σ_j P tS,        tO = Σ_j P (tS V_j + tV_j) - tLSE O.
+
+The grid, the walk over key blocks (masked head, unmasked interior, masked
+tail), the masks, the diagonal offsets and the padding are the forward
+kernel's (attention.py). The non-finite rules are too: padding rows and keys
+are zeroed where a masked tile loads them, P and tS are zeroed on masked
+pairs, and a block whose result shows a NaN (a masked pair's 0 * NaN in a
+tile product) is recomputed pair by pair over the visible pairs only. Rows
+that see no key give tO = 0 and tLSE = 0. The jnp scan of the same formulas
+is jaxflash.derivatives.tangent, which implementations without a tangent
+kernel use.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxflash.pallas.attention import (
+    _EMPTY_LSE, _LOG2E, PallasConfig, _block_sizes, _check_static_args, _clamped_lengths,
+    _compiler_params, _dot, _exact_where_nan, _fit_smem, _key_blocks, _length_spec, _lse_log2,
+    _Mask, _offsets, _pad_to, _padded_head_dim, _resolve_config, _zero_padding)
+
+__all__ = ["pallas_tangent"]
+
+
+def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, tq_ref,
+                    tk_ref, tv_ref, to_ref, tlse_ref, *, scale: float, qk_scale: float, left: int,
+                    right: int, bottom_right: bool, block_q: int, block_k: int,
+                    num_q_blocks: int):
+  qi = num_q_blocks - 1 - pl.program_id(0)  # heaviest (causal) blocks first
+  b = pl.program_id(1)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  r0 = qi * block_q
+  lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
+  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  q = _zero_padding(q_ref[...], rows, mask.q_valid)
+  tq = _zero_padding(tq_ref[...], rows, mask.q_valid)
+  lse = lse_ref[...]
+  lse2 = _lse_log2(lse)
+  dp = q.shape[-1]
+
+  def step(masked, kb, carry):
+    acc, t_lse = carry
+    start = pl.multiple_of(kb * block_k, block_k)
+    k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
+    tk, tv = tk_ref[pl.ds(start, block_k), :], tv_ref[pl.ds(start, block_k), :]
+    p = jnp.exp2(_dot(q, k, 1, 1) * qk_scale - lse2[:, None])
+    ts = (_dot(tq, k, 1, 1) + _dot(q, tk, 1, 1)) * scale
+    if masked:
+      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+      v, tv = (_zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
+      visible = mask.visible(rows, cols)
+      p = jnp.where(visible, p, 0.0)
+      ts = jnp.where(visible, ts, 0.0)
+    pts = p * ts
+    acc = acc + _dot(pts.astype(v.dtype), v, 1, 0) + _dot(p.astype(tv.dtype), tv, 1, 0)
+    return acc, t_lse + jnp.sum(pts, axis=1)
+
+  carry = (jnp.zeros((block_q, dp), jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  carry = lax.fori_loop(lo, a, functools.partial(step, True), carry)
+  carry = lax.fori_loop(a, bb, functools.partial(step, False), carry)
+  carry = lax.fori_loop(bb, hi, functools.partial(step, True), carry)
+
+  def exact(xs):
+    # Key by key over the visible pairs only: a masked pair is selected away,
+    # never multiplied by a zero weight.
+    acc, t_lse = xs
+    qf, tqf = q.astype(jnp.float32), tq.astype(jnp.float32)
+
+    def key(j, sums):
+      acc, t_lse = sums
+      kj, vj, tkj, tvj = (r[pl.ds(j, 1), :].astype(jnp.float32)
+                          for r in (k_ref, v_ref, tk_ref, tv_ref))
+      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
+      ts = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scale
+      visible = mask.visible(rows[:, 0], j)
+      pts = p * ts
+      return (acc + jnp.where(visible[:, None], pts[:, None] * vj + p[:, None] * tvj, 0.0),
+              t_lse + jnp.where(visible, pts, 0.0))
+
+    new = lax.fori_loop(lo * block_k, hi * block_k, key, (jnp.zeros_like(acc),
+                                                         jnp.zeros_like(t_lse)))
+    ok = jnp.isfinite(lse)
+    return jnp.where(ok[:, None], new[0], acc), jnp.where(ok, new[1], t_lse)
+
+  # Rows whose LSE is not finite are NaN throughout anyway.
+  acc, t_lse = _exact_where_nan(carry, jnp.isfinite(lse), exact)
+  # Emptiness is structural, as in the forward: such rows output zeros.
+  has_keys = mask.has_keys(rows[:, 0])
+  t_o = acc - t_lse[:, None] * o_ref[...].astype(jnp.float32)
+  to_ref[...] = jnp.where(has_keys[:, None], t_o, 0.0).astype(to_ref.dtype)
+  tlse_ref[...] = jnp.where(has_keys, t_lse, 0.0)
+
+
+def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale: float,
+                   window_left: int, window_right: int, bottom_right: bool,
+                   config: PallasConfig | None = None, diagonal_offsets=None):
+  """(tO, tLSE) of the call whose outputs are (o, lse), for tangents (tq, tk, tv).
+
+  Arguments as for `pallas_forward`, plus its outputs `o` (``[B, T, Hq, D]``)
+  and `lse` (float32 ``[B, Hq, T]``) and tangents shaped like q, k, v. Returns
+  tO in o's dtype and tLSE in float32; both are 0 on rows that see no key.
+  Block sizes and warps are the forward's (``block_q``, ``block_k``,
+  ``num_warps``, ``num_stages``), shrunk on the GPU until the twice as many
+  tiles fit in shared memory.
+  """
+  _check_static_args(q, k, v, scale, window_left, window_right)
+  batch, t, hq, d = q.shape
+  _, s, hkv, _ = k.shape
+  group = hq // hkv
+  if batch * t * hq * s == 0:
+    return jnp.zeros(o.shape, o.dtype), jnp.zeros(lse.shape, jnp.float32)
+  cfg = _resolve_config(config, d, q.dtype)
+  dp = _padded_head_dim(d)
+  block_q, block_k, stages = cfg.block_q, cfg.block_k, cfg.num_stages
+  if not cfg.interpret:
+    # Q and tQ stay for the program; K, V, tK, tV stream: twice the forward's tiles.
+    block_q, block_k, stages = _fit_smem(jnp.dtype(q.dtype).itemsize, dp, block_q, block_k,
+                                         stages or 1, resident=2, streamed=4)
+  bq, t_pad = _block_sizes(t, block_q)
+  bk, s_pad = _block_sizes(s, block_k)
+  nq = t_pad // bq
+  pad_rows = lambda x: _pad_to(x.astype(q.dtype), {1: t_pad, 3: dp})
+  pad_keys = lambda x: _pad_to(x.astype(k.dtype), {1: s_pad, 3: dp})
+
+  kernel = functools.partial(
+      _tangent_kernel, scale=float(scale), qk_scale=float(scale) * _LOG2E,
+      left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
+      block_q=bq, block_k=bk, num_q_blocks=nq)
+  q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
+  kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
+  lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  t_o, t_lse = pl.pallas_call(
+      kernel,
+      grid=(nq, batch, hq),
+      in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch), q_spec, kv_spec,
+                kv_spec, q_spec, lse_spec, q_spec, kv_spec, kv_spec],
+      out_specs=[q_spec, lse_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), o.dtype),
+                 jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
+      interpret=cfg.interpret,
+      compiler_params=(None if cfg.interpret else
+                       _compiler_params(cfg.num_warps, stages, bq, bk)),
+      name="jaxflash_pallas_tangent",
+  )(_clamped_lengths(q_lengths, batch, t), _clamped_lengths(kv_lengths, batch, s),
+    _offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
+    _pad_to(o, {1: t_pad, 3: dp}), _pad_to(lse.astype(jnp.float32), {2: t_pad}, value=_EMPTY_LSE),
+    pad_rows(tq), pad_keys(tk), pad_keys(tv))
+  return t_o[:, :t, :, :d], t_lse[:, :, :t]
