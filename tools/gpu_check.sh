@@ -52,14 +52,17 @@ run_py() { (cd /tmp && "$@"); }
 repo=$PWD
 
 # pytest under a time limit, from outside the checkout; notes the stage's
-# summary line (its last line, or that it timed out).
+# summary line (its last line, or that it timed out). A test still running
+# after TEST_TIMEOUT s (default 120) has its stack dumped into the log, so a
+# hung kernel names its test (grep the log for "Timeout").
 pytest_stage() {  # name, time limit in s, log, pytest arguments...
   local name=$1 limit=$2 log=$3 start=$SECONDS
   shift 3
-  run_py timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$OUT/$log" 2>&1
+  run_py timeout "$limit" python3 -m pytest -q -p no:cacheprovider -o faulthandler_timeout="${TEST_TIMEOUT:-120}" \
+      "$@" > "$OUT/$log" 2>&1
   local rc=$?
   local last; last=$(tail -n 1 "$OUT/$log")
-  [ "$rc" -eq 124 ] && last="TIMED OUT after $limit s: $last"
+  [ "$rc" -eq 124 ] && last="TIMED OUT after $limit s: $last ($(grep -c 'Timeout (' "$OUT/$log") stack dumps)"
   note "$name: $last [$((SECONDS - start)) s]"
 }
 
