@@ -533,15 +533,25 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, qk_scale: float,
   return o, lse
 
 
-def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                qk_scale: float, left: int, right: int, bottom_right: bool,
-                block_q: int, block_k: int, num_q_blocks: int):
-  qi = num_q_blocks - 1 - pl.program_id(0)  # heaviest (causal) blocks first
+def _query_block(q_len_ref, kv_len_ref, off_ref, *, left: int, right: int, bottom_right: bool,
+                 block_q: int, block_k: int, num_q_blocks: int):
+  """The query block of this program (grid axis 0, heaviest causal blocks
+  first; axis 1 the batch element): its mask, first row, rows [bq, 1] and the
+  key-block ranges (lo, a, b, hi) of `_key_blocks`."""
+  qi = num_q_blocks - 1 - pl.program_id(0)
   b = pl.program_id(1)
   mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
   r0 = qi * block_q
-  ranges = _key_blocks(mask, r0, block_q, block_k)
   rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  return mask, r0, rows, _key_blocks(mask, r0, block_q, block_k)
+
+
+def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                qk_scale: float, left: int, right: int, bottom_right: bool,
+                block_q: int, block_k: int, num_q_blocks: int):
+  mask, _, rows, ranges = _query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
+                                       bottom_right=bottom_right, block_q=block_q,
+                                       block_k=block_k, num_q_blocks=num_q_blocks)
   q = _zero_padding(q_ref[...], rows, mask.q_valid)
   carry = _attend(q, k_ref, v_ref, rows, mask, ranges, qk_scale=qk_scale, block_k=block_k)
   o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0]),
@@ -624,13 +634,9 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
                delta_ref, dq_ref, *, scale: float, qk_scale: float, left: int,
                right: int, bottom_right: bool, block_q: int, block_k: int,
                num_q_blocks: int):
-  qi = num_q_blocks - 1 - pl.program_id(0)
-  b = pl.program_id(1)
-  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
-  r0 = qi * block_q
-  lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
-
-  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  mask, r0, rows, (lo, a, bb, hi) = _query_block(
+      q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
+      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
   q = _zero_padding(q_ref[...], rows, mask.q_valid)
   do = _zero_padding(do_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]

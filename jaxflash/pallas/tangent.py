@@ -29,8 +29,8 @@ from jax.experimental import pallas as pl
 
 from jaxflash.pallas.attention import (
     _EMPTY_LSE, _LOG2E, PallasConfig, _block_sizes, _check_static_args, _clamped_lengths,
-    _compiler_params, _dot, _exact_where_nan, _fit_smem, _key_blocks, _length_spec, _lse_log2,
-    _Mask, _offsets, _pad_to, _padded_head_dim, _resolve_config, _zero_padding)
+    _compiler_params, _dot, _exact_where_nan, _fit_smem, _length_spec, _lse_log2,
+    _offsets, _query_block, _pad_to, _padded_head_dim, _resolve_config, _zero_padding)
 
 __all__ = ["pallas_tangent"]
 
@@ -39,12 +39,9 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, 
                     tk_ref, tv_ref, to_ref, tlse_ref, *, scale: float, qk_scale: float, left: int,
                     right: int, bottom_right: bool, block_q: int, block_k: int,
                     num_q_blocks: int):
-  qi = num_q_blocks - 1 - pl.program_id(0)  # heaviest (causal) blocks first
-  b = pl.program_id(1)
-  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
-  r0 = qi * block_q
-  lo, a, bb, hi = _key_blocks(mask, r0, block_q, block_k)
-  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  mask, r0, rows, (lo, a, bb, hi) = _query_block(
+      q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
+      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
   q = _zero_padding(q_ref[...], rows, mask.q_valid)
   tq = _zero_padding(tq_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
