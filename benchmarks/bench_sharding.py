@@ -20,6 +20,13 @@ Sections (bf16, H = 16, D = 128 as in the DESIGN.md §6 grid; n = the number of 
 
 Every measurement runs in a fresh process, so each peak-memory figure is that run's own.
 Works with any number of GPUs (with one, the "n GPUs" rows repeat the single-GPU run).
+
+    python benchmarks/bench_sharding.py --cpu-memory [--devices 2 --seq 4096 --heads 16]
+
+needs no GPU: XLA's buffer assignment on host devices (`memory_analysis()` of the compiled
+forward+backward), one device against the automatic ring and `ring_attention` in shard_map,
+in units of X = one q-sized tensor. A statement about the program XLA builds, not a GPU
+measurement (the GPU's own scheduler and allocator decide the real peak).
 """
 
 from __future__ import annotations
@@ -109,8 +116,67 @@ print(json.dumps(out))
 """
 
 
-def _run(code, cfg, env_flags=""):
-  env = dict(os.environ)
+_CPU_MEMORY = r"""
+import functools, json, sys
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import jaxflash
+cfg = json.loads(sys.argv[1])
+n, S, H, D = len(jax.devices()), cfg["S"], cfg["H"], 128
+X = S * H * D * 2                                  # one q-sized bf16 tensor, B = 1
+auto = lambda devs: jax.make_mesh((len(devs),), ("x",), devices=devs,
+                                  axis_types=(jax.sharding.AxisType.Auto,))
+mesh = auto(jax.devices())
+seq, whole = NamedSharding(mesh, P(None, "x")), NamedSharding(auto(jax.devices()[:1]), P())
+
+def loss_of(causal, explicit):
+  if not explicit:
+    return lambda q, k, v, do: jnp.sum(jaxflash.dot_product_attention(q, k, v, is_causal=causal)
+                                       .astype(jnp.float32) * do.astype(jnp.float32))
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "x"), out_specs=P())
+  def loss(q, k, v, do):
+    o = jaxflash.ring_attention(q, k, v, axis_name="x", is_causal=causal,
+                                layout="zigzag" if causal else "contiguous")
+    return jax.lax.psum(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), "x")
+  return loss
+
+arg = jax.ShapeDtypeStruct((1, S, H, D), jnp.bfloat16)
+rows = []
+for causal in (True, False):
+  for name, sharding, explicit in (("one device", whole, False), ("automatic ring", seq, False),
+                                   ("ring_attention", seq, True)):
+    step = jax.jit(jax.grad(loss_of(causal, explicit), argnums=(0, 1, 2)),
+                   in_shardings=(sharding,) * 4, out_shardings=(sharding,) * 3)
+    m = step.lower(arg, arg, arg, arg).compile().memory_analysis()
+    sizes = [m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+             m.alias_size_in_bytes]
+    rows.append(dict(name=name, causal=causal, sizes=[b / X for b in sizes]))
+print(json.dumps(dict(devices=n, rows=rows)))
+"""
+
+
+def _cpu_memory(devices, S, H):
+  r = _run(_CPU_MEMORY, dict(S=S, H=H), f"--xla_force_host_platform_device_count={devices}",
+           dict(JAX_PLATFORMS="cpu"))
+  if "error" in r:
+    print(f"failed: {r['error']}")
+    return
+  print(f"## XLA buffer assignment per device, {r['devices']} host devices, forward+backward, "
+        f"B = 1, S = {S}, H = {H}, D = 128, bf16; X = one q-sized tensor "
+        f"({S * H * 256 / 2**20:.0f} MiB)")
+  print("| call | causal | args X | outputs X | temps X | aliased X | total X | vs one device |")
+  print("|---|---|---|---|---|---|---|---|")
+  one = {}
+  for row in r["rows"]:
+    args, outs, temps, alias = row["sizes"]
+    total = args + outs + temps - alias
+    one.setdefault(row["causal"], total)
+    print(f"| {row['name']} | {row['causal']} | {args:.2f} | {outs:.2f} | {temps:.2f} | "
+          f"{alias:.2f} | {total:.2f} | {total / one[row['causal']]:.2f}x |")
+
+
+def _run(code, cfg, env_flags="", env_extra=None):
+  env = dict(os.environ, **(env_extra or {}))
   if env_flags:
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + env_flags).strip()
   proc = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], capture_output=True,
@@ -143,7 +209,15 @@ def main():
   ap.add_argument("--batch-seq", type=int, default=8192, help="sequence length of section 1")
   ap.add_argument("--check-seq", type=int, default=8192, help="sequence length of section 4")
   ap.add_argument("--trace", default="", help="write a profiler trace of the sharded 128k step")
+  ap.add_argument("--cpu-memory", action="store_true",
+                  help="no GPU: XLA buffer assignment on host devices, then exit")
+  ap.add_argument("--devices", type=int, default=2, help="host devices of --cpu-memory")
+  ap.add_argument("--seq", type=int, default=4096, help="sequence length of --cpu-memory")
+  ap.add_argument("--heads", type=int, default=16, help="heads of --cpu-memory")
   args = ap.parse_args()
+  if args.cpu_memory:
+    _cpu_memory(args.devices, args.seq, args.heads)
+    return
 
   import jax
   n = len(jax.devices())

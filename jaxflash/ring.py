@@ -112,16 +112,18 @@ class Sharded:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis, perm), tree)
 
 
-def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool):
+def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool, pieces: bool = False):
   """Contiguous <-> zigzag for the local shard `x` of an array sharded as `seq`.
 
   Two collective permutes: the contiguous shard p holds half-chunks 2p and
   2p + 1, which go to different zigzag shards; sending the even and the odd
   half-chunk apart makes each transfer a permutation of the devices.
+  `pieces` (to zigzag only) returns the shard's two chunks as a tuple instead
+  of their concatenation, the form the `Ring` methods take without a copy.
   """
   n = seq.shards
   if n == 1:
-    return x
+    return tuple(jnp.split(x, 2, axis=seq_axis)) if pieces else x
   home = lambda c: c if c < n else 2 * n - 1 - c       # zigzag shard of chunk c
   first, second = jnp.split(x, 2, axis=seq_axis)
   me = lax.axis_index(seq.axis)
@@ -130,8 +132,8 @@ def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool):
     even = lax.ppermute(first, seq.axis, [(p, home(2 * p)) for p in range(n)])
     odd = lax.ppermute(second, seq.axis, [(p, home(2 * p + 1)) for p in range(n)])
     # Shard d's chunk d has d's parity; its other chunk 2n-1-d the other one.
-    return jnp.concatenate([jnp.where(even_me, even, odd), jnp.where(even_me, odd, even)],
-                           axis=seq_axis)
+    chunks = (jnp.where(even_me, even, odd), jnp.where(even_me, odd, even))
+    return chunks if pieces else jnp.concatenate(chunks, axis=seq_axis)
   # Shard d holds chunks (d, 2n-1-d); the even one goes to shard c // 2 first.
   even_chunk = lambda d: d if d % 2 == 0 else 2 * n - 1 - d
   odd_chunk = lambda d: 2 * n - 1 - d if d % 2 == 0 else d
@@ -144,8 +146,32 @@ def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool):
 
 # ------------------------------------------------------------------ blocks
 
-def _split(x, n: int, axis: int) -> list:
-  return [x] if n == 1 else jnp.split(x, n, axis=axis)
+def _piece(x, i: int, n: int, axis: int):
+  """Piece i of n of `x` along `axis`; `x` may also be the tuple of its n pieces.
+
+  Called inside a block's `lax.cond` branch, so the copy a slice makes lives
+  only while that block's kernel runs. Slicing every operand into its pieces
+  up front kept a second copy of q, k, v, o and dO alive through the whole
+  ring (XLA CPU buffer assignment, zigzag at 2 devices: 0.74X of the 5.76X
+  per-device temps, X = one q-sized tensor). An operand that is made of its
+  pieces (`relayout(..., pieces=True)`) comes as the tuple: a slice of a
+  concatenation inside a branch would keep the concatenation alive instead.
+  """
+  if isinstance(x, tuple):
+    return x[i]
+  if n == 1:
+    return x
+  size = x.shape[axis] // n
+  return lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
+
+
+def _length(x, axis: int) -> int:
+  """Length of `x` (an array or the tuple of its pieces) along `axis`."""
+  return sum(p.shape[axis] for p in x) if isinstance(x, tuple) else x.shape[axis]
+
+
+def _dtype(x):
+  return x[0].dtype if isinstance(x, tuple) else x.dtype
 
 
 def _block(spec, q_start, q_piece: int, k_start, k_piece: int, ql, kvl):
@@ -253,7 +279,7 @@ class Ring:
     key piece c of step r."""
     ql = jnp.clip(q_lengths, 0, self.q_len).astype(jnp.int32)
     kvl = jnp.clip(kv_lengths, 0, self.kv_len).astype(jnp.int32)
-    T, S = q.shape[1], k.shape[1]
+    T, S = _length(q, 1), _length(k, 1)
     hq, hk = T // self.q_seq.pieces, S // self.kv_seq.pieces
     q_starts = self.q_seq.starts(self.q_seq.index(), T)
     me = self.kv_seq.index()
@@ -265,16 +291,11 @@ class Ring:
           yield (a, c) + _block(spec, q0, hq, k0, hk, ql, kvl)
     return blocks
 
-  def _kv(self, k, v):
-    n = self.kv_seq.pieces
-    return tuple(zip(_split(k, n, 1), _split(v, n, 1)))
-
   def forward(self, q, k, v, q_lengths, kv_lengths, spec):
     """(o, lse) of the local query shard."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
-    q_pieces = _split(q, self.q_seq.pieces, 1)
-    ks = self.kv_seq
+    m, ks = self.q_seq.pieces, self.kv_seq
 
     def step(r, carry, first, last):
       del first
@@ -282,29 +303,25 @@ class Ring:
       nxt = kv if last else ks.send(kv)        # issued before this step's kernels
       acc = list(acc)
       for a, c, lq, lk, off, visible in blocks(r):
-        (k_c, v_c), q_a = kv[c], q_pieces[a]
-        acc[a] = _accumulate(
-            visible,
-            lambda acc, q_a=q_a, k_c=k_c, v_c=v_c, lq=lq, lk=lk, off=off: _merge(
-                acc, *self.kernels.forward(q_a, k_c, v_c, lq, lk, block_spec, off)),
-            acc[a])
+        def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
+          k_c, v_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          return _merge(acc, *self.kernels.forward(_piece(q, a, m, 1), k_c, v_c, lq, lk,
+                                                   block_spec, off))
+        acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
 
+    q_a = _piece(q, 0, m, 1)    # only its shape and type are used
     acc = tuple((_like(q_a, 0, jnp.float32),
-                 _like(q_a[..., 0], _EMPTY, jnp.float32).transpose(0, 2, 1))
-                for q_a in q_pieces)
-    _, acc = _steps(ks.shards, step, (self._kv(k, v), acc))
-    o = jnp.concatenate([a[0] for a in acc], axis=1).astype(q.dtype)
+                 _like(q_a[..., 0], _EMPTY, jnp.float32).transpose(0, 2, 1)) for _ in range(m))
+    _, acc = _steps(ks.shards, step, ((k, v), acc))
+    o = jnp.concatenate([a[0] for a in acc], axis=1).astype(_dtype(q))
     return o, jnp.concatenate([a[1] for a in acc], axis=2)
 
   def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec):
     """(dq, dk, dv) of the local shards, from the global o and lse."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
-    n = self.q_seq.pieces
-    rows = list(zip(*(_split(x, n, 1) for x in (q, o, do)),
-                    *(_split(x, n, 2) for x in (lse, dlse))))
-    ks = self.kv_seq
+    m, ks = self.q_seq.pieces, self.kv_seq
 
     def step(r, carry, first, last):
       kv, pending, dq = carry
@@ -314,10 +331,10 @@ class Ring:
       nxt = kv if last else ks.send(kv)
       dq, dkv = list(dq), list(arrived)
       for a, c, lq, lk, off, visible in blocks(r):
-        (k_c, v_c), (q_a, o_a, do_a, lse_a, dlse_a) = kv[c], rows[a]
-
-        def update(acc, q_a=q_a, k_c=k_c, v_c=v_c, o_a=o_a, lse_a=lse_a, do_a=do_a,
-                   dlse_a=dlse_a, lq=lq, lk=lk, off=off):
+        def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
+          q_a, o_a, do_a = (_piece(x, a, m, 1) for x in (q, o, do))
+          lse_a, dlse_a = (_piece(x, a, m, 2) for x in (lse, dlse))
+          k_c, v_c = (_piece(x, c, ks.pieces, 1) for x in kv)
           grads = self.kernels.backward(q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk,
                                         block_spec, off)
           return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, grads))
@@ -325,17 +342,18 @@ class Ring:
         dkv[c] = tuple(dkv[c])
       return nxt, tuple(dkv), tuple(dq)
 
-    kv = self._kv(k, v)
-    pending = jax.tree.map(lambda x: _like(x, 0, jnp.float32), kv)
-    dq = tuple(_like(row[0], 0, jnp.float32) for row in rows)
-    _, pending, dq = _steps(ks.shards, step, (kv, pending, dq))
+    q_a = _piece(q, 0, m, 1)    # only the shapes and types of these are used
+    pending = tuple(tuple(_like(_piece(x, 0, ks.pieces, 1), 0, jnp.float32) for x in (k, v))
+                    for _ in range(ks.pieces))
+    dq = tuple(_like(q_a, 0, jnp.float32) for _ in range(m))
+    _, pending, dq = _steps(ks.shards, step, ((k, v), pending, dq))
     # The finished sums return to their owner in the input dtype (they are
     # rounded to it there anyway): half the bytes of the last hop.
-    pending = jax.tree.map(lambda x: x.astype(k.dtype), pending)
+    pending = jax.tree.map(lambda x: x.astype(_dtype(k)), pending)
     if ks.shards > 1:
       pending = ks.send(pending)
     dk, dv = (jnp.concatenate([x[i] for x in pending], axis=1) for i in (0, 1))
-    return jnp.concatenate(dq, axis=1).astype(q.dtype), dk, dv
+    return jnp.concatenate(dq, axis=1).astype(_dtype(q)), dk, dv
 
 
   def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
@@ -348,9 +366,7 @@ class Ring:
     """
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
-    n = self.q_seq.pieces
-    rows = list(zip(_split(q, n, 1), _split(tq, n, 1), _split(lse, n, 2)))
-    ks = self.kv_seq
+    m, ks = self.q_seq.pieces, self.kv_seq
 
     def step(r, carry, first, last):
       del first
@@ -358,22 +374,18 @@ class Ring:
       nxt = kv if last else ks.send(kv)
       acc = list(acc)
       for a, c, lq, lk, off, visible in blocks(r):
-        q_a, tq_a, lse_a = rows[a]
-        k_c, v_c, tk_c, tv_c = kv[c]
-
-        def update(acc, q_a=q_a, tq_a=tq_a, lse_a=lse_a, k_c=k_c, v_c=v_c, tk_c=tk_c, tv_c=tv_c,
-                   lq=lq, lk=lk, off=off):
-          sums = derivatives.tangent_sums(q_a, k_c, v_c, lse_a, lq, lk, tq_a, tk_c, tv_c,
-                                          spec=block_spec, offsets=off)
+        def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
+          q_a, tq_a = (_piece(x, a, m, 1) for x in (q, tq))
+          k_c, v_c, tk_c, tv_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          sums = derivatives.tangent_sums(q_a, k_c, v_c, _piece(lse, a, m, 2), lq, lk, tq_a,
+                                          tk_c, tv_c, spec=block_spec, offsets=off)
           return tuple(x + y for x, y in zip(acc, sums))
         acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
 
-    pieces = lambda x: _split(x, self.kv_seq.pieces, 1)
-    kv = tuple(zip(*(pieces(x) for x in (k, v, tk, tv))))
-    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32))
-                for q_a, _, lse_a in rows)
-    _, acc = _steps(ks.shards, step, (kv, acc))
+    q_a, lse_a = _piece(q, 0, m, 1), _piece(lse, 0, m, 2)   # shapes and types only
+    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32)) for _ in range(m))
+    _, acc = _steps(ks.shards, step, ((k, v, tk, tv), acc))
     t_lse = jnp.concatenate([a[1] for a in acc], axis=2)
     sums = jnp.concatenate([a[0] for a in acc], axis=1)
     return derivatives.finish_tangent(sums, t_lse, o), t_lse

@@ -156,7 +156,8 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
       return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.zigzag:
-      q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True) for x in (q, k, v))
+      # As pieces: the ring slices a concatenation only inside a block's branch.
+      q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True, pieces=True) for x in (q, k, v))
     o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec)
     if plan.zigzag:
       o, lse = ring_lib.relayout(o, ring.q_seq, 1, False), ring_lib.relayout(lse, ring.q_seq, 2, False)
@@ -175,7 +176,7 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
       if plan.zigzag:
-        to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True)
+        to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True, pieces=True)
         q, k, v, o, do, lse, dlse = to(q), to(k), to(v), to(o), to(do), to(lse, 2), to(dlse, 2)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
       if plan.zigzag:
