@@ -100,18 +100,18 @@ class _KeyBlocks:
 
 
 def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
-  """The two sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
-  [B, T, N, H], tLSE = Σ_j P tS [B, N, T]).
+  """The three sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
+  [B, T, N, H], tLSE = Σ_j P tS [B, N, T], O = Σ_j P V_j [B, T, N, H]).
 
-  With the LSE of the whole row given, both are sums over keys, so a call
-  over part of the keys (a ring block, placed by `offsets`, the kernels'
-  per-batch diagonal offsets; None for 0) gives that part's share exactly.
+  With the LSE of the whole row given, all are sums over keys, so a call over
+  part of the keys (a ring block, placed by `offsets`, the kernels' per-batch
+  diagonal offsets; None for 0) gives that part's share exactly.
   """
   g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
-    acc, t_lse = carry
+    acc, t_lse, o_sum = carry
     kb, vb, tkb, tvb, j0 = block
     vis = g.visible(j0)
     p = g.probabilities(qg, kb, g.rows(lse), vis)
@@ -120,30 +120,37 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
     pts = jnp.where(vis, p * ts, 0)
     acc = acc + (jnp.einsum("bkgts,bskh->btkgh", pts, vb, precision=_HIGHEST) +
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
-    return (acc, t_lse + pts.sum(-1)), None
+    o_sum = o_sum + jnp.einsum("bkgts,bskh->btkgh", p, vb, precision=_HIGHEST)
+    return (acc, t_lse + pts.sum(-1), o_sum), None
 
   # Zeros made from the operands, so that inside shard_map the carry varies
   # over the same manual axes as the sums (ring attention's blocks).
-  init = (jnp.zeros_like(qg), jnp.zeros_like(g.rows(lse)))
-  (acc, t_lse), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk), g.split(tv),
-                                          g.starts()))
-  return acc.reshape(q.shape), t_lse.reshape(lse.shape)
+  init = (jnp.zeros_like(qg), jnp.zeros_like(g.rows(lse)), jnp.zeros_like(qg))
+  (acc, t_lse, o_sum), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk),
+                                                 g.split(tv), g.starts()))
+  return acc.reshape(q.shape), t_lse.reshape(lse.shape), o_sum.reshape(q.shape)
 
 
-def finish_tangent(sums, t_lse, o):
-  """tO = sums - tLSE O in o's dtype, from `tangent_sums`' two results."""
-  t_o = sums - jnp.transpose(t_lse, (0, 2, 1))[..., None] * o.astype(jnp.float32)
-  return t_o.astype(o.dtype)
+def finish_tangent(sums, t_lse, o_sum, dtype):
+  """tO = sums - tLSE O in `dtype`, from `tangent_sums`' three results.
+
+  O is the float32 sum, not the call's output: rounded to 16 bits it would
+  cost |tLSE| / 512 of an output ulp-scale error where tLSE is large and the
+  two terms nearly cancel (one dominant key).
+  """
+  t_o = sums - jnp.transpose(t_lse, (0, 2, 1))[..., None] * o_sum
+  return t_o.astype(dtype)
 
 
 def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
   """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
 
   `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0.
+  Only o's dtype is read (see `finish_tangent`).
   """
-  sums, t_lse = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-                             offsets=offsets)
-  return finish_tangent(sums, t_lse, o), t_lse
+  sums, t_lse, o_sum = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                                    offsets=offsets)
+  return finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
 
 
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None):

@@ -357,7 +357,7 @@ class Ring:
 
 
   def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
-    """(tO, tLSE) of the local query shard (forward mode), from the global o and lse.
+    """(tO, tLSE) of the local query shard (forward mode), from the global lse.
 
     Given the row's global LSE both sums of the tangent run over keys
     (derivatives.tangent_sums), so every block adds its share, computed
@@ -384,11 +384,12 @@ class Ring:
       return nxt, tuple(acc)
 
     q_a, lse_a = _piece(q, 0, m, 1), _piece(lse, 0, m, 2)   # shapes and types only
-    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32)) for _ in range(m))
+    acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32),
+                 _like(q_a, 0, jnp.float32)) for _ in range(m))
     _, acc = _steps(ks.shards, step, ((k, v, tk, tv), acc))
-    t_lse = jnp.concatenate([a[1] for a in acc], axis=2)
-    sums = jnp.concatenate([a[0] for a in acc], axis=1)
-    return derivatives.finish_tangent(sums, t_lse, o), t_lse
+    sums, t_lse, o_sum = (jnp.concatenate([a[i] for a in acc], axis=2 if i == 1 else 1)
+                          for i in range(3))
+    return derivatives.finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
 
   # The blockwise second-order rule (derivatives.py) would see only the local
   # shards: Hessian-vector products through a ring are refused.

@@ -68,6 +68,29 @@ def test_jvp_in_bfloat16(rng, impl):
   assert max_abs(t_lse, ref_lse) < 0.05 * float(np.max(np.abs(np.asarray(ref_lse))))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("impl", FUSED)
+def test_jvp_one_dominant_key_in_half_precision(rng, impl, dtype):
+  """Each query row points at one key, so that key takes almost all the
+  weight, and the tangents are large: tLSE V and tO's Σ P tS V nearly cancel.
+  Rounding O (or P tS) to 16 bits before the cancellation costs several ulps
+  of tO; the tolerance rule holds only if the tangent pass does not."""
+  B, T, S, N, K, D = 2, 24, 40, 2, 1, 32
+  q, k, v = (np.asarray(x, np.float64) for x in random_inputs(rng, B, T, S, N, K, D, jnp.float32))
+  q = 1.5 * k[:, rng.integers(0, S, T)]               # row i aims at one key: logits ~ 1.5 D / √D
+  primals = tuple(jnp.asarray(x, dtype) for x in (q.repeat(N, axis=2), k, v))
+  tangents = tuple(4 * x for x in random_inputs(rng, B, T, S, N, K, D, dtype))
+  kw, mask = dict(), _numpy_mask({}, None, None)
+  _, (t_out, t_lse) = jax.jvp(_attention(impl, kw), primals, tangents)
+  _, baseline = jax.jvp(_attention("xla", kw), primals, tangents)
+  truth = _truth(primals, tangents, kw, mask)
+  assert np.max(np.abs(truth[1])) > 4      # the cancellation this test is about
+  up = [np.asarray(x, np.float64) for x in primals]
+  max_logit = np.max(np.abs(np.einsum("btnd,bsd->bnts", up[0], up[1][:, :, 0]))) / np.sqrt(D)
+  for name, got, want, base in zip(("tO", "tLSE"), (t_out, t_lse), truth, baseline):
+    assert_within_budget(got, want, base, name, max_logit=max_logit)
+
+
 def _loss(impl, kw):
   f = _attention(impl, kw)
   def loss(q, k, v):

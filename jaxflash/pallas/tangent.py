@@ -5,7 +5,18 @@ pass over the keys a block of query rows sees gives (tO, tLSE), with no
 rescaling since the LSE is known (natural log, scale c, visible keys j):
 
     P = exp(c Q Kᵀ - LSE),  tS = c (tQ Kᵀ + Q tKᵀ),
-    tLSE = Σ_j P tS,        tO = Σ_j P (tS V_j + tV_j) - tLSE O.
+    tLSE = Σ_j P tS,        tO = Σ_j P ((tS - tLSE) V_j + tV_j).
+
+tLSE is only known at the end of the walk, and the uncentred form
+Σ P tS V - tLSE O cancels: where one key dominates a row, both terms are
+about tLSE V while tO is small, and rounding P tS (or O) to 16 bits for the
+tensor-core product costs |tLSE V| / 512, many ulps of tO. So the walk
+centres on a running estimate m, the P-weighted mean of tS over the keys
+seen so far, and accumulates Σ P (tS - m) V, re-centring the sum when m
+moves by subtracting Δm Σ P V (a sixth product, float32). At the end m is
+tLSE / Σ P, Σ P = 1 up to rounding, and tO = acc - (tLSE - m) Σ P V with a
+vanishing correction: the rounding error is that of P (tS - tLSE), as in
+jax.nn's own tangent.
 
 The grid, the walk over key blocks (masked head, unmasked interior, masked
 tail), the masks, the diagonal offsets and the padding are the forward
@@ -35,7 +46,7 @@ from jaxflash.pallas.attention import (
 __all__ = ["pallas_tangent"]
 
 
-def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, tq_ref,
+def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref, tq_ref,
                     tk_ref, tv_ref, to_ref, tlse_ref, *, scale: float, qk_scale: float, left: int,
                     right: int, bottom_right: bool, block_q: int, block_k: int,
                     num_q_blocks: int):
@@ -49,7 +60,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, 
   dp = q.shape[-1]
 
   def step(masked, kb, carry):
-    acc, t_lse = carry
+    acc, o_sum, t_lse, p_sum, centre = carry
     start = pl.multiple_of(kb * block_k, block_k)
     k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
     tk, tv = tk_ref[pl.ds(start, block_k), :], tv_ref[pl.ds(start, block_k), :]
@@ -61,42 +72,50 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, 
       visible = mask.visible(rows, cols)
       p = jnp.where(visible, p, 0.0)
       ts = jnp.where(visible, ts, 0.0)
-    pts = p * ts
-    acc = acc + _dot(pts.astype(v.dtype), v, 1, 0) + _dot(p.astype(tv.dtype), tv, 1, 0)
-    return acc, t_lse + jnp.sum(pts, axis=1)
+    t_lse = t_lse + jnp.sum(p * ts, axis=1)
+    p_sum = p_sum + jnp.sum(p, axis=1)
+    moved = jnp.where(p_sum > 0, t_lse / jnp.where(p_sum > 0, p_sum, 1.0), centre)
+    acc = acc - (moved - centre)[:, None] * o_sum
+    p_half = p.astype(v.dtype)
+    acc = (acc + _dot((p * (ts - moved[:, None])).astype(v.dtype), v, 1, 0)
+           + _dot(p_half, tv, 1, 0))
+    return acc, o_sum + _dot(p_half, v, 1, 0), t_lse, p_sum, moved
 
-  carry = (jnp.zeros((block_q, dp), jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  rows_zero = jnp.zeros((block_q,), jnp.float32)
+  carry = (jnp.zeros((block_q, dp), jnp.float32), jnp.zeros((block_q, dp), jnp.float32),
+           rows_zero, rows_zero, rows_zero)
   carry = lax.fori_loop(lo, a, functools.partial(step, True), carry)
   carry = lax.fori_loop(a, bb, functools.partial(step, False), carry)
   carry = lax.fori_loop(bb, hi, functools.partial(step, True), carry)
 
   def exact(xs):
-    # Key by key over the visible pairs only: a masked pair is selected away,
-    # never multiplied by a zero weight.
-    acc, t_lse = xs
+    # Key by key over the visible pairs only, in float32 and uncentred (centre
+    # 0): a masked pair is selected away, never multiplied by a zero weight.
     qf, tqf = q.astype(jnp.float32), tq.astype(jnp.float32)
 
     def key(j, sums):
-      acc, t_lse = sums
+      acc, o_sum, t_lse = sums
       kj, vj, tkj, tvj = (r[pl.ds(j, 1), :].astype(jnp.float32)
                           for r in (k_ref, v_ref, tk_ref, tv_ref))
       p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
       ts = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scale
-      visible = mask.visible(rows[:, 0], j)
-      pts = p * ts
-      return (acc + jnp.where(visible[:, None], pts[:, None] * vj + p[:, None] * tvj, 0.0),
-              t_lse + jnp.where(visible, pts, 0.0))
+      visible = mask.visible(rows[:, 0], j)[:, None]
+      return (acc + jnp.where(visible, (p * ts)[:, None] * vj + p[:, None] * tvj, 0.0),
+              o_sum + jnp.where(visible, p[:, None] * vj, 0.0),
+              t_lse + jnp.where(visible[:, 0], p * ts, 0.0))
 
-    new = lax.fori_loop(lo * block_k, hi * block_k, key, (jnp.zeros_like(acc),
-                                                         jnp.zeros_like(t_lse)))
+    zero = jnp.zeros_like(xs[0])
+    new = lax.fori_loop(lo * block_k, hi * block_k, key, (zero, zero, jnp.zeros_like(xs[2])))
     ok = jnp.isfinite(lse)
-    return jnp.where(ok[:, None], new[0], acc), jnp.where(ok, new[1], t_lse)
+    pick = lambda n, x: jnp.where(ok if x.ndim == 1 else ok[:, None], n, x)
+    return (pick(new[0], xs[0]), pick(new[1], xs[1]), pick(new[2], xs[2]), xs[3],
+            jnp.where(ok, 0.0, xs[4]))
 
   # Rows whose LSE is not finite are NaN throughout anyway.
-  acc, t_lse = _exact_where_nan(carry, jnp.isfinite(lse), exact)
+  acc, o_sum, t_lse, _, centre = _exact_where_nan(carry, jnp.isfinite(lse), exact)
   # Emptiness is structural, as in the forward: such rows output zeros.
   has_keys = mask.has_keys(rows[:, 0])
-  t_o = acc - t_lse[:, None] * o_ref[...].astype(jnp.float32)
+  t_o = acc - (t_lse - centre)[:, None] * o_sum
   to_ref[...] = jnp.where(has_keys[:, None], t_o, 0.0).astype(to_ref.dtype)
   tlse_ref[...] = jnp.where(has_keys, t_lse, 0.0)
 
@@ -109,6 +128,8 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   Arguments as for `pallas_forward`, plus its outputs `o` (``[B, T, Hq, D]``)
   and `lse` (float32 ``[B, Hq, T]``) and tangents shaped like q, k, v. Returns
   tO in o's dtype and tLSE in float32; both are 0 on rows that see no key.
+  Only o's shape and dtype are read: the kernel sums P V in float32 itself,
+  since o rounded to 16 bits times tLSE would cost ulps of tO.
   Block sizes and warps are the forward's (``block_q``, ``block_k``,
   ``num_warps``, ``num_stages``), shrunk on the GPU until the twice as many
   tiles fit in shared memory.
@@ -143,7 +164,7 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
       kernel,
       grid=(nq, batch, hq),
       in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch), q_spec, kv_spec,
-                kv_spec, q_spec, lse_spec, q_spec, kv_spec, kv_spec],
+                kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), o.dtype),
                  jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
@@ -153,6 +174,6 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
       name="jaxflash_pallas_tangent",
   )(_clamped_lengths(q_lengths, batch, t), _clamped_lengths(kv_lengths, batch, s),
     _offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
-    _pad_to(o, {1: t_pad, 3: dp}), _pad_to(lse.astype(jnp.float32), {2: t_pad}, value=_EMPTY_LSE),
+    _pad_to(lse.astype(jnp.float32), {2: t_pad}, value=_EMPTY_LSE),
     pad_rows(tq), pad_keys(tk), pad_keys(tv))
   return t_o[:, :t, :, :d], t_lse[:, :, :t]
