@@ -8,7 +8,9 @@ Grid: bf16, B*S = 16384 tokens, H*D = 2048, D in {64, 128, 256}, S in {1k..16k},
 causal on/off, plus the latency shape B=1, H=8, S=512, D=64. FLOPs:
 forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
-Peers in the same process and harness: jax.nn.dot_product_attention with
+`native_fused` is the native path with the fused Hopper backward switched on
+(JAXFLASH_FUSED_BACKWARD=1 while it is compiled), beside `native`'s two-kernel
+backward. Peers in the same process and harness: jax.nn.dot_product_attention with
 implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
 when torch is importable. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 
 import jax
 import jax.numpy as jnp
@@ -76,8 +79,15 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats):
       else:
         if name == "xla" and S > 4096:
           continue  # materialises B*H*S*S scores
-        fn = jax_impl(name, causal, backward)
         args = (q, k, v, do) if backward else (q, k, v)
+        if name == "native_fused":
+          os.environ["JAXFLASH_FUSED_BACKWARD"] = "1"   # read while the call is traced
+          try:
+            fn = jax_impl("native", causal, backward).lower(*args).compile()
+          finally:
+            del os.environ["JAXFLASH_FUSED_BACKWARD"]
+        else:
+          fn = jax_impl(name, causal, backward)
         t = time_fn(fn, args, reps, repeats)
       rows[name] = flops(B, H, S, S, D, causal, backward) / t / 1e12
     except Exception as e:  # a peer that cannot run this shape is reported, not fatal
@@ -94,7 +104,8 @@ def main():
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--no-backward", action="store_true")
   ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
-                  help="comma-separated; torch_* are skipped when torch has no GPU")
+                  help="comma-separated, of native, native_fused, pallas, cudnn, xla, torch_flash, "
+                       "torch_cudnn; torch_* are skipped when torch has no GPU")
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()

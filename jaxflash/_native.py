@@ -6,9 +6,11 @@ import contextlib
 import functools
 import importlib.metadata
 import importlib.util
+import os
 import sys
 
 import jax
+import numpy as np
 
 FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
@@ -32,6 +34,24 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
   if device.platform != "gpu":
     return 0
   return tile_cache.lookup(direction, head_dim, causal, device.device_kind)
+
+
+def dq_sums_room(dtype, head_dim: int, deterministic: bool) -> bool:
+  """Whether a native backward call being traced leaves room for the fused
+  Hopper backward's float32 dQ sums (BwdParams::dq_accum): its dK/dV kernel
+  then adds every key tile's dS·K into them instead of running a second
+  kernel that recomputes the scores (sm90/bwd_kernel.cuh). The room costs a
+  float32 copy of q; the dispatch ignores it where the fused pass does not
+  run. Off unless JAXFLASH_FUSED_BACKWARD=1 until the pass is measured
+  against the two-kernel one on an H100 (docs/performance.md)."""
+  if deterministic or _forced_tile or os.environ.get("JAXFLASH_FUSED_BACKWARD", "0") != "1":
+    return False
+  if np.dtype(dtype).itemsize != 2 or head_dim % 8:
+    return False
+  if not (33 <= head_dim <= 64 or 97 <= head_dim <= 128 or 193 <= head_dim <= 256):
+    return False  # the sm90 buckets; the others run the sm80 kernels
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
 def forced_tile_attr() -> int:

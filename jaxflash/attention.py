@@ -92,12 +92,16 @@ class _NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None):
-    # The fourth result is the kernels' O(B * N * T) workspace (delta); passing
-    # it as an output keeps the handlers free of run-time allocation.
+    # The last two results are the kernels' workspaces: delta (O(B * N * T))
+    # and room for the fused backward's float32 dQ sums (like q, or with a
+    # last dimension of 0); as outputs they keep the handlers free of run-time
+    # allocation.
+    sums = _native.dq_sums_room(q.dtype, q.shape[-1], bool(spec.deterministic))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
-    dq, dk, dv, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+    dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets, q.shape[0]), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))

@@ -239,6 +239,28 @@ def test_handlers_revalidate_what_reaches_them(rng):
   # Three splits need [batch, 3, q_len, q_heads, head_dim] partials, not empty ones.
   refused((o, lse) + empty, "jaxflash: o_partial", num_splits=np.int64(3))
 
+  # The backward's workspaces: delta like lse; the dQ sums like q in float32,
+  # or empty (last dimension 0), nothing else.
+  bwd_attrs = dict(scale=np.float32(1), window_left=np.int64(-1), window_right=np.int64(-1),
+                   bottom_right=False, deterministic=False, tile=np.int64(0))
+  grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+  sums = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
+  dlse = jnp.zeros((2, 4, 33), jnp.float32)
+
+  def backward(outputs):
+    call = jax.ffi.ffi_call("jaxflash_bwd", outputs)
+    lse_value = jnp.zeros((2, 4, 33), jnp.float32)
+    return jax.block_until_ready(call(q, k, v, q, lse_value, q, dlse, lengths, lengths, offsets,
+                                      **bwd_attrs))
+
+  backward(grads + (lse, sums((2, 33, 4, 0))))
+  backward(grads + (lse, sums(q.shape)))   # room the CPU kernels leave unused
+  for bad in [(2, 33, 4, 8), (2, 33, 2, 16)]:   # half the head dim; too few heads
+    with pytest.raises(Exception, match="jaxflash: dq_accum has shape"):
+      backward(grads + (lse, sums(bad)))
+  with pytest.raises(Exception, match="jaxflash: dq_accum must be float32"):
+    backward(grads + (lse, sums(q.shape, jnp.bfloat16)))
+
 
 # ------------------------------------------------------------------ transformations
 

@@ -180,3 +180,51 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
         raise
   if len(missing) == len(checks):
     pytest.skip(f"bucket {D} has fewer than {candidate} candidates")
+
+
+# ------------------------------------------------------------------ the fused Hopper backward
+
+@pytest.fixture
+def fused_backward(monkeypatch):
+  """Native backward calls traced in the test leave room for the fused
+  backward's dQ sums; skips where it would not run (not an sm90 GPU)."""
+  from jaxflash import _native
+  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
+  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
+    pytest.skip("the fused backward runs on sm90 GPUs")
+
+
+def _sums_room_in_hlo(D, dtype=jnp.bfloat16, **kw):
+  """Whether the traced backward call's last result is room for dQ sums."""
+  q = jnp.zeros((1, 64, 2, D), dtype)
+  f = lambda q: jnp.sum(jaxflash.dot_product_attention(q, q, q, implementation="native", **kw))
+  call, = [line for line in jax.jit(jax.grad(f)).lower(q).as_text().splitlines()
+           if "@jaxflash_bwd" in line]
+  return call.rstrip().endswith(f"tensor<1x64x2x{D}xf32>)")
+
+
+@pytest.mark.parametrize("D", tiered([40, 64, 120, 128, 200, 256], [64, 128, 256]))
+@pytest.mark.parametrize("mask_name", tiered(list(MASKS), ["causal", "lengths", "window"]))
+def test_fused_backward(rng, fused_backward, D, mask_name):
+  """The one-pass backward (dQ sums by atomics) against float64: ragged
+  T/S, q_len != kv_len, GQA 4, padded head dims of each sm90 bucket."""
+  assert _sums_room_in_hlo(D)
+  _poison_allocator()
+  check_gradients(rng, (2, 150, 203, 8, 2, D), mask_name, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("dtype", LOW, ids=_ids)
+def test_fused_backward_gqa_and_shapes(rng, fused_backward, group, dtype):
+  check_gradients(rng, (1, 333, 200, 2 * group, 2, 128), "causal_bottom_right", dtype)
+  check_gradients(rng, (2, 1, 77, 2 * group, 2, 64), "causal", dtype)      # one query row
+  check_gradients(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=50.0)
+
+
+def test_fused_backward_not_for_deterministic_calls(fused_backward):
+  """deterministic=True keeps the two-kernel backward: no room for sums."""
+  from jaxflash import _native
+  assert not _native.dq_sums_room(jnp.bfloat16, 128, True)
+  assert not _native.dq_sums_room(jnp.float32, 128, False)
+  assert not _native.dq_sums_room(jnp.bfloat16, 96, False)   # an sm80 bucket
+  assert _sums_room_in_hlo(128) and not _sums_room_in_hlo(128, deterministic=True)

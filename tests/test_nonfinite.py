@@ -408,3 +408,15 @@ def test_nonfinite_pallas_decode_gpu(rng, poison, splits):
 @pytest.mark.parametrize("poison", ["q_nan", "k_nan", "v_nan"])
 def test_padding_never_leaks_split_gpu(rng, impl, poison):
   check_padding(rng, impl, poison, GPU_DECODE_SHAPES["rows24"], jnp.bfloat16, num_splits=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", ["causal", "window", "lengths_causal"])
+@pytest.mark.parametrize("poison", list(POISONS))
+def test_nonfinite_cuda_fused_backward(rng, monkeypatch, poison, mask_name):
+  """The fused backward's dQ sums meet a masked pair's 0 * NaN too: the
+  conversion recomputes such rows exactly, as the dQ kernel does."""
+  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
+  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
+    pytest.skip("the fused backward runs on sm90 GPUs")
+  check_case(rng, "native", poison, mask_name, jnp.bfloat16, GPU_SHAPES[128])

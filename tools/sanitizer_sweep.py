@@ -5,10 +5,14 @@ compute-sanitizer. Run as
         --kernel-name kns=jaxflash python tools/sanitizer_sweep.py
 
 (the platform allocator gives each buffer its own allocation, so an
-out-of-bounds access is not hidden inside XLA's pool).
+out-of-bounds access is not hidden inside XLA's pool). Each configuration
+runs the backward twice: as a default call, which takes the fused backward
+where it exists (switched on here), and deterministic, which takes the two
+kernels.
 """
 
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +30,7 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
 def main():
+  os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   rng = np.random.default_rng(0)
   n = 0
   for (B, T, S, N, K, D), mask, dtype in itertools.product(SHAPES, MASKS, DTYPES):
@@ -39,10 +44,9 @@ def main():
     loss = lambda q, k, v: jnp.sum(jaxflash.dot_product_attention(
         q, k, v, implementation="native", **mask).astype(jnp.float32))
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
-    for det in (True,):
-      f = lambda q: jnp.sum(jaxflash.dot_product_attention(
-          q, k, v, implementation="native", deterministic=det, **mask).astype(jnp.float32))
-      jax.block_until_ready(jax.grad(f)(q))
+    f = lambda q: jnp.sum(jaxflash.dot_product_attention(
+        q, k, v, implementation="native", deterministic=True, **mask).astype(jnp.float32))
+    jax.block_until_ready(jax.grad(f)(q))
     n += 1
   print(f"sanitizer sweep: {n} configurations, forward and backward")
   print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")

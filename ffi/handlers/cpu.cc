@@ -90,12 +90,12 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::AnyBuffer diag_offsets, ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                       float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                       bool deterministic, int64_t tile) {
+                       ffi::Result<ffi::AnyBuffer> dq_accum, float scale, int64_t window_left,
+                       int64_t window_right, bool bottom_right, bool deterministic, int64_t tile) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets},
-                                          dq, dk, dv, delta, scale, window_left, window_right,
+                                          dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }

@@ -1,6 +1,6 @@
 // CUDA FFI handlers: decode, check, launch on XLA's stream. They never
-// synchronise and never allocate (the backward's workspace is its delta
-// output), and every launch error comes back as an ffi::Error.
+// synchronise and never allocate (the backward's workspaces are its delta and
+// dq_accum outputs), and every launch error comes back as an ffi::Error.
 #include <cuda_runtime_api.h>
 
 #include "decode.h"
@@ -45,12 +45,13 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
                         ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                        ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
-                        int64_t window_right, bool bottom_right, bool deterministic, int64_t tile) {
+                        ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
+                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                        bool deterministic, int64_t tile) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets},
-                                          dq, dk, dv, delta, scale, window_left, window_right,
+                                          dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));

@@ -296,13 +296,16 @@ struct BackwardBuffers {
   ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets;
 };
 
-// `delta` is an output the caller never reads: the O(T * H) workspace of the
-// backward, passed as a result so no handler allocates at run time (XLA's
-// scratch allocator is unavailable inside command buffers).
+// `delta` and `dq_accum` are outputs the caller never reads: the backward's
+// workspaces, passed as results so no handler allocates at run time (XLA's
+// scratch allocator is unavailable inside command buffers). delta is the
+// O(T * H) row statistic; dq_accum is float32 laid out like q when the caller
+// leaves room for the fused backward's dQ sums, or has a last dimension of 0.
 inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
                                  ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                                 ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left, int64_t window_right,
-                                 bool bottom_right, bool deterministic, int64_t tile, BwdParams* p) {
+                                 ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
+                                 float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                                 bool deterministic, int64_t tile, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
@@ -315,6 +318,11 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
+  const bool sums = dq_accum->size_bytes() > 0;
+  if (dq_accum->element_type() != ffi::DataType::F32) return Invalid("dq_accum must be float32");
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("dq_accum", dq_accum->dimensions(),
+                                       {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
+                                       p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   p->mask.diag_offsets = static_cast<const int32_t*>(in.diag_offsets.untyped_data());
   p->scale = scale;
@@ -333,6 +341,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->delta = static_cast<float*>(delta->untyped_data());
+  p->dq_accum = sums ? static_cast<float*>(dq_accum->untyped_data()) : nullptr;
   return ffi::Error::Success();
 }
 
@@ -394,6 +403,7 @@ auto BindBackward(Binding binding) {
       .template Ret<ffi::AnyBuffer>()            // dk
       .template Ret<ffi::AnyBuffer>()            // dv
       .template Ret<ffi::AnyBuffer>()            // delta (workspace)
+      .template Ret<ffi::AnyBuffer>()            // dq_accum (workspace, may be empty)
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")

@@ -170,6 +170,11 @@ struct BwdParams {
   // Workspace the caller passes as an output: delta = rowsum(dO * O) - dLSE,
   // one float per (batch, q_head, row), laid out like lse.
   float* delta = nullptr;
+  // Optional workspace laid out like q, in float32: room for the fused
+  // backward's dQ sums (one pass adds every key tile's dS·K into it, then dQ
+  // is converted from it). Null when the caller gave none: the dispatch then
+  // runs the two-kernel backward, as it does for deterministic calls.
+  float* dq_accum = nullptr;
 };
 
 }  // namespace jaxflash

@@ -29,7 +29,8 @@ namespace tc {
 // delta[b][h][t] = rowsum(dO * O) - dLSE, one warp per row (rows walked in
 // O's [b][t][h] order so a warp reads one contiguous row); 0 for a row that
 // sees no key, whose dO (padding, say) must reach no key through a masked
-// pair's zero weight.
+// pair's zero weight. The same warp zeroes the row of the fused backward's dQ
+// sums (p.dq_accum, laid out like q) when there is one.
 template <typename T>
 __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
@@ -37,6 +38,10 @@ __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
   const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= rows) return;
+  if (p.dq_accum) {
+    float* acc = p.dq_accum + row * sh.head_dim;  // head_dim % 8 == 0: whole float4s
+    for (int c = lane * 4; c < sh.head_dim; c += 32 * 4) *reinterpret_cast<float4*>(acc + c) = float4{};
+  }
   const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
   const T* d_o = static_cast<const T*>(p.dout) + row * sh.head_dim;
   float acc = 0.f;
@@ -272,6 +277,98 @@ __device__ __forceinline__ void StoreQueryGrad(float (&dq)[kDT][4], const BwdPar
       }
     }
   }
+}
+
+// ------------------------------------------------------------ the fused backward
+// One pass: the dK/dV kernel also adds each query tile's dS·K into the
+// float32 sums p.dq_accum (zeroed by the delta kernel), and DqFromSumsKernel
+// then writes dQ from them through StoreQueryGrad: the scale, zeros for
+// padding rows, and the exact recomputation of a row that a masked pair's
+// 0 * NaN reached. The order of the additions varies run to run, so
+// deterministic calls keep the two-kernel backward.
+
+// Whether a family with a fused backward runs it: the caller gave room for
+// the sums, the call has queries, wants no bit-reproducibility, and forces no
+// candidate of the two-kernel table (the tile tests and the tuner do).
+inline bool UseFusedBackward(const BwdParams& p) {
+  const bool forced = p.tile % FwdParams::kTileSm80 > 0 && !(p.tile & FwdParams::kTilePreferred);
+  return p.dq_accum != nullptr && !p.deterministic && p.shape.q_len > 0 && !forced;
+}
+
+// Adds this warp's share of a 64 x 8 kCT dQ block (the wgmma accumulator
+// layout, rows from `row0`, columns from `col0`, before the scale) into the
+// sums of (batch, head); rows past q_valid and columns past head_dim are left.
+template <int kCT>
+__device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], const BwdParams& p, int q_valid,
+                                                 int batch, int head, int row0, int col0, int lane) {
+  const AttentionShape& sh = p.shape;
+  const int g = lane >> 2, t = lane & 3;
+  float* sums = p.dq_accum + batch * sh.q_batch_stride() + head * sh.head_dim + col0 + 2 * t;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + half * 8;
+    if (row >= q_valid) continue;
+    float* dst = sums + row * sh.q_row_stride();
+#pragma unroll
+    for (int ct = 0; ct < kCT; ++ct) {
+      if (col0 + ct * 8 + 2 * t < sh.head_dim) {
+        atomicAdd(reinterpret_cast<float2*>(dst + ct * 8), float2{dq[ct][2 * half], dq[ct][2 * half + 1]});
+      }
+    }
+  }
+}
+
+// dQ from the sums: one CTA of four warps per 64 rows of (batch, head), each
+// warp loading its 16 rows into the accumulator layout for StoreQueryGrad.
+template <typename T, int kD>
+__global__ void __launch_bounds__(128, 1) DqFromSumsKernel(const BwdParams p) {
+  constexpr int kDT = kD / 8;
+  const AttentionShape& sh = p.shape;
+  const int batch = blockIdx.z, head = blockIdx.y;
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int row0 = blockIdx.x * 64 + (threadIdx.x >> 5) * 16;
+  const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
+  const float* sums = p.dq_accum + batch * sh.q_batch_stride() + head * sh.head_dim + 2 * t;
+  float dq[kDT][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + half * 8;
+    const bool ok = row < pol.q_valid;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      float2 v = float2{};
+      if (ok && dt * 8 + 2 * t < sh.head_dim) v = *reinterpret_cast<const float2*>(sums + row * sh.q_row_stride() + dt * 8);
+      dq[dt][2 * half] = v.x;
+      dq[dt][2 * half + 1] = v.y;
+    }
+  }
+  StoreQueryGrad<T>(dq, p, pol, batch, head, row0, lane);
+}
+
+// The fused backward of a tensor-core family: delta (zeroing the sums), the
+// dK/dV kernel with dQ sums over (key blocks, kv heads, batch x splits), then
+// dQ from the sums over (64-row blocks, heads, batch).
+template <typename T, int kD, auto FusedDkDvKernel>
+Status LaunchFusedBackwardKernels(const BwdParams& p, BwdLaunch dkdv, const CudaDevice& device,
+                                  cudaStream_t stream) {
+  const AttentionShape& sh = p.shape;
+  Status st = EnsureDynamicSmem<FusedDkDvKernel>(dkdv.smem, device);
+  if (!st.ok()) return st;
+  // The dispatch sends calls without queries to the two-kernel backward.
+  if (sh.batch == 0 || sh.q_heads == 0 || sh.q_len == 0) return Status::Ok();
+  st = LaunchDelta<T>(p, stream);
+  if (!st.ok()) return st;
+  if (sh.kv_len > 0) {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
+                    static_cast<unsigned>(sh.batch * dkdv.splits));
+    FusedDkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
+    st = CheckLaunch("attention backward (dK, dV and dQ sums)");
+    if (!st.ok()) return st;
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, 64)), static_cast<unsigned>(sh.q_heads),
+                  static_cast<unsigned>(sh.batch));
+  DqFromSumsKernel<T, kD><<<grid, 128, 0, stream>>>(p);
+  return CheckLaunch("attention backward (dQ from its sums)");
 }
 
 }  // namespace tc

@@ -11,6 +11,14 @@
 //                64 query rows and walks the key tiles they see:
 //                  S = Q·Kᵀ, dP = dO·Vᵀ, dQ += dS·K
 //
+// The fused backward (DkDvKernel<..., kFusedDq = true>) is one pass instead:
+// the dK/dV kernel also writes each step's dS to shared memory (transposed
+// out of the dSᵀ fragments with stmatrix) and adds dQ_tile = dS·K into
+// float32 sums with vector atomics, five products per step instead of seven;
+// a small kernel then converts the sums (common/bwd_blocks.cuh). It needs the
+// caller's sums buffer (BwdParams::dq_accum) and is not bit-reproducible, so
+// deterministic calls run the two kernels.
+//
 // The next query (or key) tile streams into the second of two shared-memory
 // stages while the current one is used. Inside a warpgroup the products are
 // ordered so the element-wise work overlaps the tensor cores: Pᵀ (P) is
@@ -52,11 +60,23 @@ struct DkDvTile {
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
   static_assert(kM == 32 || kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
   static_assert(kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
+
+  // The fused backward: a step's dS (kM queries x kN keys) after the stages,
+  // and the dQ block of a step shared by the warpgroups as kM / 64 row blocks
+  // times kDqSplits column blocks of this CTA's kDOut columns.
+  using DsTile = SwizzledTile<kM, kN>;
+  static constexpr size_t kFusedSmemBytes = kSmemBytes + DsTile::kBytes;
+  static constexpr int kDqRowBlocks = kM / 64 > 0 ? kM / 64 : 1;
+  static constexpr int kDqSplits = kWarpGroups / kDqRowBlocks > 0 ? kWarpGroups / kDqRowBlocks : 1;
+  static constexpr int kDqCols = kDOut / kDqSplits;
 };
 
-template <typename T, typename Tile>
+template <typename T, typename Tile, bool kFusedDq = false>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
+  static_assert(!kFusedDq || (Tile::kM % 64 == 0 && Tile::kDqRowBlocks * Tile::kDqSplits == Tile::kWarpGroups &&
+                               Tile::kDqCols % 64 == 0),
+                "the fused dQ block is whole 64-row blocks by 64-column blocks, one per warpgroup and split");
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kQT = kM / 8, kDT = kDOut / 8;
@@ -75,6 +95,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   auto stats = [&](unsigned it) {
     return reinterpret_cast<const float*>(smem_raw + (stage(it) - tc::SmemAddr(smem_raw)) + Tile::kStatsOffset);
   };
+  using DsTile = typename Tile::DsTile;
+  const uint32_t sDs = stage(0) + Tile::kStages * uint32_t(Tile::kStageBytes);  // fused only
 
   const AttentionShape& sh = p.shape;
   const int kv_head = blockIdx.y;
@@ -171,14 +193,43 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     tc::KeyMajorDs(s, dp, delta, lane);
     uint32_t da[kM / 16][4];
     tc::PackAFragments<T>(dp, da);
+    if constexpr (kFusedDq) {
+      // dS, queries x keys: this warp's 16 keys become columns of the tile.
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
+      FenceSharedForAsyncProxy();
+    }
     WgmmaFence();
     ProductRS<T, QTile, kM, kDOut>(dk, da, sQ, d_base);
     WgmmaCommit();
-    // The stage is refilled after the next barrier, and pa / da are live
-    // until the products that read them are done.
-    WgmmaWait<0>();
-    FenceAccumulator(dv);
-    FenceAccumulator(dk);
+    if constexpr (kFusedDq) {
+      // ---- dQ_tile = dS K once every warp's dS is in place, then its sums
+      WgmmaWait<1>();  // dV is done: pa is free for the dQ accumulator
+      FenceAccumulator(dv);
+      __syncthreads();
+      const int row_block = warpgroup % Tile::kDqRowBlocks;
+      const int head = kv_head * group + it / q_tiles.count;
+      // 64 columns (one swizzle block of K) at a time: 32 accumulator registers.
+      constexpr int kChunk = 64;
+#pragma unroll
+      for (int c = 0; c < Tile::kDqCols; c += kChunk) {
+        const int col0 = d_base + (warpgroup / Tile::kDqRowBlocks) * Tile::kDqCols + c;
+        float dq[kChunk / 8][4];
+        WgmmaFence();
+        ProductSSMn<T, DsTile, KVTile, kN, kChunk>(dq, sDs + row_block * 64 * 128, sK, col0);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceAccumulator(dk);
+        FenceAccumulator(dq);
+        tc::AddQueryGradSums(dq, p, pol.q_valid, batch, head, r0 + row_block * 64 + (warp & 3) * 16, col0, lane);
+      }
+    } else {
+      // The stage is refilled after the next barrier, and pa / da are live
+      // until the products that read them are done.
+      WgmmaWait<0>();
+      FenceAccumulator(dv);
+      FenceAccumulator(dk);
+    }
   }
 
   tc::StoreKeyGrads<T>(dk, dv, p, batch, kv_head, c0 + key_w, d_base, lane);
@@ -345,8 +396,35 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
       device, stream);
 }
 
+// The fused backward's tile per bucket. Its atomics move a float32 dQ block
+// per (query step, key tile), so the traffic per product falls with the keys
+// per CTA: 128 keys (two warpgroups sharing one dS tile) at D = 128, 64 at
+// D = 256 (shared memory) and D = 64 (two warpgroups would split 64 dQ
+// columns into halves, which the MN-major descriptors do not address; the
+// 128-query step spills). Registers: dK + dV (kDOut floats per thread), dSᵀ
+// packed, a dQ chunk of at most 64 columns: 210, 255, 254 at D = 64, 128, 256.
+template <int kD>
+struct FusedBwdTile;
+template <>
+struct FusedBwdTile<64> {
+  using type = DkDvTile<64, 1, 64, 1, 2>;
+};
+template <>
+struct FusedBwdTile<128> {
+  using type = DkDvTile<128, 2, 64>;
+};
+template <>
+struct FusedBwdTile<256> {
+  using type = DkDvTile<256, 1, 64, 2>;
+};
+
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (tc::UseFusedBackward(p)) {
+    using Tile = typename FusedBwdTile<kD>::type;
+    return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Tile, true>>(
+        p, {Tile::kN, Tile::kSplits, Tile::kThreads, Tile::kFusedSmemBytes}, device, stream);
+  }
   const bool causal = p.mask.window_right >= 0;
   return BwdCandidates<kD>::type::With(
       p.tile, BwdTilePick(kD, causal), [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });

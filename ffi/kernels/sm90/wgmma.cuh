@@ -100,7 +100,8 @@ __device__ __forceinline__ uint32_t KMajorDescriptor(uint32_t tile, int kk) {
 
 // MN-major operand (rows are the reduction index k, columns are N; e.g. V for
 // P·V), rows [16 kk, 16 kk + 16) and columns [n0, n0 + N): the leading offset
-// steps between 64-column blocks, the stride offset between 8-row groups.
+// steps between 64-column blocks, the stride offset between 8-row groups;
+// n0 is a multiple of 64 (a column block).
 template <typename Tile>
 __device__ __forceinline__ uint32_t MnMajorDescriptor(uint32_t tile, int kk, int n0) {
   return DescriptorLo(tile, Tile::kBlockBytes) + (((n0 >> 6) * Tile::kBlockBytes + kk * 16 * 128) >> 4);
@@ -163,20 +164,24 @@ struct Wgmma;
 
 // One specialisation per (element type, N). The operands after the N/2
 // accumulators are numbered from N/2 on, and PTX wants those numbers as
-// literals: SS takes desc A (A0), desc B (B0) and the accumulate flag (F0); RS
-// takes the four A registers (AREGS), desc B (B1) and the flag (F1), and
-// reads B MN-major (the last immediate, the transpose bit of B).
+// literals: SS and SSMn take desc A (A0), desc B (B0) and the accumulate flag
+// (F0), the accumulators last (a list, hence variadic), SSMn reading B MN-major (the last immediate, the transpose bit of B);
+// RS takes the four A registers (AREGS), desc B (B1) and the flag (F1), and
+// reads B MN-major.
+#define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                         \
+  __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) { \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                   \
+                 "mov.b64 da, {" A0 ", " JAXFLASH_DESC_HI "};\nmov.b64 db, {" B0 ", " JAXFLASH_DESC_HI "};\n" \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"       \
+                 ", p, 1, 1, 0, " TRANSPOSE_B ";\n}\n"                                                  \
+                 : __VA_ARGS__                                                                        \
+                 : "r"(a), "r"(b), "r"(int(accumulate)));                                             \
+  }
 #define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
   template <>                                                                                         \
   struct Wgmma<CTYPE, N> {                                                                            \
-    __device__ __forceinline__ static void SS(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) { \
-      asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                 \
-                   "mov.b64 da, {" A0 ", " JAXFLASH_DESC_HI "};\nmov.b64 db, {" B0 ", " JAXFLASH_DESC_HI "};\n" \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"     \
-                   ", p, 1, 1, 0, 0;\n}\n"                                                             \
-                   : ACC                                                                              \
-                   : "r"(a), "r"(b), "r"(int(accumulate)));                                           \
-    }                                                                                                 \
+    JAXFLASH_WGMMA_SS(SS, "0", PTX, N, REGS, A0, B0, F0, ACC)                                         \
+    JAXFLASH_WGMMA_SS(SSMn, "1", PTX, N, REGS, A0, B0, F0, ACC)                                       \
     __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
                                               bool accumulate) {                                      \
       asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, " F1 ", 0;\n"                     \
@@ -200,6 +205,7 @@ JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88
 JAXFLASH_WGMMA(__half, "f16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89", "%90", "{%88,%89,%90,%91}", "%92", "%93")
 
 #undef JAXFLASH_WGMMA
+#undef JAXFLASH_WGMMA_SS
 #undef JAXFLASH_DESC_HI
 #undef JAXFLASH_REGS88
 #undef JAXFLASH_REGS64
@@ -226,6 +232,39 @@ __device__ __forceinline__ void ProductSS(float (&d)[kN / 8][4], uint32_t a, uin
   for (int kk = 0; kk < kK / 16; ++kk) {
     Wgmma<T, kN>::SS(flat, KMajorDescriptor<ATile>(a, kk), KMajorDescriptor<BTile>(b, kk), kk > 0);
   }
+}
+
+// d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
+// B columns [n0, n0 + kCols) of the MN-major BTile at `b` (e.g. dQ = dS·K with
+// K stored key by key), in chunks of at most 128 columns.
+template <typename T, typename ATile, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
+  constexpr int kChunk = kCols < 128 ? kCols : 128;
+  static_assert(kCols % kChunk == 0 && kChunk % 32 == 0, "output columns come in compiled wgmma widths");
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk)
+#pragma unroll
+    for (int c = 0; c < kCols; c += kChunk) {
+      Wgmma<T, kChunk>::SSMn(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), KMajorDescriptor<ATile>(a, kk),
+                             MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
+    }
+}
+
+// ------------------------------------------------------------ transposed stores
+// Writes the transpose of a warp's 16 x 16 block held as an mma.sync A
+// fragment (PackAFragment: rows r of the block in a[0], a[2] for r < 8 and
+// a[1], a[3] for r >= 8; columns 0-7 in a[0], a[1], 8-15 in a[2], a[3]) into
+// the K-major Tile at `tile`: block column c lands in tile row row0 + c,
+// block rows as tile columns [col0, col0 + 16). One stmatrix.trans: lanes
+// 8j..8j+7 name the eight tile rows of 8 x 8 matrix j.
+template <typename Tile>
+__device__ __forceinline__ void StoreTransposedFragment(uint32_t tile, const uint32_t (&a)[4], int row0, int col0,
+                                                        int lane) {
+  const int j = lane >> 3;
+  const uint32_t addr = tile + Tile::ChunkOffset(row0 + (j >> 1) * 8 + (lane & 7), (col0 >> 3) + (j & 1));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a[0]),
+               "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
 }
 
 // d += A·B over a reduction of kK rows: A from registers (one packed fragment
