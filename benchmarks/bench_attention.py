@@ -103,6 +103,7 @@ def main():
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--no-backward", action="store_true")
+  ap.add_argument("--no-forward", action="store_true", help="forward+backward rows only")
   ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
                   help="comma-separated, of native, native_fused, pallas, cudnn, xla, torch_flash, "
                        "torch_cudnn; torch_* are skipped when torch has no GPU")
@@ -126,7 +127,8 @@ def main():
     shapes.append((1, 8, 512, 64))
   results = []
   print(f"device: {jax.devices()[0].device_kind}")
-  for backward in ([False] if args.no_backward else [False, True]):
+  directions = [False] * (not args.no_forward) + [True] * (not args.no_backward)
+  for backward in directions:
     for causal in (False, True):
       for B, H, S, D in shapes:
         rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats)

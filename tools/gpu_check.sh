@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
 #   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [decode] [main]
-#                      [sharding]           (default: build tests sanitize bench decode main)
+#                      [fused] [sharding]   (default: build tests sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
@@ -15,6 +15,9 @@
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
 # decode      the decode kernels (split-KV, GQA packing, paged K/V): their tests on this GPU, then
 #             benchmarks/bench_decode.py
+# fused       the one-pass Hopper backward (opt-in): its GPU tests, forward+backward rates of
+#             native (two kernels), native_fused and cuDNN in one run, then an ncu profile of
+#             the fused dK/dV kernel and of the two-kernel one at D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
@@ -131,6 +134,22 @@ if has decode; then
       --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
   note "decode benchmark exit $? [$((SECONDS - start)) s]"
   cat "$OUT/decode.log"
+fi
+
+if has fused; then
+  pytest_stage "fused backward tests" 240 fused_tests.log -n 8 -m gpu -k fused "$repo/tests"
+  start=$SECONDS
+  run_py timeout 300 python3 "$repo/benchmarks/bench_attention.py" --no-forward \
+      --peers native,native_fused,cudnn --seqs 4096,16384 --csv "$OUT/fused.csv" \
+      > "$OUT/fused_bench.log" 2>&1
+  note "fused backward benchmark exit $? [$((SECONDS - start)) s]"
+  cat "$OUT/fused_bench.log"
+  for mode in "--fused" ""; do
+    run_py timeout 120 ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python3 "$repo/tools/profile_call.py" --backward $mode >> "$OUT/fused_ncu.log" 2>&1
+    note "ncu dK/dV kernel ${mode:-(two kernels)}: exit $?"
+  done
 fi
 
 if has main; then

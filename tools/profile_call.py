@@ -1,0 +1,57 @@
+"""One native call at a §6 grid shape, for profiling under Nsight Compute:
+
+    ncu --kernel-name regex:FwdKernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats python tools/profile_call.py --seq 16384 --head-dim 128
+    ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 ... \
+        python tools/profile_call.py --backward --fused
+
+The call runs twice (the first launch compiles and warms up; skip it in ncu). `--backward`
+runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
+(JAXFLASH_FUSED_BACKWARD=1). `--tile K` forces tile candidate K (1-based, as
+`python -m jaxflash.tune` numbers them; a forced tile runs the two-kernel backward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxflash
+from jaxflash import _native
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--seq", type=int, default=16384)
+  ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--backward", action="store_true")
+  ap.add_argument("--fused", action="store_true")
+  ap.add_argument("--tile", type=int, default=0)
+  args = ap.parse_args()
+  S, D = args.seq, args.head_dim
+  H, B = 2048 // D, max(1, 16384 // S)
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(3))
+  attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                             implementation="native")
+  if args.backward:
+    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
+                         argnums=(0, 1, 2)))
+  else:
+    f = jax.jit(attention)
+  if args.fused:
+    os.environ["JAXFLASH_FUSED_BACKWARD"] = "1"
+  with _native.forced_tile(args.tile):  # both read when the call is traced
+    for _ in range(2):
+      jax.block_until_ready(f(q, k, v))
+  print(f"ran B={B} S={S} H={H} D={D} causal={args.causal} backward={args.backward} "
+        f"fused={args.fused} tile={args.tile}")
+
+
+if __name__ == "__main__":
+  main()
