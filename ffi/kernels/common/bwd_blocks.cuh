@@ -337,7 +337,9 @@ __global__ void __launch_bounds__(128, 1) DqFromSumsKernel(const BwdParams p) {
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       float2 v = float2{};
-      if (ok && dt * 8 + 2 * t < sh.head_dim) v = *reinterpret_cast<const float2*>(sums + row * sh.q_row_stride() + dt * 8);
+      if (ok && dt * 8 + 2 * t < sh.head_dim) {
+        v = *reinterpret_cast<const float2*>(sums + row * sh.q_row_stride() + dt * 8);
+      }
       dq[dt][2 * half] = v.x;
       dq[dt][2 * half + 1] = v.y;
     }
