@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import jaxflash
 from cases import MASKS, mask_kwargs
@@ -21,6 +21,9 @@ from test_native import check_forward, check_gradients
 
 
 @settings(max_examples=6, deadline=None)
+# One key, float32: dQ is exactly 0 in exact arithmetic, and each implementation's
+# rounding of dP - delta leaves ~1e-5 of it (a failure hypothesis found once).
+@example(T=25, S=1, K=1, G=1, D=24, mask_name="none", dtype=jnp.float32, seed=0)
 @given(T=st.integers(1, 40), S=st.integers(1, 40), K=st.integers(1, 2), G=st.sampled_from([1, 2]),
        D=st.sampled_from([8, 24, 40]), mask_name=st.sampled_from(list(MASKS)),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16]), seed=st.integers(0, 2**31 - 1))
@@ -42,8 +45,13 @@ def test_three_way(T, S, K, G, D, mask_name, dtype, seed):
     outs[impl] = (jaxflash.dot_product_attention(q, k, v, implementation=impl, **kw),
                   *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
   tol = 1e-5 if dtype == jnp.float32 else 5e-2
-  for a, b in zip(outs["native"], outs["pallas"]):
-    assert max_abs(a, b) <= tol * max(1.0, float(jnp.max(jnp.abs(b.astype(jnp.float32)))))
+  size = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0))
+  # dQ, dK and dV come from the same products (dP, and delta that cancels
+  # against it), so their rounding scales with the largest of the three, not
+  # with each one's own size: with one key dQ is 0 but its rounding is dV's.
+  grads = max(1.0, *(size(g) for g in outs["pallas"][1:]))
+  for i, (a, b) in enumerate(zip(outs["native"], outs["pallas"])):
+    assert max_abs(a, b) <= tol * (max(1.0, size(b)) if i == 0 else grads)
 
 
 def test_automatic_choice_never_picks_the_interpreter():
