@@ -234,20 +234,31 @@ __device__ __forceinline__ void ProductSS(float (&d)[kN / 8][4], uint32_t a, uin
   }
 }
 
-// d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
-// B columns [n0, n0 + kCols) of the MN-major BTile at `b` (e.g. dQ = dS·K with
-// K stored key by key), in chunks of at most 128 columns.
-template <typename T, typename ATile, typename BTile, int kK, int kCols>
-__device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
-  constexpr int kChunk = kCols < 128 ? kCols : 128;
+// The steps of a product into kCols output columns over a reduction of kK:
+// issue(kk, c) for each k step kk (16 rows) and each chunk of kWgmmaChunk
+// columns from c (the widest compiled wgmma, at most 128).
+template <int kCols>
+constexpr int kWgmmaChunk = kCols < 128 ? kCols : 128;
+template <int kK, int kCols, typename Issue>
+__device__ __forceinline__ void ForWgmmaSteps(Issue&& issue) {
+  constexpr int kChunk = kWgmmaChunk<kCols>;
   static_assert(kCols % kChunk == 0 && kChunk % 32 == 0, "output columns come in compiled wgmma widths");
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk)
 #pragma unroll
-    for (int c = 0; c < kCols; c += kChunk) {
-      Wgmma<T, kChunk>::SSMn(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), KMajorDescriptor<ATile>(a, kk),
-                             MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
-    }
+    for (int c = 0; c < kCols; c += kChunk) issue(kk, c);
+}
+
+// d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
+// B columns [n0, n0 + kCols) of the MN-major BTile at `b` (e.g. dQ = dS·K with
+// K stored key by key).
+template <typename T, typename ATile, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
+  constexpr int kChunk = kWgmmaChunk<kCols>;
+  ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
+    Wgmma<T, kChunk>::SSMn(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), KMajorDescriptor<ATile>(a, kk),
+                           MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
+  });
 }
 
 // ------------------------------------------------------------ transposed stores
@@ -269,19 +280,15 @@ __device__ __forceinline__ void StoreTransposedFragment(uint32_t tile, const uin
 
 // d += A·B over a reduction of kK rows: A from registers (one packed fragment
 // per 16 rows, PackAFragment), B columns [n0, n0 + kCols) of the MN-major
-// BTile at `b`, issued in chunks of at most 128 columns (the widest wgmma).
+// BTile at `b`.
 template <typename T, typename BTile, int kK, int kCols>
 __device__ __forceinline__ void ProductRS(float (&d)[kCols / 8][4], const uint32_t (&a)[kK / 16][4], uint32_t b,
                                           int n0) {
-  constexpr int kChunk = kCols < 128 ? kCols : 128;
-  static_assert(kCols % kChunk == 0 && kChunk % 32 == 0, "output columns come in compiled wgmma widths");
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk)
-#pragma unroll
-    for (int c = 0; c < kCols; c += kChunk) {
-      Wgmma<T, kChunk>::RS(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), a[kk],
-                           MnMajorDescriptor<BTile>(b, kk, n0 + c), true);
-    }
+  constexpr int kChunk = kWgmmaChunk<kCols>;
+  ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
+    Wgmma<T, kChunk>::RS(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), a[kk],
+                         MnMajorDescriptor<BTile>(b, kk, n0 + c), true);
+  });
 }
 
 }  // namespace sm90
