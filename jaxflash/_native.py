@@ -46,10 +46,9 @@ def dq_sums_room(dtype, head_dim: int, deterministic: bool) -> bool:
   against the two-kernel one on an H100 (docs/performance.md)."""
   if deterministic or _forced_tile or os.environ.get("JAXFLASH_FUSED_BACKWARD", "0") != "1":
     return False
-  if np.dtype(dtype).itemsize != 2 or head_dim % 8:
-    return False
-  if not (33 <= head_dim <= 64 or 97 <= head_dim <= 128 or 193 <= head_dim <= 256):
-    return False  # the sm90 buckets; the others run the sm80 kernels
+  from jaxflash import tile_cache
+  if np.dtype(dtype).itemsize != 2 or head_dim % 8 or tile_cache.bucket(head_dim) not in (64, 128, 256):
+    return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
   device = jax.devices()[0]
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 

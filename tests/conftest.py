@@ -36,6 +36,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def fused_backward(monkeypatch):
+  """Native backward calls traced in the test leave room for the fused Hopper
+  backward's dQ sums (JAXFLASH_FUSED_BACKWARD=1); skips where it would not run
+  (not an sm90 GPU)."""
+  from jaxflash import _native
+  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
+  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
+    pytest.skip("the fused backward runs on sm90 GPUs")
+
+
+@pytest.fixture
 def rng(request):
   """A fresh generator per test; JAXFLASH_TEST_SEED=<n> replays one."""
   seed = int(os.environ.get("JAXFLASH_TEST_SEED", np.random.SeedSequence().entropy % 2**32))

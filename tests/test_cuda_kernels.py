@@ -184,16 +184,6 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
 
 # ------------------------------------------------------------------ the fused Hopper backward
 
-@pytest.fixture
-def fused_backward(monkeypatch):
-  """Native backward calls traced in the test leave room for the fused
-  backward's dQ sums; skips where it would not run (not an sm90 GPU)."""
-  from jaxflash import _native
-  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
-  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
-    pytest.skip("the fused backward runs on sm90 GPUs")
-
-
 def _sums_room_in_hlo(D, dtype=jnp.bfloat16, **kw):
   """Whether the traced backward call's last result is room for dQ sums."""
   q = jnp.zeros((1, 64, 2, D), dtype)

@@ -413,10 +413,7 @@ def test_padding_never_leaks_split_gpu(rng, impl, poison):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", ["causal", "window", "lengths_causal"])
 @pytest.mark.parametrize("poison", list(POISONS))
-def test_nonfinite_cuda_fused_backward(rng, monkeypatch, poison, mask_name):
+def test_nonfinite_cuda_fused_backward(rng, fused_backward, poison, mask_name):
   """The fused backward's dQ sums meet a masked pair's 0 * NaN too: the
   conversion recomputes such rows exactly, as the dQ kernel does."""
-  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
-  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
-    pytest.skip("the fused backward runs on sm90 GPUs")
   check_case(rng, "native", poison, mask_name, jnp.bfloat16, GPU_SHAPES[128])

@@ -69,6 +69,17 @@ pytest_stage() {  # name, time limit in s, log, pytest arguments...
   note "$name: $last [$((SECONDS - start)) s]"
 }
 
+# A script under a time limit, from outside the checkout: its output goes to
+# $OUT/<log> and is shown, with one summary line (exit status, last line, time).
+script_stage() {  # name, time limit in s, log, command...
+  local name=$1 limit=$2 log=$3 start=$SECONDS
+  shift 3
+  run_py timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  cat "$OUT/$log"
+  note "$name: exit $rc, $(tail -n 1 "$OUT/$log") [$((SECONDS - start)) s]"
+}
+
 # The GPU-marked tests of one tier (CUDA kernels, Pallas on Triton), spread
 # over processes: most of their time is compiling references. PYTEST_K=<expr>
 # narrows them (e.g. to re-run what failed).
@@ -92,10 +103,7 @@ if has fuzz; then
 fi
 
 if has long; then
-  start=$SECONDS
-  run_py timeout 560 python3 "$repo/tools/long_sequences.py" > "$OUT/long.log" 2>&1
-  cat "$OUT/long.log"
-  note "long sequences: $(tail -n 1 "$OUT/long.log") [$((SECONDS - start)) s]"
+  script_stage "long sequences" 560 long.log python3 "$repo/tools/long_sequences.py"
 fi
 
 if has sanitize; then
@@ -112,11 +120,8 @@ if has sanitize; then
 fi
 
 if has bench; then
-  start=$SECONDS
-  run_py timeout 480 python3 "$repo/benchmarks/bench_attention.py" --csv "$OUT/bench.csv" \
-      --png "$OUT/bench.png" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
-  note "benchmark exit $? [$((SECONDS - start)) s]"
-  cat "$OUT/bench.log"
+  script_stage "benchmark" 480 bench.log python3 "$repo/benchmarks/bench_attention.py" \
+      --csv "$OUT/bench.csv" --png "$OUT/bench.png" ${BENCH_ARGS:-}
 fi
 
 if has decode; then
@@ -129,21 +134,15 @@ if has decode; then
       "$repo/tests/test_decode.py" "$repo/tests/test_paged.py" \
       "$nonfinite::test_nonfinite_cuda_decode" "$nonfinite::test_nonfinite_pallas_decode_gpu" \
       "$nonfinite::test_padding_never_leaks_split_gpu"
-  start=$SECONDS
-  run_py timeout 300 python3 "$repo/benchmarks/bench_decode.py" --csv "$OUT/decode.csv" \
-      --png "$OUT/decode.png" ${DECODE_ARGS:-} > "$OUT/decode.log" 2>&1
-  note "decode benchmark exit $? [$((SECONDS - start)) s]"
-  cat "$OUT/decode.log"
+  script_stage "decode benchmark" 300 decode.log python3 "$repo/benchmarks/bench_decode.py" \
+      --csv "$OUT/decode.csv" --png "$OUT/decode.png" ${DECODE_ARGS:-}
 fi
 
 if has fused; then
   pytest_stage "fused backward tests" 240 fused_tests.log -n 8 -m gpu -k fused "$repo/tests"
-  start=$SECONDS
-  run_py timeout 300 python3 "$repo/benchmarks/bench_attention.py" --no-forward \
-      --peers native,native_fused,cudnn --seqs 4096,16384 --csv "$OUT/fused.csv" \
-      > "$OUT/fused_bench.log" 2>&1
-  note "fused backward benchmark exit $? [$((SECONDS - start)) s]"
-  cat "$OUT/fused_bench.log"
+  script_stage "fused backward benchmark" 300 fused_bench.log python3 \
+      "$repo/benchmarks/bench_attention.py" --no-forward --peers native,native_fused,cudnn \
+      --seqs 4096,16384 --csv "$OUT/fused.csv"
   for mode in "--fused" ""; do
     run_py timeout 120 ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
@@ -161,12 +160,8 @@ fi
 if has sharding; then
   # Batch sharding, ring attention at 64k/128k and its overlap on every visible GPU
   # against one (benchmarks/bench_sharding.py); not yet timed on a GPU, hence the limit.
-  start=$SECONDS
-  run_py timeout 470 python3 "$repo/benchmarks/bench_sharding.py" --trace "$OUT/sharding_trace" \
-      > "$OUT/sharding.log" 2>&1
-  rc=$?
-  cat "$OUT/sharding.log"
-  note "sharding benchmark exit $rc: $(tail -n 1 "$OUT/sharding.log") [$((SECONDS - start)) s]"
+  script_stage "sharding benchmark" 470 sharding.log python3 "$repo/benchmarks/bench_sharding.py" \
+      --trace "$OUT/sharding_trace"
 fi
 
 printf '%s\n' "${summary[@]}"
