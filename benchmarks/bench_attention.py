@@ -8,9 +8,9 @@ Grid: bf16, B*S = 16384 tokens, H*D = 2048, D in {64, 128, 256}, S in {1k..16k},
 causal on/off, plus the latency shape B=1, H=8, S=512, D=64. FLOPs:
 forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
-`native_fused` is the native path with the fused Hopper backward switched on
-(JAXFLASH_FUSED_BACKWARD=1 while it is compiled), beside `native`'s two-kernel
-backward. Peers in the same process and harness: jax.nn.dot_product_attention with
+`native` is the native path as a user gets it; `native_fused` and
+`native_two_kernel` force its Hopper backward to the fused pass or to the two
+kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled). Peers in the same process and harness: jax.nn.dot_product_attention with
 implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
 when torch is importable. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
@@ -34,6 +34,23 @@ from jaxflash import _measure
 flops = _measure.attention_flops
 time_fn = _measure.time_jitted
 time_torch = _measure.time_torch
+
+
+# Peers that are the native path with its Hopper backward forced one way.
+BACKWARD_MODES = {"native_fused": "1", "native_two_kernel": "0"}
+
+
+def compiled_with_backward(mode, fn, args):
+  """`fn` compiled with JAXFLASH_FUSED_BACKWARD=mode (read while a call is traced)."""
+  before = os.environ.get("JAXFLASH_FUSED_BACKWARD")
+  os.environ["JAXFLASH_FUSED_BACKWARD"] = mode
+  try:
+    return fn.lower(*args).compile()
+  finally:
+    if before is None:
+      del os.environ["JAXFLASH_FUSED_BACKWARD"]
+    else:
+      os.environ["JAXFLASH_FUSED_BACKWARD"] = before
 
 
 def jax_impl(name, causal, backward):
@@ -80,12 +97,9 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats):
         if name == "xla" and S > 4096:
           continue  # materialises B*H*S*S scores
         args = (q, k, v, do) if backward else (q, k, v)
-        if name == "native_fused":
-          os.environ["JAXFLASH_FUSED_BACKWARD"] = "1"   # read while the call is traced
-          try:
-            fn = jax_impl("native", causal, backward).lower(*args).compile()
-          finally:
-            del os.environ["JAXFLASH_FUSED_BACKWARD"]
+        if name in BACKWARD_MODES:
+          fn = compiled_with_backward(BACKWARD_MODES[name], jax_impl("native", causal, backward),
+                                      args)
         else:
           fn = jax_impl(name, causal, backward)
         t = time_fn(fn, args, reps, repeats)

@@ -36,18 +36,34 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
   return tile_cache.lookup(direction, head_dim, causal, device.device_kind)
 
 
+# Head-dim buckets where the fused Hopper backward runs unless
+# JAXFLASH_FUSED_BACKWARD says otherwise: where it beat the two-kernel backward
+# on an H100 (docs/performance.md, eighth session: D 128 +4-6% at S 16k; D 64
+# -1 to -3%, D 256 -30%, so those keep the two kernels).
+FUSED_BACKWARD_BUCKETS = (128,)
+
+
+def fused_backward_buckets() -> tuple[int, ...]:
+  """The sm90 head-dim buckets whose backward runs fused: JAXFLASH_FUSED_BACKWARD
+  =1 every sm90 bucket, =0 none, unset (or "auto") the measured winners."""
+  mode = os.environ.get("JAXFLASH_FUSED_BACKWARD", "auto")
+  if mode not in ("0", "1", "auto"):
+    raise ValueError(f"JAXFLASH_FUSED_BACKWARD must be 0, 1 or auto, not {mode!r}")
+  return {"0": (), "1": (64, 128, 256), "auto": FUSED_BACKWARD_BUCKETS}[mode]
+
+
 def dq_sums_room(dtype, head_dim: int, deterministic: bool) -> bool:
   """Whether a native backward call being traced leaves room for the fused
   Hopper backward's float32 dQ sums (BwdParams::dq_accum): its dK/dV kernel
   then adds every key tile's dS·K into them instead of running a second
   kernel that recomputes the scores (sm90/bwd_kernel.cuh). The room costs a
   float32 copy of q; the dispatch ignores it where the fused pass does not
-  run. Off unless JAXFLASH_FUSED_BACKWARD=1 until the pass is measured
-  against the two-kernel one on an H100 (docs/performance.md)."""
-  if deterministic or _forced_tile or os.environ.get("JAXFLASH_FUSED_BACKWARD", "0") != "1":
+  run. Deterministic calls keep the two kernels (the atomics' order varies)."""
+  if deterministic or _forced_tile:
     return False
   from jaxflash import tile_cache
-  if np.dtype(dtype).itemsize != 2 or head_dim % 8 or tile_cache.bucket(head_dim) not in (64, 128, 256):
+  buckets = fused_backward_buckets()
+  if np.dtype(dtype).itemsize != 2 or head_dim % 8 or tile_cache.bucket(head_dim) not in buckets:
     return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
   device = jax.devices()[0]
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"

@@ -338,9 +338,13 @@ def _fused_unsupported(call: _Call, name: str, explicit: bool = True) -> str | N
 # (docs/performance.md, fourth session, bf16, S = 4k and 16k): on Hopper the
 # Pallas kernels beat the native ones at head_dim <= 64 in 16-bit types, in the
 # forward (+11-14%) and forward+backward (+29-33%); at 128 and 256 the native
-# kernels win forward+backward (+6-10%, 2x). Elsewhere native comes first.
+# kernels win forward+backward (+6-10%, 2x). Decode steps (q_len <= 16, any head
+# dim; eighth session, H100, D = 128, q_len 1/4/16 on three cache shapes): the
+# Pallas decode kernel beat the native one on all nine cells (4-35%). Elsewhere
+# native comes first.
 _PALLAS_FIRST_DEVICES = ("H100", "H200")
 _PALLAS_FIRST_MAX_HEAD_DIM = 64
+_PALLAS_FIRST_MAX_QUERY_LEN = 16
 _PALLAS_FIRST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -351,7 +355,8 @@ def _device_kind() -> str:
 def _automatic_order(call: _Call) -> tuple[str, str]:
   """The fused implementations in the order `implementation=None` tries them."""
   if (_platform() == "gpu" and call.q.dtype in _PALLAS_FIRST_DTYPES
-      and call.q.shape[-1] <= _PALLAS_FIRST_MAX_HEAD_DIM
+      and (call.q.shape[-1] <= _PALLAS_FIRST_MAX_HEAD_DIM
+           or call.q.shape[-3] <= _PALLAS_FIRST_MAX_QUERY_LEN)
       and any(kind in _device_kind() for kind in _PALLAS_FIRST_DEVICES)):
     return ("pallas", "native")
   return ("native", "pallas")
@@ -399,8 +404,9 @@ def dot_product_attention(
 
   * ``None`` — the first implementation that supports the call here, in
     a measured order: ``native``, else ``pallas``, else ``xla``; on H100/H200
-    GPUs with float16/bfloat16 and head_dim <= 64, ``pallas`` before
-    ``native`` (faster there; docs/performance.md).
+    GPUs with float16/bfloat16 and head_dim <= 64 or at most 16 query rows
+    (decode steps), ``pallas`` before ``native`` (faster there;
+    docs/performance.md).
   * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
   * ``"pallas"`` — the jaxflash Pallas kernels.
   * ``"xla"`` — plain ``jax.numpy`` (materialises the scores; supports

@@ -123,14 +123,22 @@ def test_native_is_the_default_and_really_runs():
 
 
 def test_automatic_order_follows_the_measured_table(monkeypatch):
-  """implementation=None tries Pallas first only where it measured faster (Hopper, 16-bit, D <= 64)."""
+  """implementation=None tries Pallas first only where it measured faster (Hopper, 16-bit,
+  D <= 64 or decode steps of at most 16 query rows)."""
   from jaxflash import attention as attn
 
-  def order(dtype, D, platform="gpu", kind="NVIDIA H100 80GB HBM3"):
+  def order(dtype, D, platform="gpu", kind="NVIDIA H100 80GB HBM3", T=64):
     monkeypatch.setattr(attn, "_platform", lambda: platform)
     monkeypatch.setattr(attn, "_device_kind", lambda: kind)
-    call = types.SimpleNamespace(q=jnp.zeros((1, 8, 2, D), dtype))  # the order reads only q
+    call = types.SimpleNamespace(q=jnp.zeros((1, T, 2, D), dtype))  # the order reads only q
     return attn._automatic_order(call)
+
+  for T in (1, 4, 16):   # decode steps, any head dim
+    assert order(jnp.bfloat16, 128, T=T) == ("pallas", "native")
+    assert order(jnp.float16, 256, T=T, kind="NVIDIA H200") == ("pallas", "native")
+  assert order(jnp.bfloat16, 128, T=17) == ("native", "pallas")
+  assert order(jnp.float32, 128, T=1) == ("native", "pallas")
+  assert order(jnp.bfloat16, 128, T=1, kind="NVIDIA A100-SXM4-80GB") == ("native", "pallas")
 
   assert order(jnp.bfloat16, 64) == ("pallas", "native")
   assert order(jnp.float16, 40, kind="NVIDIA H200") == ("pallas", "native")
@@ -260,6 +268,23 @@ def test_handlers_revalidate_what_reaches_them(rng):
       backward(grads + (lse, sums(bad)))
   with pytest.raises(Exception, match="jaxflash: dq_accum must be float32"):
     backward(grads + (lse, sums(q.shape, jnp.bfloat16)))
+
+
+def test_fused_backward_switch(monkeypatch):
+  """JAXFLASH_FUSED_BACKWARD: unset or auto = the buckets measured faster fused,
+  1 = every sm90 bucket, 0 = none; anything else is a clear error at trace
+  time. Off the sm90 GPUs no call leaves room for the dQ sums."""
+  from jaxflash import _native
+  monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD", raising=False)
+  assert _native.fused_backward_buckets() == _native.FUSED_BACKWARD_BUCKETS
+  for mode, buckets in [("auto", _native.FUSED_BACKWARD_BUCKETS), ("1", (64, 128, 256)), ("0", ())]:
+    monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", mode)
+    assert _native.fused_backward_buckets() == buckets
+    if jax.devices()[0].platform == "cpu":
+      assert not _native.dq_sums_room(jnp.bfloat16, 128, False)
+  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "yes")
+  with pytest.raises(ValueError, match="JAXFLASH_FUSED_BACKWARD must be 0, 1 or auto"):
+    _native.fused_backward_buckets()
 
 
 # ------------------------------------------------------------------ transformations

@@ -15,7 +15,7 @@ import pytest
 import jaxflash
 from jaxflash import _native, _splits
 from cases import MASKS
-from conftest import assert_within_budget, numpy_reference, random_inputs
+from conftest import assert_within_budget, numpy_reference, random_inputs, tiered
 from test_cuda_kernels import _poison_allocator
 from test_native import attention, baseline, check_forward
 from test_paged import contiguous, make_cache
@@ -27,8 +27,8 @@ _ids = lambda x: getattr(x, "__name__", str(x))
 
 
 @pytest.mark.parametrize("splits", [1, 3, 40])
-@pytest.mark.parametrize("D", [32, 40, 64, 96, 128, 160, 192, 256])
-@pytest.mark.parametrize("dtype", LOW, ids=_ids)
+@pytest.mark.parametrize("D", tiered([32, 40, 64, 96, 128, 160, 192, 256], [40, 96, 128, 256]))
+@pytest.mark.parametrize("dtype", tiered(LOW, [jnp.bfloat16]), ids=_ids)
 def test_decode_head_dims(rng, dtype, D, splits):
   _poison_allocator()
   check_forward(rng, (2, 2, 1000, 16, 2, D), "lengths_causal_bottom_right", dtype, num_splits=splits)
@@ -40,8 +40,10 @@ DECODE_SHAPES = [(2, 1, 777, 8, 8, 128), (2, 1, 500, 8, 2, 64), (1, 2, 900, 16, 
 
 
 @pytest.mark.parametrize("splits", [1, 5, 64])
-@pytest.mark.parametrize("mask_name", list(MASKS))
-@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+@pytest.mark.parametrize("mask_name", tiered(list(MASKS), ["causal_bottom_right", "lengths",
+                                                           "window_causal_bottom_right"]))
+@pytest.mark.parametrize("shape", tiered(DECODE_SHAPES, [DECODE_SHAPES[i] for i in (0, 3, 5)]),
+                         ids=str)  # fast: 1, 32 and 128 packed rows
 def test_decode_masks_and_splits(rng, shape, mask_name, splits):
   _poison_allocator()
   check_forward(rng, shape, mask_name, jnp.bfloat16, num_splits=splits)
@@ -74,8 +76,8 @@ def test_long_decode_step_automatic_splits(rng, dtype):
   check_forward(rng, (B, T, S, N, K, D), "causal_bottom_right", dtype)
 
 
-@pytest.mark.parametrize("dtype", LOW + [jnp.float32], ids=_ids)
-@pytest.mark.parametrize("page_size", [1, 16, 24, 64])
+@pytest.mark.parametrize("dtype", tiered(LOW + [jnp.float32], [jnp.bfloat16, jnp.float32]), ids=_ids)
+@pytest.mark.parametrize("page_size", tiered([1, 16, 24, 64], [1, 24]))
 @pytest.mark.parametrize("shape", [(4, 1, 32, 8, 128), (2, 5, 8, 1, 64), (2, 16, 16, 2, 96)],
                          ids=str)
 def test_paged_on_gpu(rng, shape, page_size, dtype):

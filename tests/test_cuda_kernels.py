@@ -43,7 +43,7 @@ def _poison_allocator():
 
 
 @pytest.mark.parametrize("D", HEAD_DIMS)
-@pytest.mark.parametrize("dtype", ALL, ids=_ids)
+@pytest.mark.parametrize("dtype", tiered(ALL, [jnp.bfloat16, jnp.float32]), ids=_ids)
 def test_forward_head_dims(rng, D, dtype):
   _poison_allocator()
   # Ragged T/S, q_len != kv_len, GQA 4.
@@ -218,3 +218,15 @@ def test_fused_backward_not_for_deterministic_calls(fused_backward):
   assert not _native.dq_sums_room(jnp.float32, 128, False)
   assert not _native.dq_sums_room(jnp.bfloat16, 96, False)   # an sm80 bucket
   assert _sums_room_in_hlo(128) and not _sums_room_in_hlo(128, deterministic=True)
+
+
+def test_fused_backward_by_default_where_measured_faster(monkeypatch):
+  """Without JAXFLASH_FUSED_BACKWARD the D 128 bucket runs fused on sm90 and
+  D 64 / 256 keep the two kernels (docs/performance.md); =0 turns it off."""
+  from jaxflash import _native
+  monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD", raising=False)
+  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
+    pytest.skip("the fused backward runs on sm90 GPUs")
+  assert [_sums_room_in_hlo(D) for D in (64, 120, 128, 256)] == [False, True, True, False]
+  monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "0")
+  assert not _sums_room_in_hlo(128)

@@ -16,7 +16,7 @@ import pytest
 
 from jaxflash import _native, attention, reference
 from cases import mask_kwargs, numpy_mask
-from conftest import assert_within_budget, numpy_reference, random_inputs
+from conftest import assert_within_budget, numpy_reference, random_inputs, tiered
 
 MASK_NAMES = ["causal", "window", "window_causal_bottom_right", "lengths_causal_bottom_right",
               "lengths"]
@@ -90,7 +90,7 @@ GPU_FAMILIES = [("simt", jnp.float32, False), ("arch", jnp.bfloat16, False),
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", tiered([64, 128], [128]))
 @pytest.mark.parametrize("family,dtype,sm80", GPU_FAMILIES, ids=[f[0] for f in GPU_FAMILIES])
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 def test_offsets_cuda_families(rng, mask_name, family, dtype, sm80, D):

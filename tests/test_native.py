@@ -28,7 +28,7 @@ def attention(q, k, v, implementation="native", **kw):
                                         differentiable_residual=True, **kw)
 
 
-def baseline(q, k, v, **kw):
+def baseline(q, k, v, compute_dtype=None, **kw):
   """The `xla` implementation computed in the input dtype: the error yardstick."""
   scale = 1.0 / np.sqrt(q.shape[-1])
   return jaxflash.reference.attention(
@@ -36,7 +36,19 @@ def baseline(q, k, v, **kw):
       causal_alignment=kw.get("causal_alignment", "top_left"),
       local_window_size=kw.get("local_window_size"),
       query_seq_lengths=kw.get("query_seq_lengths"),
-      key_value_seq_lengths=kw.get("key_value_seq_lengths"), compute_dtype=q.dtype)
+      key_value_seq_lengths=kw.get("key_value_seq_lengths"),
+      compute_dtype=compute_dtype or q.dtype)
+
+
+def finite_baseline(compute, dtype):
+  """`compute(compute_dtype)` in `dtype`, or, where that overflows (float16
+  scores beyond 65504 at large magnitudes), in float32 rounded to `dtype`:
+  an overflowing baseline gives no yardstick, and the rounded float32 one is
+  the stricter of the two."""
+  results = compute(dtype)
+  if all(np.all(np.isfinite(np.asarray(x, np.float64))) for x in results):
+    return results
+  return tuple(jnp.asarray(x, dtype) for x in compute(jnp.float32))
 
 
 def max_logit(q, k, scale) -> float:
@@ -53,7 +65,7 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
   out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
-  base_o, base_lse = baseline(q, k, v, **kw)
+  base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, compute_dtype=c, **kw), dtype)
   budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 else {}
   assert out.dtype == q.dtype and out.shape == q.shape
   assert np.all(np.isfinite(np.asarray(lse, np.float64)))
@@ -84,10 +96,12 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", magni
   native = functools.partial(attention, implementation=implementation, **kw, **extra)
   grads = jax.grad(functools.partial(loss, native), argnums=(0, 1, 2))(q, k, v)
 
-  def base_fn(q, k, v):
-    o, lse = baseline(q, k, v, **kw)
-    return o, jnp.transpose(lse, (0, 2, 1))
-  base = jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
+  def base_grads(compute_dtype):
+    def base_fn(q, k, v):
+      o, lse = baseline(q, k, v, compute_dtype=compute_dtype, **kw)
+      return o, jnp.transpose(lse, (0, 2, 1))
+    return jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
+  base = finite_baseline(base_grads, dtype)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
                                    scale=1.0 / np.sqrt(D), **numpy_mask(kw))
   budget = dict(max_logit=max_logit(q, k, 1.0 / np.sqrt(D))) if magnitude > 1 else {}
@@ -122,7 +136,7 @@ def test_large_logits_stay_finite_and_exact(rng, dtype):
   check_forward(rng, (1, 127, 127, 2, 2, 64), "causal", dtype, magnitude=6.0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("implementation", ["native", "pallas", "xla"])
 def test_logits_up_to_1e4(rng, implementation, dtype):
   """scale * |q . k| up to ~1e4 (q, k of size 50): output, LSE and gradients

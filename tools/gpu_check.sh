@@ -15,8 +15,8 @@
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
 # decode      the decode kernels (split-KV, GQA packing, paged K/V): their tests on this GPU, then
 #             benchmarks/bench_decode.py
-# fused       the one-pass Hopper backward (opt-in): its GPU tests, forward+backward rates of
-#             native (two kernels), native_fused and cuDNN in one run, then an ncu profile of
+# fused       the one-pass Hopper backward: its GPU tests, forward+backward rates of
+#             native (as dispatched), native_two_kernel, native_fused and cuDNN in one run, then ncu of
 #             the fused dK/dV kernel and of the two-kernel one at D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
@@ -83,8 +83,11 @@ script_stage() {  # name, time limit in s, log, command...
 # The GPU-marked tests of one tier (CUDA kernels, Pallas on Triton), spread
 # over processes: most of their time is compiling references. PYTEST_K=<expr>
 # narrows them (e.g. to re-run what failed).
+# Each test's time goes to <log>.times as it finishes (sort -rn it), so a tier
+# stopped at its limit still shows where the time went.
 gpu_tier() {  # name, marker expression, time limit in s, log
-  pytest_stage "$1" "$3" "$4" -n 8 -m "$2" "$repo/tests" ${PYTEST_K:+-k "$PYTEST_K"} --durations=15
+  JAXFLASH_TEST_TIMES="$OUT/$4.times" pytest_stage "$1" "$3" "$4" -n 8 -rfE -m "$2" "$repo/tests" \
+      ${PYTEST_K:+-k "$PYTEST_K"} --durations=15
 }
 
 if has tests; then
@@ -141,7 +144,7 @@ fi
 if has fused; then
   pytest_stage "fused backward tests" 240 fused_tests.log -n 8 -m gpu -k fused "$repo/tests"
   script_stage "fused backward benchmark" 300 fused_bench.log python3 \
-      "$repo/benchmarks/bench_attention.py" --no-forward --peers native,native_fused,cudnn \
+      "$repo/benchmarks/bench_attention.py" --no-forward --peers native,native_two_kernel,native_fused,cudnn \
       --seqs 4096,16384 --csv "$OUT/fused.csv"
   for mode in "--fused" ""; do
     run_py timeout 120 ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 \

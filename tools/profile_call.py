@@ -7,7 +7,7 @@
 
 The call runs twice (the first launch compiles and warms up; skip it in ncu). `--backward`
 runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
-(JAXFLASH_FUSED_BACKWARD=1). `--tile K` forces tile candidate K (1-based, as
+(JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces tile candidate K (1-based, as
 `python -m jaxflash.tune` numbers them; a forced tile runs the two-kernel backward).
 """
 
@@ -44,8 +44,7 @@ def main():
                          argnums=(0, 1, 2)))
   else:
     f = jax.jit(attention)
-  if args.fused:
-    os.environ["JAXFLASH_FUSED_BACKWARD"] = "1"
+  os.environ["JAXFLASH_FUSED_BACKWARD"] = "1" if args.fused else "0"
   with _native.forced_tile(args.tile):  # both read when the call is traced
     for _ in range(2):
       jax.block_until_ready(f(q, k, v))
