@@ -27,10 +27,14 @@ MAX_SPLITS = 1024  # the handlers' limit (ffi/handlers/decode.h)
 # The GPU decode kernels (native and Pallas) take up to this many packed rows
 # (q_len x query heads per K/V head) unsplit (ffi/kernels/decode/launch_decode.h,
 # kMaxPackedRows); longer queries run the training kernels, which automatic
-# splitting leaves alone.
-DECODE_MAX_ROWS = 64
+# splitting leaves alone (paged calls excepted: only the decode kernel reads
+# pages). 128 rows still read K/V at ~128 flop per byte, under the tensor
+# cores' ridge, where a training kernel would read K/V once per query head.
+DECODE_MAX_ROWS = 128
 # Both use 16-row tiles up to 16 packed rows, else 64 (DecodeTilePick), and
-# the native one fits two CTAs per SM (shared memory, head_dim <= 128).
+# the native one fits two CTAs per SM (shared memory, head_dim <= 128; its
+# stage count leaves room for Q, decode_kernel.cuh).
+_DECODE_TILE_ROWS = 64
 _GPU_CTAS_PER_SM = 2
 # The CPU forward's packed rows per work item (ffi/kernels/cpu/tile.h).
 _CPU_TILE_ROWS = 32
@@ -39,7 +43,7 @@ _H100_SMS = 132  # when a GPU does not report its SM count
 
 def decode_tile_rows(rows: int) -> int:
   """Packed rows per tile of the GPU decode kernels."""
-  return 16 if rows <= 16 else DECODE_MAX_ROWS
+  return 16 if rows <= 16 else _DECODE_TILE_ROWS
 
 
 def validate(num_splits) -> int:
@@ -80,27 +84,28 @@ def _gpu_sms() -> int:
   return int(count) if isinstance(count, int) and count > 0 else _H100_SMS
 
 
-def _gpu_decode(q_shape, k_shape) -> int:
+def _gpu_decode(q_shape, k_shape, paged: bool = False) -> int:
   B, T, N, _ = q_shape
   S, K = k_shape[1], k_shape[2]
   rows = T * (N // K)
-  if rows > DECODE_MAX_ROWS:
+  if rows > DECODE_MAX_ROWS and not paged:
     return 1
   items = B * K * math.ceil(rows / decode_tile_rows(rows))
   return heuristic(items, S, _gpu_sms() * _GPU_CTAS_PER_SM)
 
 
-def native(forced: int, q_shape, k_shape, dtype, platform: str) -> int:
+def native(forced: int, q_shape, k_shape, dtype, platform: str, paged: bool = False) -> int:
   """The split count of a native forward of q [B, T, N, D] against k [B, S, K, D].
 
   On the GPU only the tensor-core decode kernel splits: float32 and head dims
   that are not a multiple of 8 run the SIMT kernels unsplit, and automatic
-  splitting stays off for queries past DECODE_MAX_ROWS packed rows.
+  splitting stays off for queries past DECODE_MAX_ROWS packed rows unless the
+  call is `paged` (the decode kernel takes every paged call).
   """
   if platform in ("gpu", "cuda"):
     if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8:
       return 1
-    return forced or _gpu_decode(q_shape, k_shape)
+    return forced or _gpu_decode(q_shape, k_shape, paged)
   if forced:
     return forced
   B, T, N, _ = q_shape

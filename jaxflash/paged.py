@@ -99,7 +99,7 @@ def _choose(q, implementation) -> str:
 def _native_paged(q, kp, vp, table, lengths, spec):
   splits = _splits.native(spec.num_splits, q.shape,
                           (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3]),
-                          q.dtype, _attention._platform())
+                          q.dtype, _attention._platform(), paged=True)
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
   call = jax.ffi.ffi_call(PAGED_TARGET, _attention._NativeKernels.out_types(q, splits),

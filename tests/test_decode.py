@@ -132,6 +132,22 @@ def test_heuristic_fills_the_machine():
   assert 48 <= _splits.heuristic(1, 1 << 20, 264, max_splits=64) <= 64
 
 
+def test_gpu_split_rule(monkeypatch):
+  """On a GPU (132 SMs), 16-bit: short queries up to 128 packed rows split,
+  longer ones run the training kernel unsplit unless paged (only the decode
+  kernel reads pages); float32 never splits (the SIMT kernels)."""
+  monkeypatch.setattr(_splits, "_gpu_sms", lambda: 132)
+  native = lambda T, N, K, S, B=8, **kw: _splits.native(0, (B, T, N, 128), (B, S, K, 128),
+                                                        jnp.bfloat16, "gpu", **kw)
+  assert native(1, 32, 4, 32768) > 1           # a decode step: 32 items on 264 slots
+  assert native(16, 32, 4, 32768) > 1          # 128 packed rows, two 64-row tiles per item
+  assert native(32, 32, 4, 32768) == 1         # 256 rows: the training kernel
+  assert native(32, 32, 4, 32768, paged=True) > 1
+  assert native(1, 32, 8, 4096, B=64) == 1     # 512 items fill the machine
+  assert _splits.native(0, (8, 1, 32, 128), (8, 32768, 4, 128), jnp.float32, "gpu") == 1
+  assert [_splits.decode_tile_rows(r) for r in (1, 16, 17, 64, 128)] == [16, 16, 64, 64, 64]
+
+
 def test_automatic_splits_on_a_many_core_cpu(rng, monkeypatch):
   """The CPU heuristic splits a single-item decode step over many threads."""
   monkeypatch.setattr(_splits.os, "cpu_count", lambda: 64)

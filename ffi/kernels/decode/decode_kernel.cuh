@@ -54,10 +54,13 @@ struct DecodeTile {
   static constexpr int kNT = kNw / 8;     // n8 tiles of scores per warp
   static constexpr int kDT = kD / 8;      // n8 tiles of output per warp
   static constexpr int kStageElems = 2 * kN * kStride;  // K then V, 2-byte elements
-  // As many stages as fit in 112 KiB (2 to 4): two CTAs per H100 SM at head
-  // dims up to 128 with 16-row tiles, and two or three tiles in flight per CTA.
-  static constexpr int kStages = ClampInt(112 * 1024 / (kStageElems * 2), 2, 4);
-  static constexpr size_t kTileBytes = (size_t(kM) * kStride + size_t(kStages) * kStageElems) * 2;
+  // As many stages as fit beside Q in 112 KiB (2 to 4): two CTAs per H100 SM
+  // at head dims up to 128 with either tile (the 64-row one at 3 stages took
+  // 119 KiB, one CTA per SM, and ran a long decode step in 1.8 waves where
+  // the split heuristic counted on one), and two to four tiles in flight per CTA.
+  static constexpr int kQBytes = kM * kStride * 2;
+  static constexpr int kStages = ClampInt((112 * 1024 - kQBytes) / (kStageElems * 2), 2, 4);
+  static constexpr size_t kTileBytes = size_t(kQBytes) + size_t(kStages) * kStageElems * 2;
   // Epilogue scratch, over the (then unused) tiles: each warp's 16 output rows
   // (padded by 4 floats against bank conflicts) and per-row (max, sum).
   static constexpr int kOStride = kD + 4;
@@ -67,6 +70,9 @@ struct DecodeTile {
   static_assert(kD % 16 == 0 && kNw % 16 == 0, "tiles are built from 16x16 mma steps");
   // Every candidate must launch on sm80 too (A100: 163 KiB per block).
   static_assert(kSmemBytes <= 163 * 1024, "decode tile exceeds the sm80 shared-memory limit");
+  // The split heuristic counts two CTAs per SM (jaxflash/_splits.py): an H100
+  // SM has 228 KiB, less 1 KiB the system keeps per CTA.
+  static_assert(kD > 128 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two decode CTAs per SM up to head_dim 128");
 };
 
 // Two shapes per head-dim bucket: 16-row CTAs (a decode step of up to 16

@@ -13,8 +13,10 @@ namespace decode {
 
 // Packed rows (common/decode.h) up to which a call runs on the decode kernel
 // even unsplit: short queries against long K/V, where the training forward
-// would read K/V once per query head in CTAs of mostly padding rows.
-constexpr int kMaxPackedRows = 64;
+// would read K/V once per query head in CTAs of mostly padding rows. At 128
+// rows a K/V tile still carries ~128 flop per byte, memory-bound work for
+// mma.sync; jaxflash/_splits.py (DECODE_MAX_ROWS) mirrors it.
+constexpr int kMaxPackedRows = 128;
 
 // Whether the decode kernel takes this tensor-core call: always when it is
 // split or paged (only the decode kernel splits or reads pages), and for
