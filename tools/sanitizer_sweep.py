@@ -49,7 +49,32 @@ def main():
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
   print(f"sanitizer sweep: {n} configurations, forward and backward")
+  print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
   print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+
+
+def candidate_sweep(rng):
+  """Every forward tile candidate of the bf16 head-dim buckets (not only the
+  table's pick) on a causal, ragged shape with more work tiles than SMs, so a
+  persistent CTA walks several and its Q / O buffers turn over."""
+  from jaxflash import _native
+  n = 0
+  for D in (64, 128, 256):
+    B, T, S, N, K = 2, 300, 260, 48, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.bfloat16)
+               for L, H in ((T, N), (S, K), (S, K)))
+    lengths = rng.integers(1, S + 1, B).astype(np.int32)
+    for candidate in range(1, 9):
+      try:
+        with _native.forced_tile(candidate):
+          jax.block_until_ready(jaxflash.dot_product_attention(
+              q, k, v, implementation="native", is_causal=True, key_value_seq_lengths=lengths))
+      except Exception as e:  # past the bucket's last candidate
+        if "does not exist" not in str(e):
+          raise
+        break
+      n += 1
+  return n
 
 
 # Decode shapes (q_len 1..16, GQA 1/4/8), forced splits including more splits

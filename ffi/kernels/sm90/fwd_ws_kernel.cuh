@@ -18,7 +18,11 @@
 //   epilogue   each consumer stages its normalised O rows in its (now unused)
 //              rows of the Q buffer and one thread stores them with the TMA;
 //              the producer loads the next Q only after those stores have read
-//              the buffer. LSE goes straight to global memory. Entries of O
+//              the buffer. With kSeparateO (where shared memory has room) O has
+//              a buffer of its own: the consumers free Q after their last Q·Kᵀ,
+//              so the next Q loads during the last P·V and the epilogue, and a
+//              store is only waited for by the next epilogue. LSE goes straight
+//              to global memory. Entries of O
 //              that show a NaN are recomputed exactly by their lane into the
 //              staged tile (tc::FinishRows, common/exact_rows.cuh).
 //
@@ -46,7 +50,7 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true>
+template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
   static constexpr int kD = kD_;
@@ -54,6 +58,7 @@ struct WsFwdTile {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPingPong = kPingPong_;
+  static constexpr bool kSeparateO = kSeparateO_;  // O staged in its own buffer, not Q's
   static constexpr int kM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -69,8 +74,9 @@ struct WsFwdTile {
   // K empty, V full, V empty.
   static constexpr int kBarriers = 3 + 4 * kStages;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
-  static constexpr size_t kSmemBytes =
-      size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
+  static constexpr size_t kSmemBytes = size_t(QTile::kBytes) * (kSeparateO ? 2 : 1) +
+                                       2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
   // Named barriers: the consumers' turns, then one per consumer's epilogue.
@@ -79,17 +85,20 @@ struct WsFwdTile {
   static_assert(kEpilogueBarrier + kConsumers <= 16, "16 named barriers");
 };
 
-// Where the buffers and barriers of a WsFwdTile sit in shared memory.
+// Where the buffers and barriers of a WsFwdTile sit in shared memory. O's
+// staging buffer is Q's own unless the tile has a separate one.
 template <typename Tile>
 struct WsFwdSmem {
-  uint32_t q, k, v, bars;
+  uint32_t q, k, v, o, bars;
 
   __device__ __forceinline__ static WsFwdSmem At(uint32_t base) {
     WsFwdSmem s;
     s.q = base;
     s.k = s.q + Tile::QTile::kBytes;
     s.v = s.k + Tile::kStages * Tile::KVTile::kBytes;
-    s.bars = s.v + Tile::kStages * Tile::KVTile::kBytes;
+    const uint32_t after_v = s.v + Tile::kStages * Tile::KVTile::kBytes;
+    s.o = Tile::kSeparateO ? after_v : s.q;
+    s.bars = Tile::kSeparateO ? after_v + Tile::QTile::kBytes : after_v;
     return s;
   }
   __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
@@ -105,7 +114,9 @@ struct WsFwdSmem {
   __device__ __forceinline__ void InitBarriers() const {
     constexpr int kConsumerWarps = 4 * Tile::kConsumers;
     MBarrier::Init(QFull(), 1);
-    MBarrier::Init(QEmpty(), Tile::kConsumers);  // one arrival per consumer's epilogue
+    // Q is free after every consumer's epilogue (one arrival each), or with a
+    // separate O after every consumer warp's last Q·Kᵀ (one arrival a warp).
+    MBarrier::Init(QEmpty(), Tile::kSeparateO ? kConsumerWarps : Tile::kConsumers);
     MBarrier::Init(Tail(), 1);
     for (int s = 0; s < Tile::kStages; ++s) {
       MBarrier::Init(KFull(s), 1);  // the producer's arrival, plus the copied bytes
@@ -331,6 +342,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
       }
       for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
+      // Every Q·Kᵀ of this warp is done (waited above): with a separate O
+      // the producer may load the next Q now, under the last P·V.
+      if constexpr (Tile::kSeparateO) release(sm.QEmpty());
       // The last tile's P·V.
       MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
       await_turn();
@@ -367,14 +381,19 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       }
       continue;
     }
-    // Stage O in this warpgroup's rows of the Q buffer (its last Q·Kᵀ is done)
-    // in the swizzled layout the O tensor map expects.
+    // Stage O in this warpgroup's rows of the O buffer (Q's, whose last Q·Kᵀ
+    // is done, or its own once the previous tile's store has read it) in the
+    // swizzled layout the O tensor map expects.
+    if constexpr (Tile::kSeparateO) {
+      if (tid == 0) TmaStoreWaitRead<0>();
+      NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
+    }
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
-        const uint32_t at = sm.q + QTile::ChunkOffset(row, dt) + 4 * t;
+        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
       }
     }
@@ -385,7 +404,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       if (!redo[half]) continue;
       const int row = warp_row0 + g + half * 8;
       tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
-        const uint32_t at = sm.q + QTile::ChunkOffset(row, dt) + 4 * t;
+        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
         asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::ElemTraits<T>::Pack(x.x, x.y)) : "memory");
       });
     }
@@ -396,13 +415,13 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       const int row0 = r0 + consumer * 64;
       if (row0 < sh.q_len) {
         for (int b = 0; b < kD / 64; ++b) {
-          TmaStore4d(o_map, sm.q + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
+          TmaStore4d(o_map, sm.o + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
                      w.tile.batch);
         }
         TmaStoreCommit();
-        TmaStoreWaitRead<0>();
+        if constexpr (!Tile::kSeparateO) TmaStoreWaitRead<0>();
       }
-      MBarrier::Arrive(sm.QEmpty());
+      if constexpr (!Tile::kSeparateO) MBarrier::Arrive(sm.QEmpty());
     }
   }
   if (consumer == 0) await_turn();  // the last consumer's final pass, so no turn is left pending
