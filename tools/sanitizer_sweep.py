@@ -20,7 +20,9 @@ import numpy as np
 
 import jaxflash
 
-SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 4, 2, 128), (1, 70, 70, 2, 2, 40), (1, 33, 65, 2, 1, 256),
+# Past 128 packed rows (q_len x query heads per K/V head) but the first, so the
+# training kernels run, not the decode one (ffi/kernels/decode/launch_decode.h).
+SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (1, 33, 65, 8, 1, 256),
           (1, 150, 333, 2, 1, 128),  # walks several K/V tiles through both pipeline stages
           (3, 300, 260, 16, 4, 64)]  # more work tiles than SMs: persistent CTAs take several
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
