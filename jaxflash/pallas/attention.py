@@ -926,7 +926,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
     config: optional :class:`PallasConfig`.
     num_splits: split-KV (see :func:`jaxflash.dot_product_attention`):
       ``None`` automatic, an int >= 1 forced. Split calls, and short queries
-      (query rows x query heads per K/V head <= 64), run the decode kernel,
+      (query rows x query heads per K/V head <= 128), run the decode kernel,
       which stacks the query heads of a K/V head into one block of rows.
     diagonal_offsets: optional int32 ``[B]`` added to each batch element's
       diagonal (``None``: 0); places one block of a larger problem (ring
