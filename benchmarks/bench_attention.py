@@ -10,8 +10,8 @@ forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
 `native` is the native path as a user gets it; `native_fused` and
 `native_two_kernel` force its Hopper backward to the fused pass or to the two
-kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled). Peers in the same process and harness: jax.nn.dot_product_attention with
-implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
+kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled). Peers in the same
+process and harness: jax.nn.dot_product_attention with implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
 when torch is importable. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
 runs is reported.

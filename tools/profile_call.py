@@ -7,8 +7,9 @@
 
 The call runs twice (the first launch compiles and warms up; skip it in ncu). `--backward`
 runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
-(JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces tile candidate K (1-based, as
-`python -m jaxflash.tune` numbers them; a forced tile runs the two-kernel backward).
+(JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces
+tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
+two-kernel backward).
 """
 
 from __future__ import annotations
