@@ -98,6 +98,25 @@ def forced_tile(index: int, *, sm80: bool = False):
     _forced_tile = previous
 
 
+# More than any compiled candidate list holds (ffi/kernels/*/..._launch.cuh).
+MAX_CANDIDATES = 8
+
+
+def each_compiled_candidate(run, last: int = MAX_CANDIDATES) -> list:
+  """[run(1), run(2), ...] up to the last compiled tile candidate (or `last`):
+  a call past a list's end fails with "does not exist", which ends the walk;
+  any other failure propagates. `run` forces its candidate itself."""
+  results = []
+  for candidate in range(1, last + 1):
+    try:
+      results.append(run(candidate))
+    except Exception as e:  # past the last compiled candidate
+      if "does not exist" not in str(e):
+        raise
+      break
+  return results
+
+
 class NativeUnavailableError(RuntimeError):
   """The compiled extension is missing or cannot serve this jaxlib."""
 

@@ -32,8 +32,6 @@ import numpy as np
 import jaxflash
 from jaxflash import _measure, _native, tile_cache
 
-MAX_CANDIDATES = 8
-
 
 def build(direction: str, causal: bool, cand: int, sm80: bool):
   """The jitted step for one candidate, traced here (the tile is read at trace time)."""
@@ -60,18 +58,11 @@ def sweep(direction: str, D: int, S: int, causal: bool, *, sm80: bool = False, r
   q, k, v, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(4))
   inputs = (q, k, v) if direction == "fwd" else (q, k, v, do)
   flops = _measure.attention_flops(B, H, S, S, D, causal, direction != "fwd")
-  rates = []
   # The sm80 backward has one tile and ignores the index: one run says all.
-  last = 1 if direction == "bwd" and sm80 else MAX_CANDIDATES
-  for cand in range(1, last + 1):
-    try:
-      t = _measure.time_jitted(build(direction, causal, cand, sm80), inputs, reps, repeats)
-    except Exception as e:  # past the last compiled candidate
-      if "does not exist" in str(e):
-        break
-      raise
-    rates.append(flops / t / 1e12)
-  return rates
+  last = 1 if direction == "bwd" and sm80 else _native.MAX_CANDIDATES
+  times = _native.each_compiled_candidate(
+      lambda cand: _measure.time_jitted(build(direction, causal, cand, sm80), inputs, reps, repeats), last)
+  return [flops / t / 1e12 for t in times]
 
 
 def winner(rates_per_seq: list[list[float]]) -> tuple[int, float]:

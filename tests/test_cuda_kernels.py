@@ -222,13 +222,10 @@ def test_fused_backward_not_for_deterministic_calls(fused_backward):
   assert _sums_room_in_hlo(128) and not _sums_room_in_hlo(128, deterministic=True)
 
 
-def test_fused_backward_by_default_where_measured_faster(monkeypatch):
+def test_fused_backward_by_default_where_measured_faster(fused_backward, monkeypatch):
   """Without JAXFLASH_FUSED_BACKWARD the D 128 bucket runs fused on sm90 and
   D 64 / 256 keep the two kernels (docs/performance.md); =0 turns it off."""
-  from jaxflash import _native
-  monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD", raising=False)
-  if not _native.dq_sums_room(jnp.bfloat16, 128, False):
-    pytest.skip("the fused backward runs on sm90 GPUs")
+  monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD")   # the fixture's =1, for its sm90 check
   assert [_sums_room_in_hlo(D) for D in (64, 120, 128, 256)] == [False, True, True, False]
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "0")
   assert not _sums_room_in_hlo(128)

@@ -66,16 +66,12 @@ def candidate_sweep(rng):
     q, k, v = (jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.bfloat16)
                for L, H in ((T, N), (S, K), (S, K)))
     lengths = rng.integers(1, S + 1, B).astype(np.int32)
-    for candidate in range(1, 9):
-      try:
-        with _native.forced_tile(candidate):
-          jax.block_until_ready(jaxflash.dot_product_attention(
-              q, k, v, implementation="native", is_causal=True, key_value_seq_lengths=lengths))
-      except Exception as e:  # past the bucket's last candidate
-        if "does not exist" not in str(e):
-          raise
-        break
-      n += 1
+
+    def run(candidate):
+      with _native.forced_tile(candidate):
+        jax.block_until_ready(jaxflash.dot_product_attention(
+            q, k, v, implementation="native", is_causal=True, key_value_seq_lengths=lengths))
+    n += len(_native.each_compiled_candidate(run))
   return n
 
 
