@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+# The GPU tests compile hundreds of small XLA programs (baselines, gradients,
+# references); autotuning each one's GEMMs and fusions cost seconds per program
+# under eight test processes and changes no tested result (XLA's baselines only
+# set error budgets). Set before jax creates a backend.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +37,9 @@ def pytest_runtest_logreport(report):
   outcome, id), written as it finishes: a tier stopped at its time limit
   still says where its time went (pytest's --durations prints only at the end)."""
   path = os.environ.get("JAXFLASH_TEST_TIMES")
-  if path and report.when == "call":
+  # Under xdist both the worker and the controller see each report: only the
+  # controller (no PYTEST_XDIST_WORKER) writes, once per test.
+  if path and report.when == "call" and "PYTEST_XDIST_WORKER" not in os.environ:
     with open(path, "a") as f:
       f.write(f"{report.duration:8.2f} {report.outcome:7s} {report.nodeid}\n")
 

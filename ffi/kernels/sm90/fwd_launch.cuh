@@ -45,8 +45,15 @@ struct FwdCandidates<256> {
 // (common/exact_rows.cuh) and the loaded diagonal offsets made them spill;
 // none was the pick. The last candidate at D 64 and 128 stages O in a buffer
 // of its own (kSeparateO: the next Q loads under the last P·V and the
-// epilogue); not yet measured, so not the table's pick.
-inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) { return head_dim_bucket == 64 ? 1 : 0; }
+// epilogue); it won both buckets' geometric means over S 1k, 2k, 16k, causal
+// and not (2026-11-23, ninth session in docs/performance.md).
+inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) {
+  switch (head_dim_bucket) {
+    case 64: return 4;
+    case 128: return 2;
+    default: return 0;
+  }
+}
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
