@@ -76,10 +76,18 @@ def test_float64_through_xla(rng, flag):
     assert np.all(np.asarray(lse)[0] == np.finfo(np.float64).min)
 
 
+# The fast GPU tier runs four of the eight cases, covering each implementation,
+# dtype and flag twice (under the flags every op runs and compiles on its own,
+# a few dozen programs a case); the slow tier runs the other four.
+_FAST_ALARMS = {("native", "bfloat16", "debug_infs"), ("native", "float32", "debug_nans"),
+                ("pallas", "bfloat16", "debug_nans"), ("pallas", "float32", "debug_infs")}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["debug_infs", "debug_nans"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
-@pytest.mark.parametrize("impl", ["native", "pallas"])
+@pytest.mark.parametrize("impl,dtype,flag", [
+    pytest.param(i, d, f, marks=() if (i, d.__name__, f) in _FAST_ALARMS else pytest.mark.slow)
+    for i in ("native", "pallas") for d in (jnp.bfloat16, jnp.float32)
+    for f in ("debug_infs", "debug_nans")], ids=lambda x: getattr(x, "__name__", str(x)))
 def test_no_false_alarm_gpu(rng, impl, dtype, flag):
   """The CUDA kernels (tensor cores for bfloat16, SIMT for float32) and Triton."""
   q, k, v = random_inputs(rng, 2, 200, 240, 4, 2, 64, dtype)

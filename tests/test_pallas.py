@@ -624,8 +624,9 @@ def test_random_sweep_interpret(index, request):
          bottom_right=True, lengths="ragged", config=None),
     Case(b=2, t=300, s=513, hq=4, hkv=2, d=256, dtype=BF16, left=64,
          right=0, config=None),
-    Case(b=2, t=257, s=257, hq=2, hkv=1, d=40, dtype=F32, left=16, right=16,
-         lengths="empty", config=None),
+    # float32 through Triton: 89 s on an H100 under eight test processes.
+    pytest.param(Case(b=2, t=257, s=257, hq=2, hkv=1, d=40, dtype=F32, left=16, right=16,
+                      lengths="empty", config=None), marks=pytest.mark.slow),
     Case(b=1, t=1, s=4097, hq=16, hkv=2, d=128, dtype=BF16, right=0,
          bottom_right=True, config=None),
 ], ids=str)
@@ -635,7 +636,7 @@ def test_gpu_matches_reference(case, request):
 
 @gpu
 @requires_gpu
-@pytest.mark.parametrize("index", tiered(range(16), range(4)))
+@pytest.mark.parametrize("index", tiered(range(16), range(3)))
 def test_gpu_random_sweep(index, request):
   rng = np.random.default_rng(2000 + index)
   _run(_random_case(rng, None, max_len=700), request, grads=True)
