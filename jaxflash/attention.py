@@ -338,13 +338,13 @@ def _fused_unsupported(call: _Call, name: str, explicit: bool = True) -> str | N
 # (docs/performance.md, fourth session, bf16, S = 4k and 16k): on Hopper the
 # Pallas kernels beat the native ones at head_dim <= 64 in 16-bit types, in the
 # forward (+11-14%) and forward+backward (+29-33%); at 128 and 256 the native
-# kernels win forward+backward (+6-10%, 2x). Decode steps (q_len <= 16, any head
-# dim; eighth session, H100, D = 128, q_len 1/4/16 on three cache shapes): the
-# Pallas decode kernel beat the native one on all nine cells (4-35%). Elsewhere
-# native comes first.
+# kernels win forward+backward (+6-10%, 2x). Decode steps (H100, D = 128, three
+# cache shapes; ninth session, after the native decode kernel took 128 packed
+# rows on two CTAs per SM): the Pallas decode kernel is faster at q_len 1 and 4
+# (+2-11%), the native one at q_len 16 (0 to +13%). Elsewhere native comes first.
 _PALLAS_FIRST_DEVICES = ("H100", "H200")
 _PALLAS_FIRST_MAX_HEAD_DIM = 64
-_PALLAS_FIRST_MAX_QUERY_LEN = 16
+_PALLAS_FIRST_MAX_QUERY_LEN = 4
 _PALLAS_FIRST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
@@ -404,7 +404,7 @@ def dot_product_attention(
 
   * ``None`` — the first implementation that supports the call here, in
     a measured order: ``native``, else ``pallas``, else ``xla``; on H100/H200
-    GPUs with float16/bfloat16 and head_dim <= 64 or at most 16 query rows
+    GPUs with float16/bfloat16 and head_dim <= 64 or at most 4 query rows
     (decode steps), ``pallas`` before ``native`` (faster there;
     docs/performance.md).
   * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
