@@ -7,7 +7,8 @@
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
 # tests-slow  the rest of the sweep, -m "gpu and slow" (every tile candidate, float16 grids, 32k
-#             sequences, more non-finite cases); tests + tests-slow = the whole GPU suite
+#             sequences, more non-finite cases) but the contract fuzz;
+#             tests + tests-slow + fuzz = the whole GPU suite
 # fuzz        the contract fuzzing alone (tests/test_contract.py on the GPU: 2000 native calls in
 #             8 shards and 200 Pallas ones; JAXFLASH_FUZZ_GPU_EXAMPLES sets the native count)
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
@@ -85,9 +86,11 @@ script_stage() {  # name, time limit in s, log, command...
 # narrows them (e.g. to re-run what failed).
 # Each test's time goes to <log>.times as it finishes (sort -rn it), so a tier
 # stopped at its limit still shows where the time went.
-gpu_tier() {  # name, marker expression, time limit in s, log
-  JAXFLASH_TEST_TIMES="$OUT/$4.times" pytest_stage "$1" "$3" "$4" -n 8 -rfE -m "$2" "$repo/tests" \
-      ${PYTEST_K:+-k "$PYTEST_K"} --durations=15
+gpu_tier() {  # name, marker expression, time limit in s, log, more pytest arguments...
+  local name=$1 marker=$2 limit=$3 log=$4
+  shift 4
+  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 -rfE -m "$marker" "$repo/tests" \
+      ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 "$@"
 }
 
 if has tests; then
@@ -98,7 +101,9 @@ if has tests; then
 fi
 
 if has tests-slow; then
-  gpu_tier "gpu tests (slow tier)" "gpu and slow" 560 tests_slow.log
+  # The contract fuzz is the fuzz stage's (its shards alone fill most of a call).
+  gpu_tier "gpu tests (slow tier)" "gpu and slow" 560 tests_slow.log \
+      --ignore "$repo/tests/test_contract.py"
 fi
 
 if has fuzz; then
