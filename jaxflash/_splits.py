@@ -22,6 +22,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+from jaxflash import tile_cache
+
 MAX_SPLITS = 1024  # the handlers' limit (ffi/handlers/decode.h)
 
 # The GPU decode kernels (native and Pallas) take up to this many packed rows
@@ -31,11 +33,14 @@ MAX_SPLITS = 1024  # the handlers' limit (ffi/handlers/decode.h)
 # pages). 128 rows still read K/V at ~128 flop per byte, under the tensor
 # cores' ridge, where a training kernel would read K/V once per query head.
 DECODE_MAX_ROWS = 128
-# Both use 16-row tiles up to 16 packed rows, else 64 (DecodeTilePick), and
-# the native one fits two CTAs per SM (shared memory, head_dim <= 128; its
-# stage count leaves room for Q, decode_kernel.cuh).
+# Both use 16-row tiles up to 16 packed rows, else 64 (DecodeTilePick). The
+# native one fits two CTAs per SM (shared memory; its stage count leaves room
+# for Q, decode_kernel.cuh) except at these (head-dim bucket, tile rows), where
+# two stages beside Q leave room for one (a static_assert there keeps the list
+# exact); the Pallas one is counted at two.
 _DECODE_TILE_ROWS = 64
 _GPU_CTAS_PER_SM = 2
+_ONE_DECODE_CTA_PER_SM = ((192, 64), (256, 16))
 # The CPU forward's packed rows per work item (ffi/kernels/cpu/tile.h).
 _CPU_TILE_ROWS = 32
 _H100_SMS = 132  # when a GPU does not report its SM count
@@ -84,14 +89,18 @@ def _gpu_sms() -> int:
   return int(count) if isinstance(count, int) and count > 0 else _H100_SMS
 
 
-def _gpu_decode(q_shape, k_shape, paged: bool = False) -> int:
-  B, T, N, _ = q_shape
+def _gpu_decode(q_shape, k_shape, paged: bool = False, native: bool = False) -> int:
+  B, T, N, D = q_shape
   S, K = k_shape[1], k_shape[2]
   rows = T * (N // K)
   if rows > DECODE_MAX_ROWS and not paged:
     return 1
-  items = B * K * math.ceil(rows / decode_tile_rows(rows))
-  return heuristic(items, S, _gpu_sms() * _GPU_CTAS_PER_SM)
+  tile = decode_tile_rows(rows)
+  items = B * K * math.ceil(rows / tile)
+  ctas = _GPU_CTAS_PER_SM
+  if native and (tile_cache.bucket(D), tile) in _ONE_DECODE_CTA_PER_SM:
+    ctas = 1
+  return heuristic(items, S, _gpu_sms() * ctas)
 
 
 def native(forced: int, q_shape, k_shape, dtype, platform: str, paged: bool = False) -> int:
@@ -105,7 +114,7 @@ def native(forced: int, q_shape, k_shape, dtype, platform: str, paged: bool = Fa
   if platform in ("gpu", "cuda"):
     if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8:
       return 1
-    return forced or _gpu_decode(q_shape, k_shape, paged)
+    return forced or _gpu_decode(q_shape, k_shape, paged, native=True)
   if forced:
     return forced
   B, T, N, _ = q_shape

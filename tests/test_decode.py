@@ -148,6 +148,22 @@ def test_gpu_split_rule(monkeypatch):
   assert [_splits.decode_tile_rows(r) for r in (1, 16, 17, 64, 128)] == [16, 16, 64, 64, 64]
 
 
+def test_gpu_split_rule_counts_one_cta_where_one_fits(monkeypatch):
+  """The native decode tiles at (D 256, 16 rows) and (D 192, 64 rows) fit one
+  CTA per SM (decode_kernel.cuh asserts it), so half the slots: fewer splits
+  than the Pallas kernel's count on the same call, the same elsewhere."""
+  monkeypatch.setattr(_splits, "_gpu_sms", lambda: 132)
+  def both(T, N, K, S, D, B=1):
+    q, k = (B, T, N, D), (B, S, K, D)
+    return _splits.native(0, q, k, jnp.bfloat16, "gpu"), _splits.pallas(0, q, k, "gpu")
+  for T, D in ((1, 256), (16, 192), (1, 200)):   # a head dim in the 256 bucket too
+    native, pallas = both(T, 32, 8, 131072, D)
+    assert 1 < native < pallas
+  for T, D in ((16, 256), (1, 192), (1, 128), (16, 128)):
+    native, pallas = both(T, 32, 8, 131072, D)
+    assert native == pallas > 1
+
+
 def test_automatic_splits_on_a_many_core_cpu(rng, monkeypatch):
   """The CPU heuristic splits a single-item decode step over many threads."""
   monkeypatch.setattr(_splits.os, "cpu_count", lambda: 64)

@@ -70,9 +70,14 @@ struct DecodeTile {
   static_assert(kD % 16 == 0 && kNw % 16 == 0, "tiles are built from 16x16 mma steps");
   // Every candidate must launch on sm80 too (A100: 163 KiB per block).
   static_assert(kSmemBytes <= 163 * 1024, "decode tile exceeds the sm80 shared-memory limit");
-  // The split heuristic counts two CTAs per SM (jaxflash/_splits.py): an H100
-  // SM has 228 KiB, less 1 KiB the system keeps per CTA.
-  static_assert(kD > 128 || 2 * (kSmemBytes + 1024) <= 228 * 1024, "two decode CTAs per SM up to head_dim 128");
+  // CTAs per H100 SM by shared memory (228 KiB, less 1 KiB the system keeps
+  // per CTA). The split heuristic counts two, one for the two tiles whose
+  // two stages leave no room for a second (jaxflash/_splits.py,
+  // _ONE_DECODE_CTA_PER_SM); this keeps the two in step.
+  static constexpr int kCtasPerH100Sm = int(228 * 1024 / (kSmemBytes + 1024));
+  static constexpr bool kOneCtaPerSm = (kD == 192 && kM == 64) || (kD == 256 && kM == 16);
+  static_assert(kOneCtaPerSm ? kCtasPerH100Sm == 1 : kCtasPerH100Sm >= 2,
+                "jaxflash/_splits.py's _ONE_DECODE_CTA_PER_SM lists exactly the one-CTA decode tiles");
 };
 
 // Two shapes per head-dim bucket: 16-row CTAs (a decode step of up to 16
