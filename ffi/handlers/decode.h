@@ -264,7 +264,7 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
   sh.head_dim = qd[3];
   sh.kv_heads = kd[2];
   p->paged.num_pages = kd[0];
-  p->paged.page_size = kd[1];
+  p->paged.SetPageSize(kd[1]);
   p->paged.max_pages = td[1];
   if (kd[3] != sh.head_dim || td[0] != sh.batch) {
     return Invalid("key_pages " + ShapeString(kd) + " and page_table " + ShapeString(td) +

@@ -98,14 +98,33 @@ struct PagedKv {
   int64_t page_size = 0;
   int64_t max_pages = 0;
   int64_t num_pages = 0;
+  // log2(page_size) when it is a power of two (every usual size), else -1: a
+  // shift and a mask per row instead of a division, which a GPU spells out
+  // in some twenty instructions and the decode kernel runs for every K/V row.
+  int page_shift = -1;
+
+  void SetPageSize(int64_t size) {
+    page_size = size;
+    page_shift = -1;
+    for (int s = 0; s < 31; ++s) {
+      if ((int64_t(1) << s) == size) page_shift = s;
+    }
+  }
 
   JAXFLASH_HD int64_t Row(int64_t batch_index, int64_t kv_len, int key) const {
     if (table == nullptr) return batch_index * kv_len + key;
-    // 32-bit division: keys and page sizes are below 2^30 (the handlers check).
-    const int slot = key / static_cast<int>(page_size);
+    // 32-bit arithmetic: keys and page sizes are below 2^30 (the handlers check).
+    int slot, within;
+    if (page_shift >= 0) {
+      slot = key >> page_shift;
+      within = key & ((1 << page_shift) - 1);
+    } else {
+      slot = key / static_cast<int>(page_size);
+      within = key - slot * static_cast<int>(page_size);
+    }
     int64_t page = table[batch_index * max_pages + slot];
     page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
-    return page * page_size + (key - slot * static_cast<int>(page_size));
+    return page * page_size + within;
   }
 };
 
