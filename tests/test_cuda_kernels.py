@@ -184,6 +184,18 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
     pytest.skip(f"bucket {D} has fewer than {candidate} candidates")
 
 
+@pytest.mark.parametrize("mask_name", tiered(["causal", "lengths_causal_bottom_right", "window"], ["causal"]))
+@pytest.mark.parametrize("D", tiered([64, 128, 256], [128]))
+def test_diagonal_masks_walk_row_blocks_in_pairs(rng, D, mask_name):
+  """The Hopper forward's scheduler pairs row block m with the last but m
+  under diagonal masks when the pairs fill its rounds (sm90/tile_scheduler.cuh):
+  three row blocks of 128 (an odd middle one alone), 64 heads, 4 batch
+  elements: 512 pairs, four full rounds on 132 SMs (and above 85% full on any
+  GPU of 103 to 132). Every tile exactly once, the masks as everywhere."""
+  _poison_allocator()
+  check_forward(rng, (4, 300, 300 if mask_name == "causal" else 420, 64, 8, D), mask_name, jnp.bfloat16)
+
+
 # ------------------------------------------------------------------ the fused Hopper backward
 
 def _sums_room_in_hlo(D, dtype=jnp.bfloat16, **kw):

@@ -2,7 +2,7 @@
 //
 // A CTA is one producer warpgroup and kConsumers consumer warpgroups of 64
 // query rows each, and lives for the whole launch (one per SM), walking work
-// tiles from the TileScheduler. The roles:
+// tiles in the TileScheduler's order (tile_scheduler.cuh). The roles:
 //
 //   producer   one warp issues every copy through the TMA: the Q tile of a work
 //              tile once, then K and V tiles of kN keys into rings of kStages
@@ -136,9 +136,9 @@ struct WsWork {
   tc::KeyTiles keys;
 
   template <int kM, int kN>
-  __device__ __forceinline__ static WsWork At(const FwdParams& p, const TileScheduler& sched, int index) {
+  __device__ __forceinline__ static WsWork At(const FwdParams& p, const WorkTile& tile) {
     WsWork w;
-    w.tile = sched.Get(index);
+    w.tile = tile;
     const AttentionShape& sh = p.shape;
     w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, w.tile.batch);
@@ -172,8 +172,10 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
   }
   RingPosition<Tile::kStages> ring;
   uint32_t q_parity = 0, tail_parity = 0;
-  for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
-    const WsWork w = WsWork::At<kM, kN>(p, sched, index);
+  for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
+    WorkTile tile;
+    if (!sched.Get(index, &tile)) continue;
+    const WsWork w = WsWork::At<kM, kN>(p, tile);
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
     if (lane == 0) {
@@ -253,8 +255,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 
   RingPosition<Tile::kStages> ring;
   uint32_t q_parity = 0;
-  for (int index = blockIdx.x; index < sched.total; index += gridDim.x) {
-    const WsWork w = WsWork::At<kM, kN>(p, sched, index);
+  for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
+    WorkTile tile;
+    if (!sched.Get(index, &tile)) continue;  // as the producer: a position without a tile
+    const WsWork w = WsWork::At<kM, kN>(p, tile);
     const int r0 = w.r0;
     float o[1][kDT][4];
     tc::Zero(o[0]);
@@ -438,7 +442,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM);
+  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x);
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     ReleaseRegisters<Tile::kProducerRegs>();
@@ -458,8 +462,9 @@ Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
-  if (CeilDiv(sh.q_len, Tile::kM) * sh.q_heads * sh.batch > INT_MAX) {
-    return Status::Unimplemented("more than 2^31 work tiles");
+  const int64_t tiles = TileScheduler::Tiles(sh, Tile::kM);
+  if (tiles > INT_MAX / 2 - device.sm_count) {  // the paired walk's positions stay ints
+    return Status::Unimplemented("more than 2^30 work tiles");
   }
   AttentionShape maps_shape = sh;
   maps_shape.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
@@ -470,8 +475,7 @@ Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_
       !(st = EncodeRowsMap(&o_map, p.o, p.dtype, maps_shape, true, 64)).ok()) {
     return st;
   }
-  const TileScheduler sched = TileScheduler::For(sh, p.mask, Tile::kM);
-  const int grid = sched.total < device.sm_count ? sched.total : device.sm_count;
+  const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
   WsFwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, k_map, v_map, o_map);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
 }

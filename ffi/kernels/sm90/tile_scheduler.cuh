@@ -1,14 +1,30 @@
 // Persistent tile scheduler: a grid of about one CTA per SM walks the work
-// tiles (a block of query rows of one (batch, head)) in a fixed order, CTA i
-// taking tiles i, i + gridDim.x, ... Producer and consumer warpgroups of a CTA
-// walk the same sequence, so they need not share it through memory.
+// tiles (a block of query rows of one (batch, head)) in a fixed order, CTA c
+// taking positions c, c + ctas, ... of the walk. Producer and consumer
+// warpgroups of a CTA walk the same sequence, so they need not share it
+// through memory.
 //
-// The order serves two ends. Causal (and other diagonal-banded) masks give
-// the blocks further down the sequence more keys: those tiles come first
-// (heaviest first), so the short ones fill in at the end. Tiles that read the
-// same K/V run side by side: the query heads of one GQA group are adjacent,
-// and without a diagonal mask all row blocks of one head are adjacent, so
-// their K/V tiles are fetched from HBM once and found in L2 by the others.
+// The order serves two ends: every CTA gets the same amount of work, and
+// tiles that read the same K/V run side by side, so K/V come from HBM once
+// and from L2 for the others. The query heads of one GQA group are adjacent.
+//
+//   no diagonal   every row block of a (batch, head) has the same keys: its
+//                 row blocks are adjacent, the heads follow one another.
+//   diagonal      (causal, windows) row block m sees about m + 1 key tiles.
+//                 Blocks are paired, m with m_blocks - 1 - m, whose key
+//                 tiles add up to the same count for every pair: a CTA runs
+//                 the heavy block of a pair in one round of the walk and its
+//                 light block in the next, so every CTA's work is the same,
+//                 and the ctas pairs of a round are consecutive pairs of a
+//                 few (batch, head)s, whose K/V fit in L2. (Ordering all
+//                 heavy blocks first instead balanced the work but ran one
+//                 block of every (batch, head) at a time: at S 1k and 2k
+//                 causal each tile read its K/V from HBM, and the forward
+//                 moved 2.2-2.6 TB/s, HBM-bound; ninth session.)
+//                 Where the pairs do not fill their rounds (fewer pairs than
+//                 CTAs, or a last round mostly empty: small problems, whose
+//                 tiles mostly run at once anyway), the heaviest row blocks
+//                 simply come first, the light ones filling in at the end.
 #pragma once
 
 #include "jaxflash/params.h"
@@ -24,34 +40,62 @@ struct WorkTile {
 
 struct TileScheduler {
   int m_blocks;
-  int heads;  // query heads; the heads of one GQA group are consecutive
-  int total;
-  bool heavy_first;
+  int heads;      // query heads; the heads of one GQA group are consecutive
+  int batches;
+  int total;      // work tiles
+  int ctas;       // CTAs walking them
+  int positions;  // the walk's length: a position may hold no tile (paired order)
+  bool heavy_first;  // a diagonal mask: row blocks differ in work
+  bool paired;
 
-  __host__ __device__ static TileScheduler For(const AttentionShape& sh, const MaskParams& mask, int rows) {
+  // Work tiles of a launch (the host sizes the grid by them).
+  __host__ __device__ static int64_t Tiles(const AttentionShape& sh, int rows) {
+    return (sh.q_len + rows - 1) / rows * sh.q_heads * sh.batch;
+  }
+
+  __host__ __device__ static TileScheduler For(const AttentionShape& sh, const MaskParams& mask, int rows, int ctas) {
     TileScheduler s;
     s.m_blocks = static_cast<int>((sh.q_len + rows - 1) / rows);
     s.heads = static_cast<int>(sh.q_heads);
-    s.total = s.m_blocks * s.heads * static_cast<int>(sh.batch);
+    s.batches = static_cast<int>(sh.batch);
+    s.total = static_cast<int>(Tiles(sh, rows));
+    s.ctas = ctas;
     s.heavy_first = mask.window_right >= 0;
+    const int units = s.Pairs() * s.heads * s.batches;
+    const int rounds = (units + ctas - 1) / ctas;
+    s.paired = s.heavy_first && units >= ctas && 20 * int64_t(units) >= 17 * int64_t(rounds) * ctas;
+    // Two rounds of ctas positions per round of ctas pairs.
+    s.positions = s.paired ? 2 * rounds * ctas : s.total;
     return s;
   }
 
-  __device__ __forceinline__ WorkTile Get(int index) const {
-    WorkTile w;
-    if (heavy_first) {  // row block outermost, last block first
-      const int per_block = heads * (total / (m_blocks * heads));
-      w.m_block = m_blocks - 1 - index / per_block;
-      const int bh = index % per_block;
-      w.head = bh % heads;
-      w.batch = bh / heads;
+  // Pairs of row blocks per (batch, head); an odd middle block is a pair alone.
+  __host__ __device__ int Pairs() const { return (m_blocks + 1) / 2; }
+
+  // The tile at a position of the walk; false where the position holds none.
+  __device__ __forceinline__ bool Get(int index, WorkTile* w) const {
+    int bh;
+    if (paired) {
+      const int round = index / ctas;
+      const int unit = (round / 2) * ctas + index % ctas;
+      const int pairs = Pairs();
+      bh = unit / pairs;
+      if (bh >= heads * batches) return false;  // past the last pair, in the last round
+      const int j = unit % pairs;
+      const bool heavy = round % 2 == 0;
+      if (!heavy && j == m_blocks - 1 - j) return false;  // the middle block ran in the heavy round
+      w->m_block = heavy ? m_blocks - 1 - j : j;
+    } else if (heavy_first) {  // row block outermost, the last block first
+      const int per_block = heads * batches;
+      w->m_block = m_blocks - 1 - index / per_block;
+      bh = index % per_block;
     } else {  // (batch, head) outermost, its row blocks together
-      w.m_block = index % m_blocks;
-      const int bh = index / m_blocks;
-      w.head = bh % heads;
-      w.batch = bh / heads;
+      w->m_block = index % m_blocks;
+      bh = index / m_blocks;
     }
-    return w;
+    w->head = bh % heads;
+    w->batch = bh / heads;
+    return true;
   }
 };
 
