@@ -188,12 +188,12 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
 @pytest.mark.parametrize("D", tiered([64, 128, 256], [128]))
 def test_diagonal_masks_walk_row_blocks_in_pairs(rng, D, mask_name):
   """The Hopper forward's scheduler pairs row block m with the last but m
-  under diagonal masks when the pairs fill its rounds (sm90/tile_scheduler.cuh):
-  three row blocks of 128 (an odd middle one alone), 64 heads, 4 batch
-  elements: 512 pairs, four full rounds on 132 SMs (and above 85% full on any
-  GPU of 103 to 132). Every tile exactly once, the masks as everywhere."""
+  under diagonal masks where the pairs fill its rounds (sm90/tile_scheduler.cuh):
+  two row blocks of 128, 66 heads (GQA 11), 8 batch elements: 528 pairs, four
+  full rounds on 132 SMs, 93% full on 114 (an H100 PCIe), so both walk
+  paired. Every tile exactly once, the masks as everywhere."""
   _poison_allocator()
-  check_forward(rng, (4, 300, 300 if mask_name == "causal" else 420, 64, 8, D), mask_name, jnp.bfloat16)
+  check_forward(rng, (8, 256, 256 if mask_name == "causal" else 384, 66, 6, D), mask_name, jnp.bfloat16)
 
 
 # ------------------------------------------------------------------ the fused Hopper backward

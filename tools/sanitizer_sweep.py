@@ -58,13 +58,13 @@ def main():
 def candidate_sweep(rng):
   """Every forward tile candidate of the bf16 head-dim buckets (not only the
   table's pick) on a causal, ragged shape with more work tiles than SMs, so a
-  persistent CTA walks several and its Q / O buffers turn over: 256 pairs of
-  row blocks, which the scheduler walks paired on a GPU of up to 132 SMs
-  (sm90/tile_scheduler.cuh)."""
+  persistent CTA walks several and its Q / O buffers turn over: 132 pairs of
+  two row blocks, which the scheduler walks paired on a 132-SM GPU (H100 SXM,
+  H200; sm90/tile_scheduler.cuh)."""
   from jaxflash import _native
   n = 0
   for D in (64, 128, 256):
-    B, T, S, N, K = 2, 300, 260, 64, 8
+    B, T, S, N, K = 1, 256, 260, 132, 12
     q, k, v = (jnp.asarray(rng.standard_normal((B, L, H, D)), jnp.bfloat16)
                for L, H in ((T, N), (S, K), (S, K)))
     lengths = rng.integers(1, S + 1, B).astype(np.int32)

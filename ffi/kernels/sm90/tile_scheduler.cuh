@@ -21,10 +21,13 @@
 //                 block of every (batch, head) at a time: at S 1k and 2k
 //                 causal each tile read its K/V from HBM, and the forward
 //                 moved 2.2-2.6 TB/s, HBM-bound; ninth session.)
-//                 Where the pairs do not fill their rounds (fewer pairs than
-//                 CTAs, or a last round mostly empty: small problems, whose
-//                 tiles mostly run at once anyway), the heaviest row blocks
-//                 simply come first, the light ones filling in at the end.
+//                 Where that balance fails, the heaviest row blocks simply
+//                 come first, the light ones filling in at the end: an odd
+//                 count of row blocks (the middle one, a pair alone, has half
+//                 the work, and the same CTAs would get it every round), or
+//                 pairs that fill their rounds less than 90% (fewer pairs
+//                 than CTAs, a last round mostly empty: small problems, whose
+//                 tiles mostly run at once anyway).
 #pragma once
 
 #include "jaxflash/params.h"
@@ -63,13 +66,14 @@ struct TileScheduler {
     s.heavy_first = mask.window_right >= 0;
     const int units = s.Pairs() * s.heads * s.batches;
     const int rounds = (units + ctas - 1) / ctas;
-    s.paired = s.heavy_first && units >= ctas && 20 * int64_t(units) >= 17 * int64_t(rounds) * ctas;
+    s.paired = s.heavy_first && s.m_blocks % 2 == 0 && units >= ctas &&
+               10 * int64_t(units) >= 9 * int64_t(rounds) * ctas;
     // Two rounds of ctas positions per round of ctas pairs.
     s.positions = s.paired ? 2 * rounds * ctas : s.total;
     return s;
   }
 
-  // Pairs of row blocks per (batch, head); an odd middle block is a pair alone.
+  // Pairs of row blocks per (batch, head) (the walk pairs even counts only).
   __host__ __device__ int Pairs() const { return (m_blocks + 1) / 2; }
 
   // The tile at a position of the walk; false where the position holds none.
@@ -82,9 +86,7 @@ struct TileScheduler {
       bh = unit / pairs;
       if (bh >= heads * batches) return false;  // past the last pair, in the last round
       const int j = unit % pairs;
-      const bool heavy = round % 2 == 0;
-      if (!heavy && j == m_blocks - 1 - j) return false;  // the middle block ran in the heavy round
-      w->m_block = heavy ? m_blocks - 1 - j : j;
+      w->m_block = round % 2 == 0 ? m_blocks - 1 - j : j;  // heavy, then light
     } else if (heavy_first) {  // row block outermost, the last block first
       const int per_block = heads * batches;
       w->m_block = m_blocks - 1 - index / per_block;
