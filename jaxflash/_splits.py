@@ -89,7 +89,7 @@ def _gpu_sms() -> int:
   return int(count) if isinstance(count, int) and count > 0 else _H100_SMS
 
 
-def _gpu_decode(q_shape, k_shape, paged: bool = False, native: bool = False) -> int:
+def _gpu_decode(q_shape, k_shape, paged: bool = False, native_kernel: bool = False) -> int:
   B, T, N, D = q_shape
   S, K = k_shape[1], k_shape[2]
   rows = T * (N // K)
@@ -98,7 +98,7 @@ def _gpu_decode(q_shape, k_shape, paged: bool = False, native: bool = False) -> 
   tile = decode_tile_rows(rows)
   items = B * K * math.ceil(rows / tile)
   ctas = _GPU_CTAS_PER_SM
-  if native and (tile_cache.bucket(D), tile) in _ONE_DECODE_CTA_PER_SM:
+  if native_kernel and (tile_cache.bucket(D), tile) in _ONE_DECODE_CTA_PER_SM:
     ctas = 1
   return heuristic(items, S, _gpu_sms() * ctas)
 
@@ -114,7 +114,7 @@ def native(forced: int, q_shape, k_shape, dtype, platform: str, paged: bool = Fa
   if platform in ("gpu", "cuda"):
     if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8:
       return 1
-    return forced or _gpu_decode(q_shape, k_shape, paged, native=True)
+    return forced or _gpu_decode(q_shape, k_shape, paged, native_kernel=True)
   if forced:
     return forced
   B, T, N, _ = q_shape

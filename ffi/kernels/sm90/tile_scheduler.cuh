@@ -45,7 +45,6 @@ struct TileScheduler {
   int m_blocks;
   int heads;      // query heads; the heads of one GQA group are consecutive
   int batches;
-  int total;      // work tiles
   int ctas;       // CTAs walking them
   int positions;  // the walk's length: a position may hold no tile (paired order)
   bool heavy_first;  // a diagonal mask: row blocks differ in work
@@ -61,7 +60,6 @@ struct TileScheduler {
     s.m_blocks = static_cast<int>((sh.q_len + rows - 1) / rows);
     s.heads = static_cast<int>(sh.q_heads);
     s.batches = static_cast<int>(sh.batch);
-    s.total = static_cast<int>(Tiles(sh, rows));
     s.ctas = ctas;
     s.heavy_first = mask.window_right >= 0;
     const int units = s.Pairs() * s.heads * s.batches;
@@ -69,12 +67,12 @@ struct TileScheduler {
     s.paired = s.heavy_first && s.m_blocks % 2 == 0 && units >= ctas &&
                10 * int64_t(units) >= 9 * int64_t(rounds) * ctas;
     // Two rounds of ctas positions per round of ctas pairs.
-    s.positions = s.paired ? 2 * rounds * ctas : s.total;
+    s.positions = s.paired ? 2 * rounds * ctas : static_cast<int>(Tiles(sh, rows));
     return s;
   }
 
   // Pairs of row blocks per (batch, head) (the walk pairs even counts only).
-  __host__ __device__ int Pairs() const { return (m_blocks + 1) / 2; }
+  __host__ __device__ int Pairs() const { return m_blocks / 2; }
 
   // The tile at a position of the walk; false where the position holds none.
   __device__ __forceinline__ bool Get(int index, WorkTile* w) const {
