@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [fuzz] [long] [sanitize] [bench] [decode] [main]
-#                      [fused] [sharding]   (default: build tests sanitize bench decode main)
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [fuzz] [long] [sanitize] [bench]
+#                      [decode] [main] [fused] [sharding]   (default: build tests sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
-# tests-slow  the rest of the sweep, -m "gpu and slow" (every tile candidate, float16 grids, 32k
-#             sequences, more non-finite cases) but the contract fuzz;
-#             tests + tests-slow + fuzz = the whole GPU suite
+# tests-slow  the rest of the sweep, -m "gpu and slow", for the training kernels
+#             (test_cuda_kernels, test_diagonal_offsets: every tile candidate, float16 grids,
+#             32k sequences)
+# tests-slow-rest  the rest of -m "gpu and slow": decode, non-finite, Pallas, forward mode, debug
+#             flags (the two slow stages together ran past one call's 10 minutes; tenth session)
+#             tests + tests-slow + tests-slow-rest + fuzz = the whole GPU suite
 # fuzz        the contract fuzzing alone (tests/test_contract.py on the GPU: 2000 native calls in
 #             8 shards and 200 Pallas ones; JAXFLASH_FUZZ_GPU_EXAMPLES sets the native count)
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
@@ -86,28 +89,35 @@ script_stage() {  # name, time limit in s, log, command...
 # narrows them (e.g. to re-run what failed).
 # Each test's time goes to <log>.times as it finishes (sort -rn it), so a tier
 # stopped at its limit still shows where the time went.
-gpu_tier() {  # name, marker expression, time limit in s, log, more pytest arguments...
+gpu_tier() {  # name, marker expression, time limit in s, log, test paths and more pytest arguments...
   local name=$1 marker=$2 limit=$3 log=$4
   shift 4
-  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 -rfE -m "$marker" "$repo/tests" \
+  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 -rfE -m "$marker" \
       ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 "$@"
 }
 
 if has tests; then
-  gpu_tier "gpu tests (fast tier)" "gpu and not slow" 330 tests.log
+  gpu_tier "gpu tests (fast tier)" "gpu and not slow" 330 tests.log "$repo/tests"
   run_py timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 "$repo/tests/test_api.py" \
       >> "$OUT/tests.log" 2>&1
   note "api tests on gpu: $(tail -n 1 "$OUT/tests.log")"
 fi
 
+# The slow tier in two stages, each one call's worth; the contract fuzz is the
+# fuzz stage's (its shards alone fill most of a call).
+slow_training=(test_cuda_kernels.py test_diagonal_offsets.py)
 if has tests-slow; then
-  # The contract fuzz is the fuzz stage's (its shards alone fill most of a call).
-  gpu_tier "gpu tests (slow tier)" "gpu and slow" 560 tests_slow.log \
-      --ignore "$repo/tests/test_contract.py"
+  gpu_tier "gpu tests (slow tier, training kernels)" "gpu and slow" 500 tests_slow.log \
+      "${slow_training[@]/#/$repo/tests/}"
+fi
+
+if has tests-slow-rest; then
+  gpu_tier "gpu tests (slow tier, the rest)" "gpu and slow" 500 tests_slow_rest.log \
+      "$repo/tests" --ignore "$repo/tests/test_contract.py" "${slow_training[@]/#/--ignore=$repo/tests/}"
 fi
 
 if has fuzz; then
-  PYTEST_K="contract" gpu_tier "contract fuzzing on gpu" "gpu" 560 fuzz.log
+  gpu_tier "contract fuzzing on gpu" "gpu" 560 fuzz.log "$repo/tests/test_contract.py"
 fi
 
 if has long; then
