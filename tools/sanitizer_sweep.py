@@ -5,12 +5,15 @@ compute-sanitizer. Run as
         --kernel-name kns=jaxflash python tools/sanitizer_sweep.py
 
 (the platform allocator gives each buffer its own allocation, so an
-out-of-bounds access is not hidden inside XLA's pool). Each configuration
+out-of-bounds access is not hidden inside XLA's pool). `--head-dims 128
+--training-only` narrows it to the forward and backward of those head dims
+(a quick check of one kernel under the three tools). Each configuration
 runs the backward twice: as a default call, which takes the fused backward
 where it exists (switched on here), and deterministic, which takes the two
 kernels.
 """
 
+import argparse
 import itertools
 import os
 
@@ -32,10 +35,16 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
 def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all)")
+  ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
+  args = ap.parse_args()
+  dims = {int(d) for d in args.head_dims.split(",") if d}
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   rng = np.random.default_rng(0)
   n = 0
-  for (B, T, S, N, K, D), mask, dtype in itertools.product(SHAPES, MASKS, DTYPES):
+  shapes = [s for s in SHAPES if not dims or s[-1] in dims]
+  for (B, T, S, N, K, D), mask, dtype in itertools.product(shapes, MASKS, DTYPES):
     if "query_seq_lengths" in mask:
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
     if "key_value_seq_lengths" in mask:
@@ -51,6 +60,8 @@ def main():
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
   print(f"sanitizer sweep: {n} configurations, forward and backward")
+  if args.training_only:
+    return
   print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
   print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
 

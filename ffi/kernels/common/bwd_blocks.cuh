@@ -347,30 +347,37 @@ __global__ void __launch_bounds__(128, 1) DqFromSumsKernel(const BwdParams p) {
   StoreQueryGrad<T>(dq, p, pol, batch, head, row0, lane);
 }
 
-// The fused backward of a tensor-core family: delta (zeroing the sums), the
-// dK/dV kernel with dQ sums over (key blocks, kv heads, batch x splits), then
-// dQ from the sums over (64-row blocks, heads, batch).
+// The fused backward around its one pass: delta (zeroing the sums), `pass`
+// (the dK/dV kernel with dQ sums; called when there are keys), then dQ from
+// the sums over (64-row blocks, heads, batch). The dispatch sends calls
+// without queries to the two-kernel backward.
+template <typename T, int kD, typename Pass>
+Status RunFusedBackward(const BwdParams& p, cudaStream_t stream, Pass&& pass) {
+  const AttentionShape& sh = p.shape;
+  if (sh.batch == 0 || sh.q_heads == 0 || sh.q_len == 0) return Status::Ok();
+  Status st = LaunchDelta<T>(p, stream);
+  if (!st.ok()) return st;
+  if (sh.kv_len > 0 && !(st = pass()).ok()) return st;
+  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, 64)), static_cast<unsigned>(sh.q_heads),
+                  static_cast<unsigned>(sh.batch));
+  DqFromSumsKernel<T, kD><<<grid, 128, 0, stream>>>(p);
+  return CheckLaunch("attention backward (dQ from its sums)");
+}
+
+// The fused backward with a dK/dV kernel that takes only the parameters, over
+// (key blocks, kv heads, batch x splits).
 template <typename T, int kD, auto FusedDkDvKernel>
 Status LaunchFusedBackwardKernels(const BwdParams& p, BwdLaunch dkdv, const CudaDevice& device,
                                   cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   Status st = EnsureDynamicSmem<FusedDkDvKernel>(dkdv.smem, device);
   if (!st.ok()) return st;
-  // The dispatch sends calls without queries to the two-kernel backward.
-  if (sh.batch == 0 || sh.q_heads == 0 || sh.q_len == 0) return Status::Ok();
-  st = LaunchDelta<T>(p, stream);
-  if (!st.ok()) return st;
-  if (sh.kv_len > 0) {
+  return RunFusedBackward<T, kD>(p, stream, [&] {
     const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
                     static_cast<unsigned>(sh.batch * dkdv.splits));
     FusedDkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
-    st = CheckLaunch("attention backward (dK, dV and dQ sums)");
-    if (!st.ok()) return st;
-  }
-  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, 64)), static_cast<unsigned>(sh.q_heads),
-                  static_cast<unsigned>(sh.batch));
-  DqFromSumsKernel<T, kD><<<grid, 128, 0, stream>>>(p);
-  return CheckLaunch("attention backward (dQ from its sums)");
+    return CheckLaunch("attention backward (dK, dV and dQ sums)");
+  });
 }
 
 }  // namespace tc

@@ -68,7 +68,13 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
 }
 
 // Register budget moves between warpgroups (sm_90a): the producer gives up
-// registers it does not need, the consumers take them for accumulators.
+// registers it does not need, the consumers take them for accumulators. The
+// moves stay within what the CTA got at launch, its threads times the count
+// per thread its launch bound allows (65536 / threads, down to a multiple of
+// 8): a claim beyond what was given up waits forever.
+constexpr bool RegisterSplitFits(int warpgroups, int producer_regs, int consumer_regs) {
+  return producer_regs + (warpgroups - 1) * consumer_regs <= warpgroups * (65536 / (128 * warpgroups) / 8 * 8);
+}
 template <int kRegs>
 __device__ __forceinline__ void ReleaseRegisters() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));

@@ -32,6 +32,7 @@
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
+#include "sm90/bwd_ws_kernel.cuh"
 #include "sm90/launch_sm90.h"
 #include "sm90/wgmma.cuh"
 
@@ -41,6 +42,7 @@ namespace sm90 {
 // ------------------------------------------------------------ dK, dV
 template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1, int kCtasPerSm_ = 1>
 struct DkDvTile {
+  static constexpr bool kWarpSpecialised = false;
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kN = 64 * kWarpGroups;  // keys per CTA
@@ -396,13 +398,14 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
       device, stream);
 }
 
-// The fused backward's tile per bucket. Its atomics move a float32 dQ block
-// per (query step, key tile), so the traffic per product falls with the keys
-// per CTA: 128 keys (two warpgroups sharing one dS tile) at D = 128, 64 at
-// D = 256 (shared memory) and D = 64 (two warpgroups would split 64 dQ
-// columns into halves, which the MN-major descriptors do not address; the
-// 128-query step spills). Registers: dK + dV (kDOut floats per thread), dSᵀ
-// packed, a dQ chunk of at most 64 columns: 210, 255, 254 at D = 64, 128, 256.
+// The fused backward's tile per bucket. At D = 128 it is the warp-specialised
+// kernel (bwd_ws_kernel.cuh): a TMA producer, two consumer warpgroups of 64
+// keys sharing one dS tile, dQ added by bulk reductions. At D = 64 and 256 it
+// is the dK/dV kernel above with dQ atomics (not the default there: the two
+// kernels measured faster, docs/performance.md), since the warp-specialised
+// tile needs whole 64-column dQ blocks per consumer (D = 64 would split one)
+// and its dK + dV registers double at D = 256. Registers of DkDvKernel's fused
+// tiles: 210 and 254 at D = 64 and 256.
 template <int kD>
 struct FusedBwdTile;
 template <>
@@ -411,7 +414,7 @@ struct FusedBwdTile<64> {
 };
 template <>
 struct FusedBwdTile<128> {
-  using type = DkDvTile<128, 2, 64>;
+  using type = WsBwdTile<128>;
 };
 template <>
 struct FusedBwdTile<256> {
@@ -422,8 +425,12 @@ template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if (tc::UseFusedBackward(p)) {
     using Tile = typename FusedBwdTile<kD>::type;
-    return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Tile, true>>(
-        p, {Tile::kN, Tile::kSplits, Tile::kThreads, Tile::kFusedSmemBytes}, device, stream);
+    if constexpr (Tile::kWarpSpecialised) {
+      return LaunchWsBackward<T, Tile>(p, device, stream);
+    } else {
+      return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Tile, true>>(
+          p, {Tile::kN, Tile::kSplits, Tile::kThreads, Tile::kFusedSmemBytes}, device, stream);
+    }
   }
   const bool causal = p.mask.window_right >= 0;
   return BwdCandidates<kD>::type::With(

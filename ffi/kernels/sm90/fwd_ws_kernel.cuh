@@ -65,11 +65,10 @@ struct WsFwdTile {
   static constexpr int kDT = kD / 8;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
-  // Registers per thread once the producer has handed its surplus over; the
-  // sum over the CTA stays within the SM's 64 Ki.
+  // Registers per thread once the producer has handed its surplus over.
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
-  static_assert(128 * (kProducerRegs + kConsumers * kConsumerRegs) <= 65536, "register budget");
+  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
   // Barriers: Q full / empty, the ragged-tail V copy, then per stage K full,
   // K empty, V full, V empty.
   static constexpr int kBarriers = 3 + 4 * kStages;
@@ -207,13 +206,7 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
         __syncwarp();
         MBarrier::Wait(sm.Tail(), tail_parity);
         tail_parity ^= 1;
-        // Whole 128-byte rows, so the swizzle does not matter.
-        const int first = w.pol.kv_valid - c0;
-        const int chunks = (kN - first) * 8;
-        for (int i = lane; i < kBlocks * chunks; i += 32) {
-          const uint32_t at = sm.V(s) + (i / chunks) * KVTile::kBlockBytes + first * 128 + (i % chunks) * 16;
-          asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
-        }
+        ZeroTileRows<KVTile>(sm.V(s), w.pol.kv_valid - c0, lane);
         FenceSharedForAsyncProxy();
         __syncwarp();
         if (lane == 0) MBarrier::Arrive(sm.VFull(s));

@@ -3,7 +3,8 @@
 // encoded (tensor_map.h) and passed as a __grid_constant__ kernel parameter.
 //
 // A load completes on an mbarrier (the bytes count towards its phase, see
-// barrier.cuh); a store is tracked in bulk groups of the issuing thread.
+// barrier.cuh); a store or a bulk reduction is tracked in bulk groups of the
+// issuing thread.
 // Coordinates are element indices, innermost dimension first; a box that
 // reaches past the tensor's extent is zero-filled on load and clipped on store.
 #pragma once
@@ -35,6 +36,15 @@ __device__ __forceinline__ void TmaStore4d(const CUtensorMap& map, uint32_t smem
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                    MapAddress(map)),
                "r"(smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+// Adds `bytes` of float32 values at `smem` element-wise into `gmem` (a bulk
+// reduction done by the copy engine, atomic per element, tracked in the
+// issuing thread's bulk groups like a store). Both addresses 16-byte aligned,
+// `bytes` a multiple of 16.
+__device__ __forceinline__ void BulkAddF32(float* gmem, uint32_t smem, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem),
+               "r"(bytes)
                : "memory");
 }
 __device__ __forceinline__ void TmaStoreCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }

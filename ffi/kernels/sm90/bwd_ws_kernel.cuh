@@ -1,0 +1,422 @@
+// The fused FlashAttention backward for Hopper (sm_90a), warp-specialised.
+//
+// One CTA per (key tile of kN keys, kv head, batch): it keeps dK and dV of
+// its keys in registers while it walks the query tiles of every head of the
+// GQA group that see them, and adds each step's dQ = dS·K into the float32
+// sums (BwdParams::dq_accum) that DqFromSumsKernel converts afterwards
+// (common/bwd_blocks.cuh). The roles, as in the forward (fwd_ws_kernel.cuh):
+//
+//   producer   warp 0 copies K and V once and then, per step, Q and dO of kM
+//              query rows through the TMA into a ring of kStages stages, with
+//              the rows' LSE and delta; it zeroes padding rows (of a ragged
+//              batch element) before the consumers see a stage.
+//   consumers  kConsumers warpgroups of 64 keys each. Per step:
+//                Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ; Pᵀ while dPᵀ runs; dSᵀ;
+//                dV += Pᵀ·dO, dK += dSᵀ·Q;
+//              dSᵀ goes transposed into a shared dS tile (two buffers, so no
+//              warpgroup waits for the other to finish reading one), and
+//              once every consumer's keys are in it (one named barrier),
+//              consumer c computes columns [c kD / kConsumers, ...) of
+//              dQ = dS·K over all kN keys into a float32 staging tile.
+//   dQ writer  warp 1 adds the staging tile into the sums with bulk
+//              reductions (the copy engine does the float32 adds; no atomic
+//              instruction on the consumers' path) and frees it for the next
+//              step.
+//
+// The two-kernel backward (bwd_kernel.cuh) had every thread load with
+// cp.async and meet at two __syncthreads per step, and the consumers issue
+// 64 float2 atomics each per step: latency-bound, 33% SM throughput
+// (docs/performance.md, ninth session).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+
+#include "common/bwd_blocks.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "jaxflash/params.h"
+#include "sm90/barrier.cuh"
+#include "sm90/tensor_map.h"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2>
+struct WsBwdTile {
+  static constexpr bool kWarpSpecialised = true;
+  static constexpr int kD = kD_;
+  static constexpr int kConsumers = kConsumers_;
+  static constexpr int kM = kM_;                // query rows per step
+  static constexpr int kN = 64 * kConsumers;    // keys per CTA
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kDqCols = kD / kConsumers;  // dQ columns per consumer
+  using QTile = SwizzledTile<kM, kD>;
+  using KVTile = SwizzledTile<kN, kD>;
+  using DsTile = SwizzledTile<kM, kN>;
+  // dQ staging: kM rows of kD floats, rows 32 bytes apart beyond their
+  // length so the two half-warps of a float2 store hit 32 different banks.
+  static constexpr int kDqPitch = kD + 8;
+  static constexpr size_t kDqBytes = size_t(kM) * kDqPitch * sizeof(float);
+  // A stage: Q, dO, then kM LSE and kM delta values (1024-byte aligned).
+  static constexpr size_t kStatsOffset = 2 * size_t(QTile::kBytes);
+  static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
+  // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
+  // full and empty.
+  static constexpr int kBarriers = 5 + 2 * kStages;
+  static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes +
+                                       2 * size_t(DsTile::kBytes) + kDqBytes + 8 * kBarriers + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
+  static_assert(kDqCols % 64 == 0, "each consumer's dQ columns are whole 64-column blocks of K");
+  // Registers once the producer warpgroup has handed its surplus over (at
+  // 24 the producer spills).
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
+  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
+  static constexpr int kDsBarrier = 1;  // named: every consumer's dS of a step is in place
+};
+
+template <typename Tile>
+struct WsBwdSmem {
+  uint32_t k, v, stages, ds, dq, bars;
+
+  __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {
+    WsBwdSmem s;
+    s.k = base;
+    s.v = s.k + Tile::KVTile::kBytes;
+    s.stages = s.v + Tile::KVTile::kBytes;
+    s.ds = s.stages + Tile::kStages * uint32_t(Tile::kStageBytes);
+    s.dq = s.ds + 2 * Tile::DsTile::kBytes;
+    s.bars = s.dq + uint32_t(Tile::kDqBytes);
+    return s;
+  }
+  __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(Tile::kStageBytes); }
+  __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
+  __device__ __forceinline__ uint32_t Stats(int stage) const { return Q(stage) + uint32_t(Tile::kStatsOffset); }
+  __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * Tile::DsTile::kBytes; }
+  __device__ __forceinline__ uint32_t KvFull() const { return bars; }
+  __device__ __forceinline__ uint32_t KvTail() const { return bars + 8; }
+  __device__ __forceinline__ uint32_t QTail() const { return bars + 16; }
+  __device__ __forceinline__ uint32_t DqFull() const { return bars + 24; }
+  __device__ __forceinline__ uint32_t DqEmpty() const { return bars + 32; }
+  __device__ __forceinline__ uint32_t Full(int s) const { return bars + 40 + 8 * s; }
+  __device__ __forceinline__ uint32_t Empty(int s) const { return Full(Tile::kStages + s); }
+
+  // Every thread that wrote (or read) a buffer with ordinary instructions
+  // arrives itself, so each access is ordered by its own thread's arrival
+  // (and compute-sanitizer's racecheck sees that it is).
+  __device__ __forceinline__ void InitBarriers() const {
+    constexpr int kConsumerThreads = 128 * Tile::kConsumers;
+    MBarrier::Init(KvFull(), 32);  // the producer warp's lanes (plus the copied bytes)
+    MBarrier::Init(KvTail(), 1);
+    MBarrier::Init(QTail(), 1);
+    MBarrier::Init(DqFull(), kConsumerThreads);  // every consumer thread has staged its dQ share
+    MBarrier::Init(DqEmpty(), 1);                // the writer's bulk reductions have read the tile
+    for (int s = 0; s < Tile::kStages; ++s) {
+      MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
+      MBarrier::Init(Empty(s), kConsumerThreads);  // every consumer thread is done with the stage
+    }
+    MBarrier::FenceInit();
+  }
+};
+
+// What every role derives from the CTA's place: its keys, the query tiles
+// that see them (per head of the group) and step `it`'s head and first row.
+struct WsBwdWork {
+  MaskPolicy pol;
+  tc::QueryTiles q_tiles;
+  int kv_head, batch, c0, group, steps, rows;
+
+  template <int kM, int kN>
+  __device__ __forceinline__ static WsBwdWork At(const BwdParams& p) {
+    WsBwdWork w;
+    const AttentionShape& sh = p.shape;
+    w.kv_head = blockIdx.y;
+    w.batch = blockIdx.z;
+    w.c0 = blockIdx.x * kN;
+    w.group = static_cast<int>(sh.group_size());
+    w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
+                            p.kv_lengths, w.batch);
+    w.q_tiles = tc::QueryTileRange<kM, kN>(w.pol, w.c0);
+    w.steps = w.group * w.q_tiles.count;
+    w.rows = kM;
+    return w;
+  }
+  __device__ __forceinline__ int Head(int it) const { return kv_head * group + it / q_tiles.count; }
+  __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * rows; }
+};
+
+// ------------------------------------------------------------------ producer
+template <typename Tile>
+__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w,
+                                              float* stats_base, const CUtensorMap& q_map,
+                                              const CUtensorMap& do_map, const CUtensorMap& k_map,
+                                              const CUtensorMap& v_map) {
+  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  const AttentionShape& sh = p.shape;
+  const int lane = threadIdx.x & 31;
+  const int q_len = static_cast<int>(sh.q_len);
+  if (w.steps == 0) return;  // no query sees these keys: the consumers store zeros
+  if (lane == 0) {
+    PrefetchTensorMap(q_map);
+    PrefetchTensorMap(do_map);
+    PrefetchTensorMap(k_map);
+    PrefetchTensorMap(v_map);
+  }
+  // K and V of the CTA's keys, once; keys of a ragged element's padding are
+  // zeroed (a NaN there would reach dQ through dS = 0 times it). A visited
+  // key tile starts before kv_valid.
+  // A full barrier of the producer's completes with its 32 lanes' arrivals
+  // and the copied bytes: lane 0 issues the copies onto it (or, for a ragged
+  // tail, onto `tail`, and every lane zeroes the padding rows once they land).
+  const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.c0 + kN > w.pol.kv_valid;
+  if (lane == 0) {
+    const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
+    MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
+    for (int b = 0; b < kBlocks; ++b) {
+      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.kv_head, w.c0, w.batch);
+      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.kv_head, w.c0, w.batch);
+    }
+  }
+  if (kv_tail) {
+    MBarrier::Wait(sm.KvTail(), 0);
+    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.c0, lane);
+    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.c0, lane);
+    FenceSharedForAsyncProxy();
+  }
+  if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
+
+  RingPosition<Tile::kStages> ring;
+  uint32_t tail_parity = 0;
+  for (int it = 0; it < w.steps; ++it) {
+    const int head = w.Head(it), r0 = w.Row0(it);
+    const int s = ring.stage;
+    MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
+    // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
+    float* stats = stats_base + (sm.Stats(s) - sm.Stats(0)) / sizeof(float);
+    const int64_t row_off = (int64_t(w.batch) * sh.q_heads + head) * sh.q_len + r0;
+    for (int i = lane; i < kM; i += 32) {
+      const bool ok = r0 + i < q_len;
+      stats[i] = ok ? p.lse[row_off + i] : 0.f;
+      stats[kM + i] = ok ? p.delta[row_off + i] : 0.f;
+    }
+    const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
+    if (lane == 0) {
+      const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
+      MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
+      for (int b = 0; b < kBlocks; ++b) {
+        TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.batch);
+        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.batch);
+      }
+    }
+    if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
+      MBarrier::Wait(sm.QTail(), tail_parity);
+      tail_parity ^= 1;
+      const int first = MaxInt(w.pol.q_valid - r0, 0);
+      ZeroTileRows<QTile>(sm.Q(s), first, lane);
+      ZeroTileRows<QTile>(sm.DO(s), first, lane);
+      FenceSharedForAsyncProxy();
+    }
+    if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written
+    ring.Advance();
+  }
+}
+
+// ------------------------------------------------------------------ dQ writer
+// One warp: per step, the staged dQ rows of real queries (rows past q_valid
+// hold dS = 0 sums and are skipped) go into the sums with one bulk reduction
+// each; the tile is free once the copy engine has read it.
+template <typename Tile>
+__device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w) {
+  const AttentionShape& sh = p.shape;
+  const int lane = threadIdx.x & 31;
+  const uint32_t row_bytes = static_cast<uint32_t>(sh.head_dim * sizeof(float));
+  for (int it = 0; it < w.steps; ++it) {
+    const int head = w.Head(it), r0 = w.Row0(it);
+    MBarrier::Wait(sm.DqFull(), it & 1);
+    float* sums = p.dq_accum + w.batch * sh.q_batch_stride() + head * sh.head_dim;
+    for (int row = lane; row < Tile::kM; row += 32) {
+      if (r0 + row < w.pol.q_valid) {
+        BulkAddF32(sums + (r0 + row) * sh.q_row_stride(), sm.dq + row * Tile::kDqPitch * 4, row_bytes);
+      }
+    }
+    TmaStoreCommit();
+    TmaStoreWaitRead<0>();
+    __syncwarp();
+    if (lane == 0) MBarrier::Arrive(sm.DqEmpty());
+  }
+  TmaStoreWait<0>();  // the sums are complete before the CTA retires
+}
+
+// ------------------------------------------------------------------ consumer
+template <typename T, typename Tile>
+__device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w,
+                                              const float* stats_base, int consumer) {
+  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM;
+  constexpr int kQT = kM / 8, kDT = kD / 8, kDqCols = Tile::kDqCols;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  using DsTile = typename Tile::DsTile;
+  const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int key_w = consumer * 64 + warp * 16;  // this warp's first key within the CTA's tile
+  // This warpgroup's 64 keys of K and V, as A operands.
+  const uint32_t sK_rows = sm.k + consumer * 64 * 128;
+  const uint32_t sV_rows = sm.v + consumer * 64 * 128;
+  const float scale_log2 = p.scale * tc::kLog2e;
+
+  float dk[kDT][4], dv[kDT][4];
+  tc::Zero(dk);
+  tc::Zero(dv);
+  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
+
+  RingPosition<Tile::kStages> ring;
+  for (int it = 0; it < w.steps; ++it) {
+    const int r0 = w.Row0(it);
+    const int s = ring.stage;
+    const uint32_t sQ = sm.Q(s), sdO = sm.DO(s);
+    const float* lse = stats_base + (sm.Stats(s) - sm.Stats(0)) / sizeof(float);
+    const float* delta = lse + kM;
+    MBarrier::Wait(sm.Full(s), ring.parity);
+
+    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ (64 keys x kM queries)
+    float st[kQT][4], dp[kQT][4];
+    WgmmaFence();
+    ProductSS<T, KVTile, QTile, kD, kM>(st, sK_rows, sQ);
+    WgmmaCommit();
+    ProductSS<T, KVTile, QTile, kD, kM>(dp, sV_rows, sdO);
+    WgmmaCommit();
+
+    // ---- Pᵀ while dPᵀ runs, then dSᵀ. Both are packed only once dSᵀ is done,
+    // so Pᵀ in float32 and its packed form are never live together (at the
+    // peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's products
+    // cover this warpgroup's element-wise work).
+    WgmmaWait<1>();
+    FenceAccumulator(st);
+    const bool full = w.pol.TileIsFull(r0, r0 + kM, w.c0, w.c0 + kN);
+    tc::KeyMajorProbs(st, w.pol, full, r0, w.c0 + key_w, lse, lane, scale_log2);
+    WgmmaWait<0>();
+    FenceAccumulator(dp);
+    uint32_t pa[kM / 16][4], da[kM / 16][4];
+    tc::PackAFragments<T>(st, pa);
+    tc::KeyMajorDs(st, dp, delta, lane);
+    tc::PackAFragments<T>(dp, da);
+
+    // ---- dS into the shared tile; dV += Pᵀ dO and dK += dSᵀ Q
+    const uint32_t sDs = sm.Ds(it);
+#pragma unroll
+    for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
+    FenceSharedForAsyncProxy();
+    WgmmaFence();
+    ProductRS<T, QTile, kM, kD>(dv, pa, sdO, 0);
+    ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+    WgmmaCommit();
+
+    // ---- dQ = dS K over all kN keys, once every consumer's dS is in place:
+    // this consumer's kDqCols columns, 64 at a time (32 accumulator registers).
+    NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
+#pragma unroll
+    for (int c = 0; c < kDqCols; c += 64) {
+      const int col0 = consumer * kDqCols + c;
+      float dq[8][4];
+      WgmmaFence();
+      ProductSSMn<T, DsTile, KVTile, kN, 64>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceAccumulator(dv);
+      FenceAccumulator(dk);
+      FenceAccumulator(dq);
+      if (c == 0) {
+        MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read (dK, dV done)
+        MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+      }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + g + half * 8;
+#pragma unroll
+        for (int ct = 0; ct < 8; ++ct) {
+          const uint32_t at = sm.dq + (row * Tile::kDqPitch + col0 + ct * 8 + 2 * t) * 4;
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[ct][2 * half]),
+                       "f"(dq[ct][2 * half + 1])
+                       : "memory");
+        }
+      }
+    }
+    FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
+    MBarrier::Arrive(sm.DqFull());
+    ring.Advance();
+  }
+
+  tc::StoreKeyGrads<T>(dk, dv, p, w.batch, w.kv_head, w.c0 + key_w, 0, lane);
+}
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, 1)
+    WsBwdKernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap q_map,
+                const __grid_constant__ CUtensorMap do_map, const __grid_constant__ CUtensorMap k_map,
+                const __grid_constant__ CUtensorMap v_map) {
+#if defined(JAXFLASH_SM90A)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
+  const auto sm = WsBwdSmem<Tile>::At(base);
+  // The first stage's statistics as a pointer (the others follow at fixed strides).
+  float* stats_base = reinterpret_cast<float*>(smem_raw + (sm.Stats(0) - tc::SmemAddr(smem_raw)));
+  if (threadIdx.x == 0) sm.InitBarriers();
+  __syncthreads();
+  // Each role derives its work after the register hand-over, so nothing of
+  // it is live across the producer's smaller budget.
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    ReleaseRegisters<Tile::kProducerRegs>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0) {
+      WsBwdProducer<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, q_map, do_map, k_map, v_map);
+    } else if (warp == 1) {
+      WsBwdDqWriter<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p));
+    }
+  } else {
+    ClaimRegisters<Tile::kConsumerRegs>();
+    WsBwdConsumer<T, Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, warpgroup - 1);
+  }
+#endif  // JAXFLASH_SM90A
+}
+
+// Encodes the four tensor maps, then runs the fused backward around one CTA
+// per (key tile, kv head, batch).
+template <typename T, typename Tile>
+Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(Tile::kSmemBytes, device);
+  if (!st.ok()) return st;
+  const AttentionShape& sh = p.shape;
+  if (sh.q_len == 0 || sh.kv_len == 0 || sh.batch == 0 || sh.q_heads == 0) {
+    return tc::RunFusedBackward<T, Tile::kD>(p, stream, [] { return Status::Ok(); });
+  }
+  if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
+    return Status::Unimplemented("backward grid beyond the launch limits");
+  }
+  CUtensorMap q_map, do_map, k_map, v_map;
+  if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
+    return st;
+  }
+  return tc::RunFusedBackward<T, Tile::kD>(p, stream, [&] {
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
+                    static_cast<unsigned>(sh.batch));
+    WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map);
+    return CheckLaunch("attention backward (sm90, warp-specialised: dK, dV and dQ sums)");
+  });
+}
+
+}  // namespace sm90
+}  // namespace jaxflash
