@@ -21,7 +21,8 @@
 #             benchmarks/bench_decode.py
 # fused       the one-pass Hopper backward: its GPU tests, forward+backward rates of
 #             native (as dispatched), native_two_kernel, native_fused and cuDNN in one run, then ncu of
-#             the fused dK/dV kernel and of the two-kernel one at D = 128, S = 16k
+#             the fused kernel (warp-specialised at D = 128) and of the two-kernel dK/dV one at
+#             D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
@@ -162,7 +163,7 @@ if has fused; then
       "$repo/benchmarks/bench_attention.py" --no-forward --peers native,native_two_kernel,native_fused,cudnn \
       --seqs 4096,16384 --csv "$OUT/fused.csv"
   for mode in "--fused" ""; do
-    run_py timeout 120 ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 \
+    run_py timeout 120 ncu --kernel-name "regex:WsBwdKernel|DkDvKernel" --launch-skip 1 --launch-count 1 \
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
         python3 "$repo/tools/profile_call.py" --backward $mode >> "$OUT/fused_ncu.log" 2>&1
     note "ncu dK/dV kernel ${mode:-(two kernels)}: exit $?"

@@ -2,7 +2,7 @@
 
     ncu --kernel-name regex:FwdKernel --launch-skip 1 --launch-count 1 --section SpeedOfLight \
         --section WarpStateStats python tools/profile_call.py --seq 16384 --head-dim 128
-    ncu --kernel-name regex:DkDvKernel --launch-skip 1 --launch-count 1 ... \
+    ncu --kernel-name "regex:WsBwdKernel|DkDvKernel" --launch-skip 1 --launch-count 1 ... \
         python tools/profile_call.py --backward --fused
 
 The call runs twice (the first launch compiles and warms up; skip it in ncu). `--backward`
