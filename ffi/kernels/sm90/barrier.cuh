@@ -84,5 +84,21 @@ __device__ __forceinline__ void ClaimRegisters() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// The roles of a warp-specialised CTA: warpgroup 0 hands registers over and
+// runs producer(warp index, 0..3); the others claim them and run
+// consumer(consumer index, 0..). Work a role derives after the hand-over is
+// not live across the producer's smaller budget.
+template <int kProducerRegs, int kConsumerRegs, typename Producer, typename Consumer>
+__device__ __forceinline__ void RunRoles(Producer&& producer, Consumer&& consumer) {
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    ReleaseRegisters<kProducerRegs>();
+    producer(static_cast<int>(threadIdx.x / 32));
+  } else {
+    ClaimRegisters<kConsumerRegs>();
+    consumer(warpgroup - 1);
+  }
+}
+
 }  // namespace sm90
 }  // namespace jaxflash

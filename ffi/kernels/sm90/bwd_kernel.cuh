@@ -32,6 +32,7 @@
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
+#include "sm90/bwd_steps.cuh"
 #include "sm90/bwd_ws_kernel.cuh"
 #include "sm90/launch_sm90.h"
 #include "sm90/wgmma.cuh"
@@ -170,19 +171,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     const float* delta = lse + kM;
     const int r0 = tile_row0(it);
 
-    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ (64 keys x kM queries per warpgroup)
+    // ---- Sᵀ, dPᵀ (64 keys x kM queries per warpgroup); Pᵀ while dPᵀ runs;
+    // then dV += Pᵀ dO is issued
     float s[kQT][4], dp[kQT][4];
-    WgmmaFence();
-    ProductSS<T, KVTile, QTile, kD, kM>(s, sK_rows, sQ);
-    WgmmaCommit();
-    ProductSS<T, KVTile, QTile, kD, kM>(dp, sV_rows, sdO);
-    WgmmaCommit();
-
-    // ---- Pᵀ while dPᵀ runs; then dV += Pᵀ dO is issued
-    WgmmaWait<1>();
-    FenceAccumulator(s);
-    const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, lse, lane, scale_log2);
+    KeyMajorScores<T, KVTile, QTile, kD, kM>(s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0, c0 + key_w, kN, lse,
+                                             lane, scale_log2);
     uint32_t pa[kM / 16][4];
     tc::PackAFragments<T>(s, pa);
     WgmmaFence();

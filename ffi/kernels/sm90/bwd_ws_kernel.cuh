@@ -39,6 +39,7 @@
 #include "common/mask.h"
 #include "jaxflash/params.h"
 #include "sm90/barrier.cuh"
+#include "sm90/bwd_steps.cuh"
 #include "sm90/tensor_map.h"
 #include "sm90/tma.cuh"
 #include "sm90/wgmma.cuh"
@@ -288,22 +289,13 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     const float* delta = lse + kM;
     MBarrier::Wait(sm.Full(s), ring.parity);
 
-    // ---- Sᵀ = K Qᵀ, then dPᵀ = V dOᵀ (64 keys x kM queries)
+    // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ. Both are packed only once dSᵀ
+    // is done, so Pᵀ in float32 and its packed form are never live together
+    // (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's
+    // products cover this warpgroup's element-wise work).
     float st[kQT][4], dp[kQT][4];
-    WgmmaFence();
-    ProductSS<T, KVTile, QTile, kD, kM>(st, sK_rows, sQ);
-    WgmmaCommit();
-    ProductSS<T, KVTile, QTile, kD, kM>(dp, sV_rows, sdO);
-    WgmmaCommit();
-
-    // ---- Pᵀ while dPᵀ runs, then dSᵀ. Both are packed only once dSᵀ is done,
-    // so Pᵀ in float32 and its packed form are never live together (at the
-    // peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's products
-    // cover this warpgroup's element-wise work).
-    WgmmaWait<1>();
-    FenceAccumulator(st);
-    const bool full = w.pol.TileIsFull(r0, r0 + kM, w.c0, w.c0 + kN);
-    tc::KeyMajorProbs(st, w.pol, full, r0, w.c0 + key_w, lse, lane, scale_log2);
+    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, sQ, sdO, w.pol, r0, w.c0, w.c0 + key_w, kN,
+                                             lse, lane, scale_log2);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
@@ -372,21 +364,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   float* stats_base = reinterpret_cast<float*>(smem_raw + (sm.Stats(0) - tc::SmemAddr(smem_raw)));
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  // Each role derives its work after the register hand-over, so nothing of
-  // it is live across the producer's smaller budget.
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {
-    ReleaseRegisters<Tile::kProducerRegs>();
-    const int warp = threadIdx.x / 32;
-    if (warp == 0) {
-      WsBwdProducer<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, q_map, do_map, k_map, v_map);
-    } else if (warp == 1) {
-      WsBwdDqWriter<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p));
-    }
-  } else {
-    ClaimRegisters<Tile::kConsumerRegs>();
-    WsBwdConsumer<T, Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, warpgroup - 1);
-  }
+  RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
+      [&](int warp) {
+        if (warp == 0) {
+          WsBwdProducer<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, q_map, do_map, k_map, v_map);
+        } else if (warp == 1) {
+          WsBwdDqWriter<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p));
+        }
+      },
+      [&](int consumer) {
+        WsBwdConsumer<T, Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, consumer);
+      });
 #endif  // JAXFLASH_SM90A
 }
 

@@ -436,14 +436,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
   const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x);
-  const int warpgroup = threadIdx.x / 128;
-  if (warpgroup == 0) {
-    ReleaseRegisters<Tile::kProducerRegs>();
-    if (threadIdx.x < 32) WsFwdProducer<Tile>(p, sm, sched, q_map, k_map, v_map);
-  } else {
-    ClaimRegisters<Tile::kConsumerRegs>();
-    WsFwdConsumer<T, Tile>(p, sm, sched, o_map, warpgroup - 1);
-  }
+  RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
+      [&](int warp) {
+        if (warp == 0) WsFwdProducer<Tile>(p, sm, sched, q_map, k_map, v_map);
+      },
+      [&](int consumer) { WsFwdConsumer<T, Tile>(p, sm, sched, o_map, consumer); });
 #endif  // JAXFLASH_SM90A
 }
 

@@ -1,0 +1,32 @@
+// The first step of every sm90 dK/dV kernel (the two-kernel backward's and the
+// warp-specialised fused one's): a warpgroup's 64 keys against kM queries,
+//   Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ issued as two wgmma groups, then Pᵀ from Sᵀ
+//   (common/bwd_blocks.cuh) while dPᵀ is still on the tensor cores.
+// On return dPᵀ may still be running: the caller waits for it.
+#pragma once
+
+#include "common/bwd_blocks.cuh"
+#include "common/mask.h"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <typename T, typename KVTile, typename QTile, int kD, int kM>
+__device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
+                                               uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
+                                               int r0, int c0, int key0, int kN, const float* lse, int lane,
+                                               float scale_log2) {
+  WgmmaFence();
+  ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
+  WgmmaCommit();
+  ProductSS<T, KVTile, QTile, kD, kM>(dp, v_rows, d_o);
+  WgmmaCommit();
+  WgmmaWait<1>();
+  FenceAccumulator(st);
+  const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+  tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2);
+}
+
+}  // namespace sm90
+}  // namespace jaxflash
