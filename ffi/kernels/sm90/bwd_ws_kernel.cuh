@@ -35,6 +35,7 @@
 #include <climits>
 
 #include "common/bwd_blocks.cuh"
+#include "common/fwd_blocks.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
@@ -220,6 +221,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     }
     if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
       MBarrier::Wait(sm.QTail(), tail_parity);
+      __syncwarp();  // every lane has seen this phase before lane 0 can start the next one
       tail_parity ^= 1;
       const int first = MaxInt(w.pol.q_valid - r0, 0);
       ZeroTileRows<QTile>(sm.Q(s), first, lane);
