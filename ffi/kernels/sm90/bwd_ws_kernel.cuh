@@ -75,7 +75,7 @@ struct WsBwdTile {
                                        2 * size_t(DsTile::kBytes) + kDqBytes + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
-  static_assert(kDqCols % 64 == 0, "each consumer's dQ columns are whole 64-column blocks of K");
+  static_assert(kDqCols == 64, "each consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over (at
   // 24 the producer spills).
   static constexpr int kProducerRegs = 40;
@@ -101,6 +101,10 @@ struct WsBwdSmem {
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(Tile::kStageBytes); }
   __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
   __device__ __forceinline__ uint32_t Stats(int stage) const { return Q(stage) + uint32_t(Tile::kStatsOffset); }
+  // A stage's LSE (then delta) values as a pointer, from the first stage's.
+  __device__ __forceinline__ static float* StatsPointer(float* first, int stage) {
+    return first + stage * (Tile::kStageBytes / sizeof(float));
+  }
   __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * Tile::DsTile::kBytes; }
   __device__ __forceinline__ uint32_t KvFull() const { return bars; }
   __device__ __forceinline__ uint32_t KvTail() const { return bars + 8; }
@@ -130,34 +134,33 @@ struct WsBwdSmem {
 
 // What every role derives from the CTA's place: its keys, the query tiles
 // that see them (per head of the group) and step `it`'s head and first row.
+template <typename Tile>
 struct WsBwdWork {
   MaskPolicy pol;
   tc::QueryTiles q_tiles;
-  int kv_head, batch, c0, group, steps, rows;
+  int kv_head, batch, c0, group, steps;
 
-  template <int kM, int kN>
   __device__ __forceinline__ static WsBwdWork At(const BwdParams& p) {
     WsBwdWork w;
     const AttentionShape& sh = p.shape;
     w.kv_head = blockIdx.y;
     w.batch = blockIdx.z;
-    w.c0 = blockIdx.x * kN;
+    w.c0 = blockIdx.x * Tile::kN;
     w.group = static_cast<int>(sh.group_size());
     w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, w.batch);
-    w.q_tiles = tc::QueryTileRange<kM, kN>(w.pol, w.c0);
+    w.q_tiles = tc::QueryTileRange<Tile::kM, Tile::kN>(w.pol, w.c0);
     w.steps = w.group * w.q_tiles.count;
-    w.rows = kM;
     return w;
   }
   __device__ __forceinline__ int Head(int it) const { return kv_head * group + it / q_tiles.count; }
-  __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * rows; }
+  __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
 };
 
 // ------------------------------------------------------------------ producer
 template <typename Tile>
-__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w,
-                                              float* stats_base, const CUtensorMap& q_map,
+__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w, float* stats_base, const CUtensorMap& q_map,
                                               const CUtensorMap& do_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map) {
   constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
@@ -173,12 +176,12 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     PrefetchTensorMap(k_map);
     PrefetchTensorMap(v_map);
   }
-  // K and V of the CTA's keys, once; keys of a ragged element's padding are
-  // zeroed (a NaN there would reach dQ through dS = 0 times it). A visited
-  // key tile starts before kv_valid.
-  // A full barrier of the producer's completes with its 32 lanes' arrivals
-  // and the copied bytes: lane 0 issues the copies onto it (or, for a ragged
-  // tail, onto `tail`, and every lane zeroes the padding rows once they land).
+  // K and V of the CTA's keys, once. A full barrier of the producer's
+  // completes with its 32 lanes' arrivals and the copied bytes: lane 0 issues
+  // the copies onto it, or, for a ragged tail, onto the tail barrier, and
+  // every lane zeroes the padding rows once they land (a NaN there would
+  // reach dQ through dS = 0 times it; a visited key tile starts before
+  // kv_valid).
   const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.c0 + kN > w.pol.kv_valid;
   if (lane == 0) {
     const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
@@ -203,7 +206,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     const int s = ring.stage;
     MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
     // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
-    float* stats = stats_base + (sm.Stats(s) - sm.Stats(0)) / sizeof(float);
+    float* stats = sm.StatsPointer(stats_base, s);
     const int64_t row_off = (int64_t(w.batch) * sh.q_heads + head) * sh.q_len + r0;
     for (int i = lane; i < kM; i += 32) {
       const bool ok = r0 + i < q_len;
@@ -238,7 +241,8 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
 // hold dS = 0 sums and are skipped) go into the sums with one bulk reduction
 // each; the tile is free once the copy engine has read it.
 template <typename Tile>
-__device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w) {
+__device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w) {
   const AttentionShape& sh = p.shape;
   const int lane = threadIdx.x & 31;
   const uint32_t row_bytes = static_cast<uint32_t>(sh.head_dim * sizeof(float));
@@ -261,8 +265,8 @@ __device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSme
 
 // ------------------------------------------------------------------ consumer
 template <typename T, typename Tile>
-__device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm, const WsBwdWork& w,
-                                              const float* stats_base, int consumer) {
+__device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM;
   constexpr int kQT = kM / 8, kDT = kD / 8, kDqCols = Tile::kDqCols;
   using QTile = typename Tile::QTile;
@@ -287,7 +291,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     const int r0 = w.Row0(it);
     const int s = ring.stage;
     const uint32_t sQ = sm.Q(s), sdO = sm.DO(s);
-    const float* lse = stats_base + (sm.Stats(s) - sm.Stats(0)) / sizeof(float);
+    const float* lse = sm.StatsPointer(stats_base, s);
     const float* delta = lse + kM;
     MBarrier::Wait(sm.Full(s), ring.parity);
 
@@ -316,33 +320,28 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     WgmmaCommit();
 
     // ---- dQ = dS K over all kN keys, once every consumer's dS is in place:
-    // this consumer's kDqCols columns, 64 at a time (32 accumulator registers).
+    // this consumer's 64 columns.
     NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
+    const int col0 = consumer * kDqCols;
+    float dq[kDqCols / 8][4];
+    WgmmaFence();
+    ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceAccumulator(dv);
+    FenceAccumulator(dk);
+    FenceAccumulator(dq);
+    MBarrier::Arrive(sm.Empty(s));               // Q, dO and the stats are read (dK, dV done)
+    MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
 #pragma unroll
-    for (int c = 0; c < kDqCols; c += 64) {
-      const int col0 = consumer * kDqCols + c;
-      float dq[8][4];
-      WgmmaFence();
-      ProductSSMn<T, DsTile, KVTile, kN, 64>(dq, sDs, sm.k, col0);
-      WgmmaCommit();
-      WgmmaWait<0>();
-      FenceAccumulator(dv);
-      FenceAccumulator(dk);
-      FenceAccumulator(dq);
-      if (c == 0) {
-        MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read (dK, dV done)
-        MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-      }
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp * 16 + g + half * 8;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp * 16 + g + half * 8;
-#pragma unroll
-        for (int ct = 0; ct < 8; ++ct) {
-          const uint32_t at = sm.dq + (row * Tile::kDqPitch + col0 + ct * 8 + 2 * t) * 4;
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[ct][2 * half]),
-                       "f"(dq[ct][2 * half + 1])
-                       : "memory");
-        }
+      for (int ct = 0; ct < kDqCols / 8; ++ct) {
+        const uint32_t at = sm.dq + (row * Tile::kDqPitch + col0 + ct * 8 + 2 * t) * 4;
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[ct][2 * half]),
+                     "f"(dq[ct][2 * half + 1])
+                     : "memory");
       }
     }
     FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
@@ -362,20 +361,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
   const auto sm = WsBwdSmem<Tile>::At(base);
-  // The first stage's statistics as a pointer (the others follow at fixed strides).
+  // The first stage's statistics as a pointer (StatsPointer finds the others).
   float* stats_base = reinterpret_cast<float*>(smem_raw + (sm.Stats(0) - tc::SmemAddr(smem_raw)));
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
         if (warp == 0) {
-          WsBwdProducer<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, q_map, do_map, k_map, v_map);
+          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
-          WsBwdDqWriter<Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p));
+          WsBwdDqWriter<Tile>(p, sm, WsBwdWork<Tile>::At(p));
         }
       },
       [&](int consumer) {
-        WsBwdConsumer<T, Tile>(p, sm, WsBwdWork::At<Tile::kM, Tile::kN>(p), stats_base, consumer);
+        WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p), stats_base, consumer);
       });
 #endif  // JAXFLASH_SM90A
 }
