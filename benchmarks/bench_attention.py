@@ -82,13 +82,18 @@ def torch_impl(backend_name, causal, backward):
   return run
 
 
-def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats):
+def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=None):
+  """TFLOP/s per peer at one shape; kv_heads < H is grouped-query attention."""
+  K = kv_heads or H
   rng = np.random.default_rng(0)
-  q, k, v, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(4))
+  q, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
   rows = {}
   for name in peers:
     try:
       if name.startswith("torch_"):
+        if K != H:
+          continue  # the torch rows are the MHA grid's
         import torch
         tq, tk, tv, tdo = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
                                        requires_grad=backward) for _ in range(4))
@@ -121,6 +126,9 @@ def main():
   ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
                   help="comma-separated, of native, native_fused, pallas, cudnn, xla, torch_flash, "
                        "torch_cudnn; torch_* are skipped when torch has no GPU")
+  ap.add_argument("--gqa", action="store_true",
+                  help="also the GQA training shape: B 2, S 8k, 32 query / 8 KV heads, D 128, causal "
+                       "(forward+backward, reported in ms too)")
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()
@@ -139,6 +147,7 @@ def main():
   shapes = [(16384 // S, 2048 // D, S, D) for D in dims for S in seqs]
   if not args.quick:
     shapes.append((1, 8, 512, 64))
+  gqa = (2, 32, 8192, 128, 8)  # B, query heads, S, D, KV heads
   results = []
   print(f"device: {jax.devices()[0].device_kind}")
   directions = [False] * (not args.no_forward) + [True] * (not args.no_backward)
@@ -154,6 +163,16 @@ def main():
               f"D={D:3d}  TFLOP/s: {line}{ratio}", flush=True)
         results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H, S=S,
                             D=D, **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
+
+  if args.gqa and not args.no_backward:
+    B, H, S, D, K = gqa
+    rows = bench_shape(B, H, S, D, True, True, peers, args.reps, args.repeats, kv_heads=K)
+    work = flops(B, H, S, S, D, True, True)
+    line = "  ".join(f"{n}={tf:6.1f} ({work / tf / 1e9:.2f} ms)" for n, tf in rows.items())
+    ratio = f"  native/cudnn={rows['native'] / rows['cudnn']:.2f}" if {"native", "cudnn"} <= rows.keys() else ""
+    print(f"fwd+bwd causal=1 B={B} H={H}/{K} S={S} D={D}  TFLOP/s: {line}{ratio}", flush=True)
+    results.append(dict(direction="fwd+bwd", causal=True, B=B, H=H, kv_heads=K, S=S, D=D,
+                        **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
 
   if args.csv:
     keys = sorted({k for r in results for k in r}, key=lambda k: (k.startswith("tflops"), k))

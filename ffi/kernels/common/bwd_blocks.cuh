@@ -16,6 +16,8 @@
 
 #include <cuda_runtime.h>
 
+#include <climits>
+
 #include "common/exact_rows.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
@@ -140,20 +142,35 @@ __device__ __forceinline__ QueryTiles QueryTileRange(const MaskPolicy& pol, int 
 // ------------------------------------------------------------ key-major element-wise steps
 // Sᵀ -> Pᵀ in place for query tile [r0, r0 + 8 kQT) and this warp's keys from
 // `key0`. lse holds the tile's natural-log LSE values. `full`: the mask admits
-// the whole tile (queries past q_valid never make a tile full).
+// the whole tile (queries past q_valid never make a tile full); only other
+// tiles run the mask loop, one uniform branch per tile. A test inside the
+// exponent loop made ptxas branch around every element: 28% of the fused
+// kernel's samples at D 128 (docs/performance.md, eleventh session).
 template <int kQT>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-  for (int nt = 0; nt < kQT; ++nt)
+  for (int nt = 0; nt < kQT; ++nt) {
+    // This lane's two query rows of the column block: nt * 8 + 2t + j.
+    const float lse_log2[2] = {lse[nt * 8 + 2 * t] * kLog2e, lse[nt * 8 + 2 * t + 1] * kLog2e};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int qi = nt * 8 + 2 * t + (i & 1);
-      float pv = Exp2(s[nt][i] * scale_log2 - lse[qi] * kLog2e);
-      if (!full && !pol.Visible(r0 + qi, key0 + g + (i >> 1) * 8)) pv = 0.f;
-      s[nt][i] = pv;
-    }
+    for (int i = 0; i < 4; ++i) s[nt][i] = Exp2(s[nt][i] * scale_log2 - lse_log2[i & 1]);
+  }
+  if (full) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // The key sees rows [RowBegin, RowEnd); measured here from r0 + 2t.
+    const int key = key0 + g + half * 8;
+    const int lo = pol.RowBegin(key) - r0 - 2 * t, hi = pol.RowEnd(key) - r0 - 2 * t;
+#pragma unroll
+    for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int row = nt * 8 + j;
+        if (row < lo || row >= hi) s[nt][2 * half + j] = 0.f;
+      }
+  }
 }
 
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta holds the tile's values.
@@ -187,7 +204,7 @@ struct RowStats {
 };
 
 // S -> P in place for this warp's rows from `row0` and key tile
-// [c0, c0 + 8 kNT).
+// [c0, c0 + 8 kNT); as KeyMajorProbs, the mask loop runs on boundary tiles only.
 template <int kNT>
 __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowStats& rs, const MaskPolicy& pol,
                                                 bool full, int row0, int c0, int lane, float scale_log2) {
@@ -195,12 +212,23 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int half = i >> 1;
-      float pv = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[half]);
-      if (!full && !pol.VisibleByDistance(row0 + g + half * 8, c0 + nt * 8 + 2 * t + (i & 1))) pv = 0.f;
-      s[nt][i] = pv;
-    }
+    for (int i = 0; i < 4; ++i) s[nt][i] = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[i >> 1]);
+  if (full) return;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // The row sees keys [KeyBegin, KeyEnd) (none past q_valid); measured here
+    // from c0 + 2t.
+    const int row = row0 + g + half * 8;
+    const bool real = row < pol.q_valid;
+    const int lo = pol.KeyBegin(row) - c0 - 2 * t, hi = real ? pol.KeyEnd(row) - c0 - 2 * t : INT_MIN;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = nt * 8 + j;
+        if (col < lo || col >= hi) s[nt][2 * half + j] = 0.f;
+      }
+  }
 }
 
 // dP -> dS = P ∘ (dP - delta) in place.

@@ -78,16 +78,6 @@ struct MaskPolicy {
   JAXFLASH_HD bool Visible(int row, int col) const {
     return row < q_valid && col >= KeyBegin(row) && col < KeyEnd(row);
   }
-  // The same test written on the diagonal distance col - row (for col >= 0):
-  // it keeps the offset out of per-row temporaries. Which form fits a kernel
-  // is ptxas's call: the dQ tiles at D = 192/256 spill with Visible, the
-  // sm90 dK/dV tiles at D = 64 with this one (both by 4-16 bytes).
-  JAXFLASH_HD bool VisibleByDistance(int row, int col) const {
-    const int d = col - row;
-    return row < q_valid && col < kv_valid && (left < 0 || d >= offset - left) &&
-           (right < 0 || d <= offset + right);
-  }
-
   // True when every (row, col) of the tile [r0, r1) x [c0, c1) is visible, so
   // the kernel can skip per-element masking. Assumes r0 < r1 and c0 < c1.
   JAXFLASH_HD bool TileIsFull(int r0, int r1, int c0, int c1) const {
