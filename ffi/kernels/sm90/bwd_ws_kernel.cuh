@@ -18,10 +18,10 @@
 //              once every consumer's keys are in it (one named barrier),
 //              consumer c computes columns [c kD / kConsumers, ...) of
 //              dQ = dS·K over all kN keys into a float32 staging tile.
-//   dQ writer  warp 1 adds the staging tile into the sums with bulk
-//              reductions (the copy engine does the float32 adds; no atomic
-//              instruction on the consumers' path) and frees it for the next
-//              step.
+//   dQ writer  lane 0 of warp 1 adds the staging tile into the sums with
+//              one bulk tensor reduction per 32-column block (the copy engine
+//              does the float32 adds; no atomic instruction on the consumers'
+//              path) and frees it for the next step.
 //
 // The two-kernel backward (bwd_kernel.cuh) had every thread load with
 // cp.async and meet at two __syncthreads per step, and the consumers issue
@@ -61,10 +61,13 @@ struct WsBwdTile {
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   using DsTile = SwizzledTile<kM, kN>;
-  // dQ staging: kM rows of kD floats, rows 32 bytes apart beyond their
-  // length so the two half-warps of a float2 store hit 32 different banks.
-  static constexpr int kDqPitch = kD + 8;
-  static constexpr size_t kDqBytes = size_t(kM) * kDqPitch * sizeof(float);
+  // dQ staging: kM rows of kD floats in 128-byte-swizzled blocks of 32
+  // columns (SwizzledTile counts 16-bit columns), each the box of one bulk
+  // tensor reduction. One reduction per 512-byte row instead (64 per step)
+  // kept the consumers waiting for the copy engine 16% of the time
+  // (docs/performance.md, eleventh session).
+  using DqStage = SwizzledTile<kM, 2 * kD>;
+  static constexpr size_t kDqBytes = DqStage::kBytes;
   // A stage: Q, dO, then kM LSE and kM delta values (1024-byte aligned).
   static constexpr size_t kStatsOffset = 2 * size_t(QTile::kBytes);
   static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
@@ -73,6 +76,8 @@ struct WsBwdTile {
   static constexpr int kBarriers = 5 + 2 * kStages;
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes +
                                        2 * size_t(DsTile::kBytes) + kDqBytes + 8 * kBarriers + 1024;
+  static_assert((2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 2 * size_t(DsTile::kBytes)) % 1024 == 0,
+                "the dQ staging starts on a swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "each consumer's dQ columns are one 64-column block of K (32 registers)");
@@ -237,28 +242,26 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
 }
 
 // ------------------------------------------------------------------ dQ writer
-// One warp: per step, the staged dQ rows of real queries (rows past q_valid
-// hold dS = 0 sums and are skipped) go into the sums with one bulk reduction
-// each; the tile is free once the copy engine has read it.
+// One lane: per step, the staged tile goes into the sums of its (batch, head,
+// rows) with one bulk tensor reduction per 32-column block; the tile is free
+// once the copy engine has read it. Rows past q_len are clipped by the map;
+// rows in [q_valid, q_len) (padding queries) add into sums DqFromSumsKernel
+// never reads.
 template <typename Tile>
-__device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSmem<Tile>& sm,
-                                              const WsBwdWork<Tile>& w) {
-  const AttentionShape& sh = p.shape;
-  const int lane = threadIdx.x & 31;
-  const uint32_t row_bytes = static_cast<uint32_t>(sh.head_dim * sizeof(float));
+__device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
+                                              const CUtensorMap& dq_map) {
+  using DqStage = typename Tile::DqStage;
+  if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
+  PrefetchTensorMap(dq_map);
   for (int it = 0; it < w.steps; ++it) {
-    const int head = w.Head(it), r0 = w.Row0(it);
     MBarrier::Wait(sm.DqFull(), it & 1);
-    float* sums = p.dq_accum + w.batch * sh.q_batch_stride() + head * sh.head_dim;
-    for (int row = lane; row < Tile::kM; row += 32) {
-      if (r0 + row < w.pol.q_valid) {
-        BulkAddF32(sums + (r0 + row) * sh.q_row_stride(), sm.dq + row * Tile::kDqPitch * 4, row_bytes);
-      }
+#pragma unroll
+    for (int b = 0; b < DqStage::kBlocks; ++b) {
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, w.Head(it), w.Row0(it), w.batch);
     }
     TmaStoreCommit();
     TmaStoreWaitRead<0>();
-    __syncwarp();
-    if (lane == 0) MBarrier::Arrive(sm.DqEmpty());
+    MBarrier::Arrive(sm.DqEmpty());
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires
 }
@@ -338,7 +341,8 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       const int row = warp * 16 + g + half * 8;
 #pragma unroll
       for (int ct = 0; ct < kDqCols / 8; ++ct) {
-        const uint32_t at = sm.dq + (row * Tile::kDqPitch + col0 + ct * 8 + 2 * t) * 4;
+        const int col = col0 + ct * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
+        const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
         asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[ct][2 * half]),
                      "f"(dq[ct][2 * half + 1])
                      : "memory");
@@ -356,7 +360,7 @@ template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsBwdKernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap do_map, const __grid_constant__ CUtensorMap k_map,
-                const __grid_constant__ CUtensorMap v_map) {
+                const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap dq_map) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -370,7 +374,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if (warp == 0) {
           WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
-          WsBwdDqWriter<Tile>(p, sm, WsBwdWork<Tile>::At(p));
+          WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p), dq_map);
         }
       },
       [&](int consumer) {
@@ -379,7 +383,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #endif  // JAXFLASH_SM90A
 }
 
-// Encodes the four tensor maps, then runs the fused backward around one CTA
+// Encodes the five tensor maps, then runs the fused backward around one CTA
 // per (key tile, kv head, batch).
 template <typename T, typename Tile>
 Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
@@ -392,17 +396,19 @@ Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream
   if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
     return Status::Unimplemented("backward grid beyond the launch limits");
   }
-  CUtensorMap q_map, do_map, k_map, v_map;
+  CUtensorMap q_map, do_map, k_map, v_map, dq_map;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok() ||
+      !(st = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
     return st;
   }
   return tc::RunFusedBackward<T, Tile::kD>(p, stream, [&] {
     const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
                     static_cast<unsigned>(sh.batch));
-    WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map);
+    WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map,
+                                                                                  dq_map);
     return CheckLaunch("attention backward (sm90, warp-specialised: dK, dV and dQ sums)");
   });
 }

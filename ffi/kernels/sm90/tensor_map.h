@@ -35,26 +35,28 @@ inline EncodeTiledFn TensorMapEncoder() {
   return fn;
 }
 
-// A map over a dense [batch, seq, heads, head_dim] tensor of 16-bit elements
-// whose box is `rows` consecutive rows x 64 columns of one (batch, head): one
-// 128-byte-swizzled column block of SwizzledTile (wgmma.cuh), so a tile of D
-// columns is D / 64 copies. Columns past head_dim and rows past seq are
-// zero-filled on load and clipped on store.
+// A map over a dense [batch, seq, heads, head_dim] tensor whose box is `rows`
+// consecutive rows x 128 bytes of columns (64 16-bit or 32 float32 elements)
+// of one (batch, head): one 128-byte-swizzled column block of SwizzledTile
+// (wgmma.cuh), so a tile of D columns is D / 64 (float32: D / 32) copies.
+// Columns past head_dim and rows past seq are zero-filled on load and clipped
+// on store or reduction.
 inline Status EncodeRowsMap(CUtensorMap* map, const void* base, DType dtype, const AttentionShape& sh,
                             bool query_side, int rows) {
-  if (dtype != DType::kFloat16 && dtype != DType::kBFloat16) return Status::Internal("TMA maps take 16-bit tensors");
   EncodeTiledFn encode = TensorMapEncoder();
   if (encode == nullptr) return Status::Internal("the CUDA driver has no cuTensorMapEncodeTiled");
+  const int64_t kElem = dtype == DType::kFloat32 ? 4 : 2;
+  const CUtensorMapDataType type = dtype == DType::kFloat32   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                              : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const int64_t seq = query_side ? sh.q_len : sh.kv_len;
   const int64_t heads = query_side ? sh.q_heads : sh.kv_heads;
-  constexpr int64_t kElem = 2;
   const cuuint64_t dims[4] = {cuuint64_t(sh.head_dim), cuuint64_t(heads), cuuint64_t(seq), cuuint64_t(sh.batch)};
   const cuuint64_t strides[3] = {cuuint64_t(sh.head_dim * kElem), cuuint64_t(heads * sh.head_dim * kElem),
                                  cuuint64_t(seq * heads * sh.head_dim * kElem)};
-  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
+  const cuuint32_t box[4] = {cuuint32_t(128 / kElem), 1, cuuint32_t(rows), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-                            const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  const CUresult r = encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {

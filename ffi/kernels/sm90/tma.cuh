@@ -38,14 +38,16 @@ __device__ __forceinline__ void TmaStore4d(const CUtensorMap& map, uint32_t smem
                "r"(smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
 }
-// Adds `bytes` of float32 values at `smem` element-wise into `gmem` (a bulk
-// reduction done by the copy engine, atomic per element, tracked in the
-// issuing thread's bulk groups like a store). Both addresses 16-byte aligned,
-// `bytes` a multiple of 16.
-__device__ __forceinline__ void BulkAddF32(float* gmem, uint32_t smem, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem), "r"(smem),
-               "r"(bytes)
-               : "memory");
+// Adds a box of float32 values at `smem` element-wise into the tensor (a
+// bulk reduction done by the copy engine, atomic per element, clipped at the
+// tensor's extent, tracked in the issuing thread's bulk groups like a store).
+__device__ __forceinline__ void TmaReduceAdd4d(const CUtensorMap& map, uint32_t smem, int c0, int c1, int c2,
+                                               int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          MapAddress(map)),
+      "r"(smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
 }
 __device__ __forceinline__ void TmaStoreCommit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until the shared memory of all but the newest kPending store groups has
