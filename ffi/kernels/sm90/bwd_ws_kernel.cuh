@@ -312,44 +312,53 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     tc::KeyMajorDs(st, dp, delta, lane);
     tc::PackAFragments<T>(dp, da);
 
-    // ---- dS into the shared tile; dV += Pᵀ dO and dK += dSᵀ Q
+    // ---- dSᵀ into the shared tile; dV += Pᵀ dO
     const uint32_t sDs = sm.Ds(it);
 #pragma unroll
     for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
     FenceSharedForAsyncProxy();
     WgmmaFence();
     ProductRS<T, QTile, kM, kD>(dv, pa, sdO, 0);
-    ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
     WgmmaCommit();
 
-    // ---- dQ = dS K over all kN keys, once every consumer's dS is in place:
-    // this consumer's 64 columns.
+    // ---- dQ = dS K over all kN keys (this consumer's 64 columns), once every
+    // consumer's dS is in place, then dK += dSᵀ Q, which runs on while dQ is
+    // staged. (Running it on into the next step's scores as well needs more
+    // than 232 registers: ptxas spills and serialises the products.)
     NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
     const int col0 = consumer * kDqCols;
     float dq[kDqCols / 8][4];
     WgmmaFence();
     ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
     WgmmaCommit();
-    WgmmaWait<0>();
+    ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+    WgmmaCommit();
+    WgmmaWait<1>();  // dV and dQ
     FenceAccumulator(dv);
-    FenceAccumulator(dk);
     FenceAccumulator(dq);
-    MBarrier::Arrive(sm.Empty(s));               // Q, dO and the stats are read (dK, dV done)
     MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+    // Lanes t = 2, 3 write the 8-column blocks in the order k ^ 2, so the 16
+    // lanes of a half-warp (4 rows, one swizzle phase each) hit 8 different
+    // 16-byte chunks: one wavefront per half-warp, where the same order for
+    // every lane took two.
+    const int flip = t & 2;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp * 16 + g + half * 8;
 #pragma unroll
-      for (int ct = 0; ct < kDqCols / 8; ++ct) {
-        const int col = col0 + ct * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
+      for (int k = 0; k < kDqCols / 8; ++k) {
+        const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
         const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[ct][2 * half]),
-                     "f"(dq[ct][2 * half + 1])
-                     : "memory");
+        const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
+        const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
       }
     }
     FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
     MBarrier::Arrive(sm.DqFull());
+    WgmmaWait<0>();
+    FenceAccumulator(dk);
+    MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read (dK, dV done)
     ring.Advance();
   }
 
