@@ -391,19 +391,19 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
       device, stream);
 }
 
-// The fused backward's tile per bucket. At D = 128 it is the warp-specialised
-// kernel (bwd_ws_kernel.cuh): a TMA producer, two consumer warpgroups of 64
-// keys sharing one dS tile, dQ added by bulk reductions. At D = 64 and 256 it
-// is the dK/dV kernel above with dQ atomics (not the default there: the two
-// kernels measured faster, docs/performance.md), since the warp-specialised
-// tile needs whole 64-column dQ blocks per consumer (D = 64 would split one)
-// and its dK + dV registers double at D = 256. Registers of DkDvKernel's fused
-// tiles: 210 and 254 at D = 64 and 256.
+// The fused backward's tile per bucket. At D = 64 and 128 it is the
+// warp-specialised kernel (bwd_ws_kernel.cuh): a TMA producer, two consumer
+// warpgroups of 64 keys sharing one dS tile, dQ added by bulk tensor
+// reductions (at D = 64 the consumers compute a step's dQ in turn). At
+// D = 256 it is the dK/dV kernel above with dQ atomics (not the default
+// there: the two kernels measured faster, docs/performance.md), since the
+// warp-specialised tile's dK + dV registers double at D = 256 (254 registers
+// in DkDvKernel's fused tile).
 template <int kD>
 struct FusedBwdTile;
 template <>
 struct FusedBwdTile<64> {
-  using type = DkDvTile<64, 1, 64, 1, 2>;
+  using type = WsBwdTile<64>;
 };
 template <>
 struct FusedBwdTile<128> {

@@ -16,8 +16,10 @@
 //              dSᵀ goes transposed into a shared dS tile (two buffers, so no
 //              warpgroup waits for the other to finish reading one), and
 //              once every consumer's keys are in it (one named barrier),
-//              consumer c computes columns [c kD / kConsumers, ...) of
-//              dQ = dS·K over all kN keys into a float32 staging tile.
+//              dQ = dS·K over all kN keys goes into a float32 staging tile:
+//              at D ≥ 128 consumer c computes columns [64c, 64c + 64); at
+//              D = 64 (one 64-column block) the consumers take whole steps in
+//              turn, and the other one only arrives at the barrier.
 //   dQ writer  lane 0 of warp 1 adds the staging tile into the sums with
 //              one bulk tensor reduction per 32-column block (the copy engine
 //              does the float32 adds; no atomic instruction on the consumers'
@@ -57,7 +59,11 @@ struct WsBwdTile {
   static constexpr int kN = 64 * kConsumers;    // keys per CTA
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kDqCols = kD / kConsumers;  // dQ columns per consumer
+  // dQ of a step: split in 64-column blocks over the consumers, or (one
+  // block) computed whole by consumer `step % kConsumers`.
+  static constexpr bool kDqByColumns = kD / kConsumers >= 64;
+  static constexpr int kDqCols = kDqByColumns ? kD / kConsumers : kD;  // dQ columns per computing consumer
+  static constexpr int kDqWriters = kDqByColumns ? kConsumers : 1;     // consumers staging each step
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   using DsTile = SwizzledTile<kM, kN>;
@@ -80,13 +86,17 @@ struct WsBwdTile {
                 "the dQ staging starts on a swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
-  static_assert(kDqCols == 64, "each consumer's dQ columns are one 64-column block of K (32 registers)");
+  static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over (at
   // 24 the producer spills).
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
-  static constexpr int kDsBarrier = 1;  // named: every consumer's dS of a step is in place
+  // Named: every consumer's dS of a step is in place. Consumers taking turns
+  // alternate two, so one that only arrives and runs a step ahead cannot
+  // complete its partner's wait on the same barrier.
+  static constexpr int kDsBarrier = 1;
+  static constexpr int kDsBarriers = kDqByColumns ? 1 : 2;
 };
 
 template <typename Tile>
@@ -127,7 +137,7 @@ struct WsBwdSmem {
     MBarrier::Init(KvFull(), 32);  // the producer warp's lanes (plus the copied bytes)
     MBarrier::Init(KvTail(), 1);
     MBarrier::Init(QTail(), 1);
-    MBarrier::Init(DqFull(), kConsumerThreads);  // every consumer thread has staged its dQ share
+    MBarrier::Init(DqFull(), 128 * Tile::kDqWriters);  // every staging consumer thread has written its share
     MBarrier::Init(DqEmpty(), 1);                // the writer's bulk reductions have read the tile
     for (int s = 0; s < Tile::kStages; ++s) {
       MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
@@ -321,42 +331,50 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     ProductRS<T, QTile, kM, kD>(dv, pa, sdO, 0);
     WgmmaCommit();
 
-    // ---- dQ = dS K over all kN keys (this consumer's 64 columns), once every
-    // consumer's dS is in place, then dK += dSᵀ Q, which runs on while dQ is
-    // staged. (Running it on into the next step's scores as well needs more
-    // than 232 registers: ptxas spills and serialises the products.)
-    NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
-    const int col0 = consumer * kDqCols;
-    float dq[kDqCols / 8][4];
-    WgmmaFence();
-    ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
-    WgmmaCommit();
-    ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
-    WgmmaCommit();
-    WgmmaWait<1>();  // dV and dQ
-    FenceAccumulator(dv);
-    FenceAccumulator(dq);
-    MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-    // Lanes t = 2, 3 write the 8-column blocks in the order k ^ 2, so the 16
-    // lanes of a half-warp (4 rows, one swizzle phase each) hit 8 different
-    // 16-byte chunks: one wavefront per half-warp, where the same order for
-    // every lane took two.
-    const int flip = t & 2;
+    // ---- dQ = dS K over all kN keys, once every consumer's dS is in place,
+    // then dK += dSᵀ Q, which runs on while dQ is staged. (Running it on into
+    // the next step's scores as well needs more than 232 registers: ptxas
+    // spills and serialises the products.)
+    const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
+    if (Tile::kDqByColumns || it % Tile::kConsumers == consumer) {
+      NamedBarrierSync(barrier, 128 * Tile::kConsumers);
+      const int col0 = Tile::kDqByColumns ? consumer * kDqCols : 0;
+      float dq[kDqCols / 8][4];
+      WgmmaFence();
+      ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+      WgmmaCommit();
+      WgmmaWait<1>();  // dV and dQ
+      FenceAccumulator(dq);
+      MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+      // Lanes t = 2, 3 write the 8-column blocks in the order k ^ 2, so the 16
+      // lanes of a half-warp (4 rows, one swizzle phase each) hit 8 different
+      // 16-byte chunks: one wavefront per half-warp, where the same order for
+      // every lane took two.
+      const int flip = t & 2;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp * 16 + g + half * 8;
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + g + half * 8;
 #pragma unroll
-      for (int k = 0; k < kDqCols / 8; ++k) {
-        const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
-        const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
-        const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
-        const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
+        for (int k = 0; k < kDqCols / 8; ++k) {
+          const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
+          const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
+          const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
+          const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
+        }
       }
+      FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
+      MBarrier::Arrive(sm.DqFull());
+    } else {
+      NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
+      WgmmaFence();
+      ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+      WgmmaCommit();
     }
-    FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
-    MBarrier::Arrive(sm.DqFull());
     WgmmaWait<0>();
+    FenceAccumulator(dv);
     FenceAccumulator(dk);
     MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read (dK, dV done)
     ring.Advance();
