@@ -38,9 +38,10 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
 
 # Head-dim buckets where the fused Hopper backward runs unless
 # JAXFLASH_FUSED_BACKWARD says otherwise: where it beat the two-kernel backward
-# on an H100 (docs/performance.md, eighth session: D 128 +4-6% at S 16k; D 64
-# -1 to -3%, D 256 -30%, so those keep the two kernels).
-FUSED_BACKWARD_BUCKETS = (128,)
+# on an H100 (docs/performance.md: D 128 since the eighth session; D 64 since
+# the eleventh, warp-specialised, forward+backward +7% at S 1k to +25% at
+# S 16k; D 256 -30%, so it keeps the two kernels).
+FUSED_BACKWARD_BUCKETS = (64, 128)
 
 
 def fused_backward_buckets() -> tuple[int, ...]:

@@ -59,6 +59,8 @@ def main():
         q, k, v, implementation="native", deterministic=True, **mask).astype(jnp.float32))
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
+    if n % (len(MASKS) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
+      print(f"sanitizer sweep: shape {(B, T, S, N, K, D)} done", flush=True)
   print(f"sanitizer sweep: {n} configurations, forward and backward")
   if args.training_only:
     return
