@@ -140,6 +140,20 @@ __device__ __forceinline__ QueryTiles QueryTileRange(const MaskPolicy& pol, int 
 }
 
 // ------------------------------------------------------------ key-major element-wise steps
+// Zeroes entries s[nt][2 half + j] whose position nt * 8 + j lies outside
+// [lo, hi): the mask on one fragment half of a boundary tile (a key's query
+// rows, or a row's keys, measured from the lane's first one).
+template <int kT>
+__device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo, int hi) {
+#pragma unroll
+  for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int at = nt * 8 + j;
+      if (at < lo || at >= hi) s[nt][2 * half + j] = 0.f;
+    }
+}
+
 // Sᵀ -> Pᵀ in place for query tile [r0, r0 + 8 kQT) and this warp's keys from
 // `key0`. lse holds the tile's natural-log LSE values. `full`: the mask admits
 // the whole tile (queries past q_valid never make a tile full); only other
@@ -162,14 +176,7 @@ __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPoli
   for (int half = 0; half < 2; ++half) {
     // The key sees rows [RowBegin, RowEnd); measured here from r0 + 2t.
     const int key = key0 + g + half * 8;
-    const int lo = pol.RowBegin(key) - r0 - 2 * t, hi = pol.RowEnd(key) - r0 - 2 * t;
-#pragma unroll
-    for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int row = nt * 8 + j;
-        if (row < lo || row >= hi) s[nt][2 * half + j] = 0.f;
-      }
+    ZeroOutside(s, half, pol.RowBegin(key) - r0 - 2 * t, pol.RowEnd(key) - r0 - 2 * t);
   }
 }
 
@@ -220,14 +227,7 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
     // from c0 + 2t.
     const int row = row0 + g + half * 8;
     const bool real = row < pol.q_valid;
-    const int lo = pol.KeyBegin(row) - c0 - 2 * t, hi = real ? pol.KeyEnd(row) - c0 - 2 * t : INT_MIN;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = nt * 8 + j;
-        if (col < lo || col >= hi) s[nt][2 * half + j] = 0.f;
-      }
+    ZeroOutside(s, half, pol.KeyBegin(row) - c0 - 2 * t, real ? pol.KeyEnd(row) - c0 - 2 * t : INT_MIN);
   }
 }
 
