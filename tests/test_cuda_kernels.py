@@ -211,7 +211,7 @@ def _sums_room_in_hlo(D, dtype=jnp.bfloat16, **kw):
 @pytest.mark.parametrize("mask_name", tiered(list(MASKS), ["causal", "lengths", "window"]))
 def test_fused_backward(rng, fused_backward, D, mask_name):
   """The one-pass backward (dQ added into float32 sums; warp-specialised at
-  D 128) against float64: ragged T/S, q_len != kv_len, GQA 4, padded head dims
+  D 64 and 128) against float64: ragged T/S, q_len != kv_len, GQA 4, padded head dims
   of each sm90 bucket."""
   assert _sums_room_in_hlo(D)
   _poison_allocator()
