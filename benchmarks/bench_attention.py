@@ -10,7 +10,8 @@ forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
 `native` is the native path as a user gets it; `native_fused` and
 `native_two_kernel` force its Hopper backward to the fused pass or to the two
-kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled). Peers in the same
+kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled); `native_deterministic`
+is a `deterministic=True` call (bit-reproducible, two kernels). Peers in the same
 process and harness: jax.nn.dot_product_attention with implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
 when torch is importable. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
@@ -57,6 +58,9 @@ def jax_impl(name, causal, backward):
   if name in ("native", "pallas"):
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
                                                            implementation=name)
+  elif name == "native_deterministic":  # bit-reproducible: the two-kernel backward
+    attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
+                                                           implementation="native", deterministic=True)
   else:
     attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                          implementation=name)
@@ -124,8 +128,9 @@ def main():
   ap.add_argument("--no-backward", action="store_true")
   ap.add_argument("--no-forward", action="store_true", help="forward+backward rows only")
   ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
-                  help="comma-separated, of native, native_fused, pallas, cudnn, xla, torch_flash, "
-                       "torch_cudnn; torch_* are skipped when torch has no GPU")
+                  help="comma-separated, of native, native_fused, native_two_kernel, "
+                       "native_deterministic, pallas, cudnn, xla, torch_flash, torch_cudnn; torch_* "
+                       "are skipped when torch has no GPU")
   ap.add_argument("--gqa", action="store_true",
                   help="also the GQA training shape: B 2, S 8k, 32 query / 8 KV heads, D 128, causal "
                        "(forward+backward, reported in ms too)")
