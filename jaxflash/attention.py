@@ -216,7 +216,14 @@ def _window(local_window_size) -> tuple[int, int] | None:
   left, right = (int(w) for w in local_window_size)
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {(left, right)}")
-  return left, right
+  # A window past every sequence is no bound; it is capped where the kernels'
+  # 32-bit position arithmetic stays exact (a window of 2**32 once reached the
+  # native kernels as 0). The FFI handlers cap the same way (kMaxWindow,
+  # ffi/handlers/decode.h).
+  return min(left, MAX_WINDOW), min(right, MAX_WINDOW)
+
+
+MAX_WINDOW = 1 << 29
 
 
 def _scale(scale, head_dim: int) -> float:

@@ -112,6 +112,20 @@ def test_bottom_right_alignment_is_a_kv_cache_step(rng):
 
 # ------------------------------------------------------------------ selection
 
+@pytest.mark.parametrize("implementation", ["native", "xla"])
+def test_a_window_past_every_sequence_is_no_bound(rng, implementation):
+  """Window sides of any size are accepted; one past every sequence bounds
+  nothing (2**32 once reached the native kernels as 0, and overflowed the
+  reference's int32 positions)."""
+  q, k, v = random_inputs(rng, 2, 40, 33, 4, 2, 32, jnp.float32)
+  attend = lambda **kw: jaxflash.dot_product_attention(q, k, v, implementation=implementation, **kw)
+  causal = attend(is_causal=True)
+  for window in [(2**32, 0), (2**31 - 1, 0), (2**40, 0)]:
+    assert max_abs(attend(local_window_size=window), causal) < 1e-6, window
+  assert max_abs(attend(local_window_size=2**33), attend()) < 1e-6
+  assert max_abs(attend(local_window_size=(2**32, 3)), attend(local_window_size=(39, 3))) < 1e-6
+
+
 def test_native_is_the_default_and_really_runs():
   q = k = v = jnp.zeros((1, 8, 2, 16), jnp.float32)
   f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=True)

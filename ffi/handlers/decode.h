@@ -8,6 +8,7 @@
 // that is how a vmapped call (vmap_method="broadcast_all") arrives.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -155,11 +156,15 @@ inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// Window sides past any sequence bound nothing; they are capped at 2^29 (as
+// the Python API's attention.MAX_WINDOW), where MaskPolicy's 32-bit position
+// arithmetic stays exact (a window of 2^32 was once read there as 0).
+constexpr int64_t kMaxWindow = int64_t(1) << 29;
 inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_right,
                              bool bottom_right, MaskParams* mask) {
   if (!std::isfinite(scale)) return Invalid("scale must be finite");
-  mask->window_left = window_left < 0 ? -1 : window_left;
-  mask->window_right = window_right < 0 ? -1 : window_right;
+  mask->window_left = window_left < 0 ? -1 : std::min(window_left, kMaxWindow);
+  mask->window_right = window_right < 0 ? -1 : std::min(window_right, kMaxWindow);
   mask->bottom_right = bottom_right;
   return ffi::Error::Success();
 }
