@@ -118,6 +118,23 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
   return rows
 
 
+def report(results, rows, backward, causal, B, H, S, D, kv_heads=None):
+  """Prints one shape's rates (and, for a GQA shape, milliseconds) with the
+  ratio to torch flash or cuDNN, and adds its CSV row to `results`."""
+  ref_name = "torch_flash" if "torch_flash" in rows else "cudnn"
+  work = flops(B, H, S, S, D, causal, backward)
+  ms = (lambda tf: f" ({work / tf / 1e9:.2f} ms)") if kv_heads else (lambda tf: "")
+  line = "  ".join(f"{n}={tf:6.1f}{ms(tf)}" for n, tf in rows.items())
+  ratio = f"  native/{ref_name}={rows['native'] / rows[ref_name]:.2f}" \
+      if rows.get(ref_name) and "native" in rows else ""
+  heads = f"{H}/{kv_heads}" if kv_heads else f"{H:2d}"
+  print(f"{'fwd+bwd' if backward else 'fwd':7s} causal={int(causal)} B={B:2d} H={heads} S={S:5d} "
+        f"D={D:3d}  TFLOP/s: {line}{ratio}", flush=True)
+  results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H,
+                      **({"kv_heads": kv_heads} if kv_heads else {}), S=S, D=D,
+                      **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="S=16k only, one shape per head dim")
@@ -160,24 +177,12 @@ def main():
     for causal in (False, True):
       for B, H, S, D in shapes:
         rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats)
-        ref = rows.get("torch_flash") or rows.get("cudnn")
-        line = "  ".join(f"{n}={tf:6.1f}" for n, tf in rows.items())
-        ratio = f"  native/{'torch_flash' if 'torch_flash' in rows else 'cudnn'}={rows['native'] / ref:.2f}" \
-            if ref and "native" in rows else ""
-        print(f"{'fwd+bwd' if backward else 'fwd':7s} causal={int(causal)} B={B:2d} H={H:2d} S={S:5d} "
-              f"D={D:3d}  TFLOP/s: {line}{ratio}", flush=True)
-        results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H, S=S,
-                            D=D, **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
+        report(results, rows, backward, causal, B, H, S, D)
 
   if args.gqa and not args.no_backward:
     B, H, S, D, K = gqa
     rows = bench_shape(B, H, S, D, True, True, peers, args.reps, args.repeats, kv_heads=K)
-    work = flops(B, H, S, S, D, True, True)
-    line = "  ".join(f"{n}={tf:6.1f} ({work / tf / 1e9:.2f} ms)" for n, tf in rows.items())
-    ratio = f"  native/cudnn={rows['native'] / rows['cudnn']:.2f}" if {"native", "cudnn"} <= rows.keys() else ""
-    print(f"fwd+bwd causal=1 B={B} H={H}/{K} S={S} D={D}  TFLOP/s: {line}{ratio}", flush=True)
-    results.append(dict(direction="fwd+bwd", causal=True, B=B, H=H, kv_heads=K, S=S, D=D,
-                        **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
+    report(results, rows, True, True, B, H, S, D, kv_heads=K)
 
   if args.csv:
     keys = sorted({k for r in results for k in r}, key=lambda k: (k.startswith("tflops"), k))

@@ -16,8 +16,6 @@
 
 #include <cuda_runtime.h>
 
-#include <climits>
-
 #include "common/exact_rows.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
@@ -223,11 +221,11 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
   if (full) return;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // The row sees keys [KeyBegin, KeyEnd) (none past q_valid); measured here
-    // from c0 + 2t.
+    // The row sees keys [KeyBegin, KeyEnd) (none past q_valid: an empty
+    // range); measured here from c0 + 2t.
     const int row = row0 + g + half * 8;
     const bool real = row < pol.q_valid;
-    ZeroOutside(s, half, pol.KeyBegin(row) - c0 - 2 * t, real ? pol.KeyEnd(row) - c0 - 2 * t : INT_MIN);
+    ZeroOutside(s, half, pol.KeyBegin(row) - c0 - 2 * t, real ? pol.KeyEnd(row) - c0 - 2 * t : 0);
   }
 }
 

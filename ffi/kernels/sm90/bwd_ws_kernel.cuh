@@ -410,28 +410,27 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #endif  // JAXFLASH_SM90A
 }
 
-// Encodes the five tensor maps, then runs the fused backward around one CTA
-// per (key tile, kv head, batch).
+// The fused backward around one CTA per (key tile, kv head, batch); its pass
+// encodes the five tensor maps (it runs only on non-empty extents, which a
+// map needs).
 template <typename T, typename Tile>
 Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
-  if (sh.q_len == 0 || sh.kv_len == 0 || sh.batch == 0 || sh.q_heads == 0) {
-    return tc::RunFusedBackward<T, Tile::kD>(p, stream, [] { return Status::Ok(); });
-  }
   if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
     return Status::Unimplemented("backward grid beyond the launch limits");
   }
-  CUtensorMap q_map, do_map, k_map, v_map, dq_map;
-  if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
-      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
-      !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
-    return st;
-  }
   return tc::RunFusedBackward<T, Tile::kD>(p, stream, [&] {
+    CUtensorMap q_map, do_map, k_map, v_map, dq_map;
+    Status enc;
+    if (!(enc = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
+        !(enc = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
+        !(enc = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
+        !(enc = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok() ||
+        !(enc = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
+      return enc;
+    }
     const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
                     static_cast<unsigned>(sh.batch));
     WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map,
