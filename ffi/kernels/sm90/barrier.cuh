@@ -55,6 +55,13 @@ struct RingPosition {
       parity ^= 1;
     }
   }
+  // The position one step back, computed rather than kept in registers.
+  __device__ __forceinline__ RingPosition Previous() const {
+    RingPosition p;
+    p.stage = stage == 0 ? kStages - 1 : stage - 1;
+    p.parity = stage == 0 ? parity ^ 1 : parity;
+    return p;
+  }
 };
 
 // Named hardware barriers 1..15 (0 is __syncthreads): `threads` of the CTA's

@@ -17,7 +17,7 @@ namespace jaxflash {
 namespace sm90 {
 
 // Register pressure bounds the consumers' tiles: O (kD / 2 floats), S (kN / 2)
-// and packed P (kN / 4) per thread must fit in the 240 registers a consumer
+// and packed P (kN / 4) per thread must fit in the 232 registers a consumer
 // gets with two consumer warpgroups (160 with three); shared memory holds Q and
 // kStages stages of K and V within 227 KiB.
 template <int kD>
@@ -25,7 +25,8 @@ struct FwdCandidates;
 template <>
 struct FwdCandidates<64> {
   using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 128, 4, 2, false>, WsFwdTile<64, 64, 6, 3>,
-                        FwdTile<64, 1, 128, 3>, WsFwdTile<64, 128, 4, 2, false, true>>;
+                        FwdTile<64, 1, 128, 3>, WsFwdTile<64, 128, 4, 2, false, true>,
+                        WsFwdTile<64, 128, 4, 3, false, true>>;
 };
 template <>
 struct FwdCandidates<128> {
@@ -46,10 +47,14 @@ struct FwdCandidates<256> {
 // none was the pick. The last candidate at D 64 and 128 stages O in a buffer
 // of its own (kSeparateO: the next Q loads under the last P·V and the
 // epilogue); it won both buckets' geometric means over S 1k, 2k, 16k, causal
-// and not (2026-11-23, ninth session in docs/performance.md).
+// and not (2026-11-23, ninth session in docs/performance.md). At D 64 three
+// consumer warpgroups (192 rows a tile, 160 registers each) then beat two by
+// 7-19% non-causal and up to 13% causal (twelfth session): with two, the
+// exponent unit sat at 48% and issue at 44%, latency rather than a pipe
+// limiting; a third warpgroup hides more of it.
 inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) {
   switch (head_dim_bucket) {
-    case 64: return 4;
+    case 64: return 5;
     case 128: return 2;
     default: return 0;
   }

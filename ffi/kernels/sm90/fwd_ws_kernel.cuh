@@ -66,8 +66,8 @@ struct WsFwdTile {
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   // Registers per thread once the producer has handed its surplus over.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
+  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
   // Barriers: Q full / empty, the ragged-tail V copy, then per stage K full,
   // K empty, V full, V empty.
@@ -302,11 +302,11 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       release(sm.KEmpty(ring.stage));
       softmax_step(w.keys.begin, std::true_type{}, alpha);
       tc::PackAFragments<T>(s[0], pa);
-      RingPosition<Tile::kStages> prev = ring;
       ring.Advance();
       // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
       // S_n runs while P·V is still on the tensor cores.
       auto steady_step = [&](int nb, auto masked) {
+        const RingPosition<Tile::kStages> prev = ring.Previous();
         MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
         MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
         await_turn();
@@ -325,7 +325,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         release(sm.VEmpty(prev.stage));
         softmax.Rescale(o, alpha);
         tc::PackAFragments<T>(s[0], pa);
-        prev = ring;
         ring.Advance();
       };
       // Tiles every row sees whole skip the mask: three loops rather than a
@@ -343,6 +342,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // the producer may load the next Q now, under the last P·V.
       if constexpr (Tile::kSeparateO) release(sm.QEmpty());
       // The last tile's P·V.
+      const RingPosition<Tile::kStages> prev = ring.Previous();
       MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
       await_turn();
       WgmmaFence();
@@ -370,7 +370,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // No Q was loaded and the buffer may be in flight for the next tile:
       // write the zeros straight to global memory.
       T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0);
-      for (int i = tid; i < 64 * kD / 8; i += 128) {
+      // (The thread index passes through an empty asm so the compiler does not
+      // hoist this rare loop's column to the kernel's start and keep it, or
+      // spill it, across the key loop.)
+      int first = tid;
+      asm volatile("" : "+r"(first));
+      for (int i = first; i < 64 * kD / 8; i += 128) {
         const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
         if (r0 + row < sh.q_len && col < head_dim) {
           *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
