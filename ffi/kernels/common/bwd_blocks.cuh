@@ -172,8 +172,12 @@ __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPoli
   if (full) return;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    // The key sees rows [RowBegin, RowEnd); measured here from r0 + 2t.
-    const int key = key0 + g + half * 8;
+    // The key sees rows [RowBegin, RowEnd); measured here from r0 + 2t. The
+    // key passes through an empty asm so its bounds are computed here, on the
+    // boundary tiles, instead of hoisted out of the caller's walk and held (or
+    // spilled: 12 bytes in the three-consumer D 64 kernel) across it.
+    int key = key0 + g + half * 8;
+    asm volatile("" : "+r"(key));
     ZeroOutside(s, half, pol.RowBegin(key) - r0 - 2 * t, pol.RowEnd(key) - r0 - 2 * t);
   }
 }

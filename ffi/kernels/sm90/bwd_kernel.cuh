@@ -392,9 +392,11 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 }
 
 // The fused backward's tile per bucket. At D = 64 and 128 it is the
-// warp-specialised kernel (bwd_ws_kernel.cuh): a TMA producer, two consumer
+// warp-specialised kernel (bwd_ws_kernel.cuh): a TMA producer, consumer
 // warpgroups of 64 keys sharing one dS tile, dQ added by bulk tensor
-// reductions (at D = 64 the consumers compute a step's dQ in turn). At
+// reductions. At D = 64 three consumers (192 keys a CTA) compute a step's dQ
+// in turn: 12% less kernel time than two on an H100 (twelfth session in
+// docs/performance.md); at D = 128 dK and dV leave room for two. At
 // D = 256 it is the dK/dV kernel above with dQ atomics (not the default
 // there: the two kernels measured faster, docs/performance.md), since the
 // warp-specialised tile's dK + dV registers double at D = 256 (254 registers
@@ -403,7 +405,7 @@ template <int kD>
 struct FusedBwdTile;
 template <>
 struct FusedBwdTile<64> {
-  using type = WsBwdTile<64>;
+  using type = WsBwdTile<64, 3>;
 };
 template <>
 struct FusedBwdTile<128> {

@@ -89,12 +89,18 @@ struct WsBwdTile {
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over (at
   // 24 the producer spills).
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 152;
+  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+  // The dQ staging stores take one wavefront per half-warp when lanes t = 2,
+  // 3 write their blocks in flipped order; the flip's selects need registers
+  // that three consumers (160 each) do not have, so they take two.
+  static constexpr bool kFlipStaging = kConsumers == 2;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
   // Named: every consumer's dS of a step is in place. Consumers taking turns
   // alternate two, so one that only arrives and runs a step ahead cannot
-  // complete its partner's wait on the same barrier.
+  // complete its partner's wait on the same barrier (with two stages no
+  // consumer gets two steps ahead: a stage is refilled only once every
+  // consumer has released it).
   static constexpr int kDsBarrier = 1;
   static constexpr int kDsBarriers = kDqByColumns ? 1 : 2;
 };
@@ -348,11 +354,11 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
       MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-      // Lanes t = 2, 3 write the 8-column blocks in the order k ^ 2, so the 16
-      // lanes of a half-warp (4 rows, one swizzle phase each) hit 8 different
-      // 16-byte chunks: one wavefront per half-warp, where the same order for
-      // every lane took two.
-      const int flip = t & 2;
+      // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
+      // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
+      // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
+      // where the same order for every lane takes two.
+      const int flip = Tile::kFlipStaging ? t & 2 : 0;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + half * 8;
