@@ -82,30 +82,21 @@ struct BwdLaunch {
   size_t smem;
 };
 
-// The backward of either tensor-core family: delta, then the dK/dV kernel
-// over (key blocks, kv heads, batch x splits) and the dQ kernel over (query
-// blocks, heads, batch). q_len == 0 or kv_len == 0 leaves one grid empty; the
-// other kernel still writes its zeros (dK = dV = 0 with no queries, dQ = 0
-// with no keys).
-template <typename T, auto DkDvKernel, auto DqKernel>
-Status LaunchBackwardKernels(const BwdParams& p, BwdLaunch dkdv, BwdLaunch dq, const CudaDevice& device,
-                             cudaStream_t stream) {
+// The backward of either tensor-core family: delta, then a dK/dV pass (the
+// caller's) and the dQ kernel over (query blocks, heads, batch). q_len == 0
+// or kv_len == 0 leaves one grid empty; the other kernel still writes its
+// zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
+template <typename T, auto DqKernel, typename KeyPass>
+Status RunBackwardKernels(const BwdParams& p, BwdLaunch dq, const CudaDevice& device, cudaStream_t stream,
+                          KeyPass&& key_pass) {
   const AttentionShape& sh = p.shape;
-  Status st = EnsureDynamicSmem<DkDvKernel>(dkdv.smem, device);
-  if (!st.ok()) return st;
-  st = EnsureDynamicSmem<DqKernel>(dq.smem, device);
+  Status st = EnsureDynamicSmem<DqKernel>(dq.smem, device);
   if (!st.ok()) return st;
   if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
 
   st = LaunchDelta<T>(p, stream);
   if (!st.ok()) return st;
-  if (sh.kv_len > 0) {
-    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
-                    static_cast<unsigned>(sh.batch * dkdv.splits));
-    DkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
-    st = CheckLaunch("attention backward (dK, dV)");
-    if (!st.ok()) return st;
-  }
+  if (sh.kv_len > 0 && !(st = key_pass()).ok()) return st;
   if (sh.q_len > 0) {
     const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, dq.rows)), static_cast<unsigned>(sh.q_heads),
                     static_cast<unsigned>(sh.batch));
@@ -113,6 +104,22 @@ Status LaunchBackwardKernels(const BwdParams& p, BwdLaunch dkdv, BwdLaunch dq, c
     st = CheckLaunch("attention backward (dQ)");
   }
   return st;
+}
+
+// The two-kernel backward: the dK/dV kernel over (key blocks, kv heads,
+// batch x splits), then the dQ kernel.
+template <typename T, auto DkDvKernel, auto DqKernel>
+Status LaunchBackwardKernels(const BwdParams& p, BwdLaunch dkdv, BwdLaunch dq, const CudaDevice& device,
+                             cudaStream_t stream) {
+  Status st = EnsureDynamicSmem<DkDvKernel>(dkdv.smem, device);
+  if (!st.ok()) return st;
+  return RunBackwardKernels<T, DqKernel>(p, dq, device, stream, [&] {
+    const AttentionShape& sh = p.shape;
+    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
+                    static_cast<unsigned>(sh.batch * dkdv.splits));
+    DkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
+    return CheckLaunch("attention backward (dK, dV)");
+  });
 }
 
 // ------------------------------------------------------------ query tiles of a key tile
@@ -320,9 +327,13 @@ __device__ __forceinline__ void StoreQueryGrad(float (&dq)[kDT][4], const BwdPar
 // Whether a family with a fused backward runs it: the caller gave room for
 // the sums, the call has queries, wants no bit-reproducibility, and forces no
 // candidate of the two-kernel table (the tile tests and the tuner do).
+// Whether a test or the tuner forced a tile candidate (a cached preferred
+// tile does not count).
+inline bool TileForced(const BwdParams& p) {
+  return p.tile % FwdParams::kTileSm80 > 0 && !(p.tile & FwdParams::kTilePreferred);
+}
 inline bool UseFusedBackward(const BwdParams& p) {
-  const bool forced = p.tile % FwdParams::kTileSm80 > 0 && !(p.tile & FwdParams::kTilePreferred);
-  return p.dq_accum != nullptr && !p.deterministic && p.shape.q_len > 0 && !forced;
+  return p.dq_accum != nullptr && !p.deterministic && p.shape.q_len > 0 && !TileForced(p);
 }
 
 // Adds this warp's share of a 64 x 8 kCT dQ block (the wgmma accumulator

@@ -416,20 +416,39 @@ struct FusedBwdTile<256> {
   using type = DkDvTile<256, 1, 64, 2>;
 };
 
+// The backward without dQ sums (deterministic calls, or the fused pass
+// switched off) where the bucket has a warp-specialised tile: its pass without
+// dQ (bit-reproducible: each CTA owns its keys and sums the GQA group's heads
+// in a fixed order), then the table's dQ kernel. A forced tile, and
+// q_len == 0 (no map to encode; dK = dV = 0), take the two kernels.
+template <typename T, typename KeyTile, typename Tile>
+Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using Dq = typename Tile::Dq;
+  return tc::RunBackwardKernels<T, DqKernel<T, Dq>>(p, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes}, device, stream,
+                                                    [&] { return RunWsPass<T, KeyTile>(p, device, stream); });
+}
+
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using Fused = typename FusedBwdTile<kD>::type;
   if (tc::UseFusedBackward(p)) {
-    using Tile = typename FusedBwdTile<kD>::type;
-    if constexpr (Tile::kWarpSpecialised) {
-      return LaunchWsBackward<T, Tile>(p, device, stream);
+    if constexpr (Fused::kWarpSpecialised) {
+      return LaunchWsBackward<T, Fused>(p, device, stream);
     } else {
-      return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Tile, true>>(
-          p, {Tile::kN, Tile::kSplits, Tile::kThreads, Tile::kFusedSmemBytes}, device, stream);
+      return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Fused, true>>(
+          p, {Fused::kN, Fused::kSplits, Fused::kThreads, Fused::kFusedSmemBytes}, device, stream);
     }
   }
   const bool causal = p.mask.window_right >= 0;
-  return BwdCandidates<kD>::type::With(
-      p.tile, BwdTilePick(kD, causal), [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
+  return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal), [&](auto tile) {
+    using Tile = decltype(tile);
+    if constexpr (Fused::kWarpSpecialised) {
+      // (Two consumers: with three, the pass without dQ spills 4 bytes at D 64.)
+      using KeyTile = WsBwdTile<kD, 2, Fused::kM, Fused::kStages, false>;
+      if (!tc::TileForced(p) && p.shape.q_len > 0) return LaunchWsKeyGradsThenDq<T, KeyTile, Tile>(p, device, stream);
+    }
+    return LaunchBackwardTile<T, Tile>(p, device, stream);
+  });
 }
 
 }  // namespace sm90

@@ -50,9 +50,12 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2>
+// kWithDq = false: dK and dV only (the deterministic backward's first pass,
+// before the dQ kernel): no dS tile, no dQ staging, no writer.
+template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdTile {
   static constexpr bool kWarpSpecialised = true;
+  static constexpr bool kWithDq = kWithDq_;
   static constexpr int kD = kD_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = kM_;                // query rows per step
@@ -73,16 +76,17 @@ struct WsBwdTile {
   // kept the consumers waiting for the copy engine 16% of the time
   // (docs/performance.md, eleventh session).
   using DqStage = SwizzledTile<kM, 2 * kD>;
-  static constexpr size_t kDqBytes = DqStage::kBytes;
+  static constexpr size_t kDqBytes = kWithDq ? DqStage::kBytes : 0;
+  static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
   // A stage: Q, dO, then kM LSE and kM delta values (1024-byte aligned).
   static constexpr size_t kStatsOffset = 2 * size_t(QTile::kBytes);
   static constexpr size_t kStageBytes = (kStatsOffset + 2 * kM * sizeof(float) + 1023) / 1024 * 1024;
   // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
   // full and empty.
   static constexpr int kBarriers = 5 + 2 * kStages;
-  static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes +
-                                       2 * size_t(DsTile::kBytes) + kDqBytes + 8 * kBarriers + 1024;
-  static_assert((2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 2 * size_t(DsTile::kBytes)) % 1024 == 0,
+  static constexpr size_t kSmemBytes =
+      2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes + kDqBytes + 8 * kBarriers + 1024;
+  static_assert((2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes) % 1024 == 0,
                 "the dQ staging starts on a swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
@@ -115,7 +119,7 @@ struct WsBwdSmem {
     s.v = s.k + Tile::KVTile::kBytes;
     s.stages = s.v + Tile::KVTile::kBytes;
     s.ds = s.stages + Tile::kStages * uint32_t(Tile::kStageBytes);
-    s.dq = s.ds + 2 * Tile::DsTile::kBytes;
+    s.dq = s.ds + uint32_t(Tile::kDsBytes);
     s.bars = s.dq + uint32_t(Tile::kDqBytes);
     return s;
   }
@@ -267,7 +271,7 @@ template <typename Tile>
 __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
                                               const CUtensorMap& dq_map) {
   using DqStage = typename Tile::DqStage;
-  if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
+  if (!Tile::kWithDq || (threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
   for (int it = 0; it < w.steps; ++it) {
     MBarrier::Wait(sm.DqFull(), it & 1);
@@ -328,11 +332,13 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     tc::KeyMajorDs(st, dp, delta, lane);
     tc::PackAFragments<T>(dp, da);
 
-    // ---- dSᵀ into the shared tile; dV += Pᵀ dO
+    // ---- dSᵀ into the shared tile (for dQ); dV += Pᵀ dO
     const uint32_t sDs = sm.Ds(it);
+    if constexpr (Tile::kWithDq) {
 #pragma unroll
-    for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
-    FenceSharedForAsyncProxy();
+      for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
+      FenceSharedForAsyncProxy();
+    }
     WgmmaFence();
     ProductRS<T, QTile, kM, kD>(dv, pa, sdO, 0);
     WgmmaCommit();
@@ -342,7 +348,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // the next step's scores as well needs more than 232 registers: ptxas
     // spills and serialises the products.)
     const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
-    if (Tile::kDqByColumns || it % Tile::kConsumers == consumer) {
+    if (Tile::kWithDq && (Tile::kDqByColumns || it % Tile::kConsumers == consumer)) {
       NamedBarrierSync(barrier, 128 * Tile::kConsumers);
       const int col0 = Tile::kDqByColumns ? consumer * kDqCols : 0;
       float dq[kDqCols / 8][4];
@@ -374,7 +380,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
       MBarrier::Arrive(sm.DqFull());
     } else {
-      NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
+      if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
       WgmmaFence();
       ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
       WgmmaCommit();
@@ -416,33 +422,44 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 #endif  // JAXFLASH_SM90A
 }
 
-// The fused backward around one CTA per (key tile, kv head, batch); its pass
-// encodes the five tensor maps (it runs only on non-empty extents, which a
-// map needs).
+// The warp-specialised pass over (key tiles, kv heads, batch): checks the
+// launch limits, then encodes the tensor maps and launches. The caller runs
+// it only on non-empty extents, which a map needs. Without dQ the sums' map
+// is not encoded (deterministic calls have no sums) and the kernel's slot for
+// it takes Q's map, which it never reads.
 template <typename T, typename Tile>
-Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
     return Status::Unimplemented("backward grid beyond the launch limits");
   }
-  return tc::RunFusedBackward<T, Tile::kD>(p, stream, [&] {
-    CUtensorMap q_map, do_map, k_map, v_map, dq_map;
-    Status enc;
-    if (!(enc = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
-        !(enc = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
-        !(enc = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
-        !(enc = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok() ||
-        !(enc = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
-      return enc;
-    }
-    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
-                    static_cast<unsigned>(sh.batch));
-    WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map,
-                                                                                  dq_map);
-    return CheckLaunch("attention backward (sm90, warp-specialised: dK, dV and dQ sums)");
-  });
+  CUtensorMap q_map, do_map, k_map, v_map, dq_map;
+  if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
+    return st;
+  }
+  if (!Tile::kWithDq) {
+    dq_map = q_map;
+  } else if (!(st = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
+    return st;
+  }
+  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
+                  static_cast<unsigned>(sh.batch));
+  WsBwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map,
+                                                                                dq_map);
+  return CheckLaunch(Tile::kWithDq ? "attention backward (sm90, warp-specialised: dK, dV and dQ sums)"
+                                   : "attention backward (sm90, warp-specialised: dK, dV)");
+}
+
+// The fused backward: delta, the pass with dQ sums, dQ from the sums.
+template <typename T, typename Tile>
+Status LaunchWsBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  static_assert(Tile::kWithDq, "the fused backward adds dQ into the sums");
+  return tc::RunFusedBackward<T, Tile::kD>(p, stream, [&] { return RunWsPass<T, Tile>(p, device, stream); });
 }
 
 }  // namespace sm90
