@@ -35,7 +35,7 @@ struct FwdCandidates<128> {
 };
 template <>
 struct FwdCandidates<256> {
-  using type = TileList<WsFwdTile<256, 64, 2, 2, false>, FwdTile<256, 2, 64>>;
+  using type = TileList<WsFwdTile<256, 64, 2, 2, false>, FwdTile<256, 2, 64>, WsFwdTile<256, 80, 2, 2, false>>;
 };
 
 // The tile table: index into FwdCandidates<kD>, measured on an H100 with
@@ -51,11 +51,14 @@ struct FwdCandidates<256> {
 // consumer warpgroups (192 rows a tile, 160 registers each) then beat two by
 // 7-19% non-causal and up to 13% causal (twelfth session): with two, the
 // exponent unit sat at 48% and issue at 44%, latency rather than a pipe
-// limiting; a third warpgroup hides more of it.
+// limiting; a third warpgroup hides more of it. At D 256, 80-key tiles
+// (Q and two stages fill 225 KiB) beat 64-key ones by 4-7% at S 1k-16k, causal
+// S 1k tied (same session).
 inline int FwdTilePick(int head_dim_bucket, bool /*causal*/) {
   switch (head_dim_bucket) {
     case 64: return 5;
     case 128: return 2;
+    case 256: return 2;
     default: return 0;
   }
 }
