@@ -33,20 +33,31 @@ def _expand(x, N):
   return np.repeat(x, N // x.shape[2], axis=2)
 
 
+def _scores(q, ke):
+  """[B, T, N, D] x [B, S, N, D] -> [B, N, T, S]: the dot of every row with every key.
+
+  np.matmul, not np.einsum: einsum keeps batch axes out of BLAS and runs its
+  own loop, about 5x slower at the largest test shapes (8 x 66 heads x 256 x
+  384 keys x D 256: 5.5 s against 1.1 s on a 2-core CPU); only the float64
+  summation order differs (1e-13 relative).
+  """
+  return np.matmul(q.transpose(0, 2, 1, 3), ke.transpose(0, 2, 3, 1))
+
+
 def forward(q, k, v, *, scale, **mask):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, D = q.shape
   S = k.shape[1]
   ke, ve = _expand(k, N), _expand(v, N)
   vis = visible(B, T, S, **mask)[:, None]
-  s = np.einsum("btnd,bsnd->bnts", q, ke) * scale
+  s = _scores(q, ke) * scale
   s = np.where(vis, s, -np.inf)
   m = np.max(s, axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
   p = np.exp(s - m)
   l = p.sum(-1, keepdims=True)
   p = p / np.where(l > 0, l, 1.0)
-  o = np.einsum("bnts,bsnd->btnd", p, ve)
+  o = np.matmul(p, ve.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)  # BLAS, as in _scores
   lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(np.where(l[..., 0] > 0, l[..., 0], 1.0)),
                  EMPTY_LSE)
   return o, lse, p

@@ -227,7 +227,7 @@ def test_fused_backward_gqa_and_shapes(rng, fused_backward, group, dtype):
 
 
 def test_fused_backward_not_for_deterministic_calls(fused_backward):
-  """deterministic=True keeps the two-kernel backward: no room for sums."""
+  """deterministic=True gets no room for dQ sums: it runs a dQ kernel instead."""
   from jaxflash import _native
   assert not _native.dq_sums_room(jnp.bfloat16, 128, True)
   assert not _native.dq_sums_room(jnp.float32, 128, False)
