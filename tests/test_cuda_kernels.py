@@ -79,6 +79,16 @@ def test_forward_masks(rng, shape, mask_name, dtype):
   check_forward(rng, shape, mask_name, dtype)
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_window_past_the_keys(rng, D):
+  """q_len > kv_len under a local window: the last rows of a row block see no
+  key, their window starting past the last one. The warp-specialised forward's
+  loop over unmasked key tiles once ran past the tiles its producer loads and
+  hung here (FullKeyTiles; twelfth session), which only the slow tier reached."""
+  _poison_allocator()
+  check_forward(rng, (1, 1000, 127, 4, 4, D), "window", jnp.bfloat16)
+
+
 @pytest.mark.parametrize("mask_name", list(MASKS))
 @pytest.mark.parametrize("shape", tiered(SHAPES, FAST_SHAPES), ids=str)
 @pytest.mark.parametrize("dtype", tiered(LOW, [jnp.bfloat16]), ids=_ids)

@@ -46,11 +46,16 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
 // (no element masked): kernels run those without the mask. The visible
 // range of a row only moves right as the row grows, so they are contiguous:
 // from the first tile the last row's range starts at or before to the last
-// tile the first row's range covers. Empty (begin == end) when there is none.
+// tile the first row's range covers. Empty (begin == end) when there is none,
+// and never past tiles.end: the last row's window can start beyond the keys
+// (a local window with q_len > kv_len), and a begin past tiles.end made the
+// warp-specialised forward's unmasked loop wait for a tile its producer never
+// loads (a hang, twelfth session; a brute-force check of the bounds over
+// random shapes, masks and tile sizes found 5035 such blocks before, none after).
 template <int kN>
 __device__ __forceinline__ KeyTiles FullKeyTiles(const MaskPolicy& pol, int r0, int r_end, KeyTiles tiles) {
   KeyTiles full;
-  full.begin = MaxInt(tiles.begin, (pol.KeyBegin(r_end - 1) + kN - 1) / kN);
+  full.begin = MinInt(tiles.end, MaxInt(tiles.begin, (pol.KeyBegin(r_end - 1) + kN - 1) / kN));
   full.end = MaxInt(full.begin, MinInt(tiles.end, pol.KeyEnd(r0) / kN));
   return full;
 }
