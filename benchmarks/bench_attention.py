@@ -9,9 +9,10 @@ causal on/off, plus the latency shape B=1, H=8, S=512, D=64. FLOPs:
 forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
 `native` is the native path as a user gets it; `native_fused` and
-`native_two_kernel` force its Hopper backward to the fused pass or to the two
-kernels (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled); `native_deterministic`
-is a `deterministic=True` call (bit-reproducible, two kernels). Peers in the same
+`native_two_kernel` force its Hopper backward to the fused pass or to two
+kernels, dK/dV then dQ (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled);
+`native_deterministic` is a `deterministic=True` call (bit-reproducible, the
+same two kernels). Peers in the same
 process and harness: jax.nn.dot_product_attention with implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
 when torch is importable. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
@@ -58,7 +59,7 @@ def jax_impl(name, causal, backward):
   if name in ("native", "pallas"):
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
                                                            implementation=name)
-  elif name == "native_deterministic":  # bit-reproducible: the two-kernel backward
+  elif name == "native_deterministic":  # bit-reproducible: dK/dV, then a dQ kernel
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
                                                            implementation="native", deterministic=True)
   else:

@@ -203,6 +203,12 @@ def _check_heads_and_dtypes(q_heads: int, kv_heads: int, arrays: dict[str, jax.A
                     f"{', '.join(str(t) for t in dtypes)}")
 
 
+# Window sides are capped here (and as kMaxWindow in the FFI handlers): past
+# every sequence a side bounds nothing, and 2^29 keeps the kernels' 32-bit
+# position arithmetic exact.
+MAX_WINDOW = 1 << 29
+
+
 def _window(local_window_size) -> tuple[int, int] | None:
   if local_window_size is None:
     return None
@@ -216,14 +222,8 @@ def _window(local_window_size) -> tuple[int, int] | None:
   left, right = (int(w) for w in local_window_size)
   if left < 0 or right < 0:
     raise ValueError(f"local_window_size must be non-negative, got {(left, right)}")
-  # A window past every sequence is no bound; it is capped where the kernels'
-  # 32-bit position arithmetic stays exact (a window of 2**32 once reached the
-  # native kernels as 0). The FFI handlers cap the same way (kMaxWindow,
-  # ffi/handlers/decode.h).
+  # (A window of 2**32 once reached the native kernels as 0.)
   return min(left, MAX_WINDOW), min(right, MAX_WINDOW)
-
-
-MAX_WINDOW = 1 << 29
 
 
 def _scale(scale, head_dim: int) -> float:

@@ -21,8 +21,8 @@
 #             benchmarks/bench_decode.py
 # fused       the one-pass Hopper backward: its GPU tests, forward+backward rates of
 #             native (as dispatched), native_two_kernel, native_fused and cuDNN in one run, then ncu of
-#             the fused kernel (warp-specialised at D = 64 and 128) and of the two-kernel dK/dV one at
-#             D = 128, S = 16k
+#             the fused kernel (warp-specialised at D = 64 and 128) and of the two-kernel backward's dK/dV
+#             pass (at D = 128 the warp-specialised one without dQ), D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to

@@ -180,11 +180,10 @@ __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPoli
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     // The key sees rows [RowBegin, RowEnd); measured here from r0 + 2t. The
-    // key passes through an empty asm so its bounds are computed here, on the
-    // boundary tiles, instead of hoisted out of the caller's walk and held (or
-    // spilled: 12 bytes in the three-consumer D 64 kernel) across it.
-    int key = key0 + g + half * 8;
-    asm volatile("" : "+r"(key));
+    // key is Unhoisted so its bounds are computed here, on boundary tiles, not
+    // held across the caller's walk (they spilled 12 bytes in the
+    // three-consumer D 64 kernel).
+    const int key = Unhoisted(key0 + g + half * 8);
     ZeroOutside(s, half, pol.RowBegin(key) - r0 - 2 * t, pol.RowEnd(key) - r0 - 2 * t);
   }
 }
@@ -324,14 +323,14 @@ __device__ __forceinline__ void StoreQueryGrad(float (&dq)[kDT][4], const BwdPar
 // 0 * NaN reached. The order of the additions varies run to run, so
 // deterministic calls keep the two-kernel backward.
 
-// Whether a family with a fused backward runs it: the caller gave room for
-// the sums, the call has queries, wants no bit-reproducibility, and forces no
-// candidate of the two-kernel table (the tile tests and the tuner do).
 // Whether a test or the tuner forced a tile candidate (a cached preferred
 // tile does not count).
 inline bool TileForced(const BwdParams& p) {
   return p.tile % FwdParams::kTileSm80 > 0 && !(p.tile & FwdParams::kTilePreferred);
 }
+// Whether a family with a fused backward runs it: the caller gave room for
+// the sums, the call has queries, wants no bit-reproducibility, and forces no
+// candidate of the two-kernel table (the tile tests and the tuner do).
 inline bool UseFusedBackward(const BwdParams& p) {
   return p.dq_accum != nullptr && !p.deterministic && p.shape.q_len > 0 && !TileForced(p);
 }

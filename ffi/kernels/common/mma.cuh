@@ -218,6 +218,17 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
+// x, with its origin hidden from the compiler (an empty asm), so what is
+// derived from it is computed where it is used instead of hoisted out of a
+// loop and held, or spilled, across it: for values cheap to rebuild in a
+// kernel that is short of registers. 32-bit integers.
+template <typename I>
+__device__ __forceinline__ I Unhoisted(I x) {
+  static_assert(sizeof(I) == 4, "a 32-bit register");
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // max that propagates NaN (fmaxf drops it, same cost): a NaN score must make
 // its row's running max NaN, or a row whose every score is NaN would look like
 // a row that has seen nothing yet.

@@ -277,14 +277,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           softmax.Scores(s, alpha);
         }
       };
-      // Q's address passes through an empty asm before each use, so the
-      // compiler rebuilds its kD / 16 descriptors per product instead of
-      // holding them (two registers each) across the loop.
-      auto q_rows = [&] {
-        uint32_t a = sQ_rows;
-        asm volatile("" : "+r"(a));
-        return a;
-      };
+      // Q's address is taken Unhoisted at each use, so the compiler rebuilds
+      // its kD / 16 descriptors per product instead of holding them (two
+      // registers each) across the loop.
       // Every product is issued right after its wgmma.fence, in one basic
       // block with no wait loop between: otherwise the compiler adds fences
       // of its own on a path it cannot prove uniform and serialises the
@@ -294,7 +289,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
       await_turn();
       WgmmaFence();
-      ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
+      ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
       WgmmaCommit();
       pass_turn();
       WgmmaWait<0>();
@@ -311,7 +306,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
         await_turn();
         WgmmaFence();
-        ProductSS<T, QTile, KVTile, kD, kN>(s[0], q_rows(), sm.K(ring.stage));
+        ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
         WgmmaCommit();
         ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
         WgmmaCommit();
@@ -370,12 +365,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // No Q was loaded and the buffer may be in flight for the next tile:
       // write the zeros straight to global memory.
       T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0);
-      // (The thread index passes through an empty asm so the compiler does not
-      // hoist this rare loop's column to the kernel's start and keep it, or
-      // spill it, across the key loop.)
-      int first = tid;
-      asm volatile("" : "+r"(first));
-      for (int i = first; i < 64 * kD / 8; i += 128) {
+      // (The thread index Unhoisted: this rare loop's column is not kept, or
+      // spilled, across the key loop.)
+      for (int i = tc::Unhoisted(tid); i < 64 * kD / 8; i += 128) {
         const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
         if (r0 + row < sh.q_len && col < head_dim) {
           *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
