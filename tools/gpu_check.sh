@@ -93,7 +93,7 @@ script_stage() {  # name, time limit in s, log, command...
 gpu_tier() {  # name, marker expression, time limit in s, log, test paths and more pytest arguments...
   local name=$1 marker=$2 limit=$3 log=$4
   shift 4
-  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 -rfE -m "$marker" \
+  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 --dist worksteal -rfE -m "$marker" \
       ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 "$@"
 }
 

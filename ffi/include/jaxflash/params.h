@@ -113,18 +113,27 @@ struct PagedKv {
 
   JAXFLASH_HD int64_t Row(int64_t batch_index, int64_t kv_len, int key) const {
     if (table == nullptr) return batch_index * kv_len + key;
-    // 32-bit arithmetic: keys and page sizes are below 2^30 (the handlers check).
+    return PagedRow(key, Entry(batch_index, key));
+  }
+  // Row() of a paged call in two steps, so that a kernel can read the table
+  // entry early (it is a memory load) and do the arithmetic when it needs the row.
+  JAXFLASH_HD int32_t Entry(int64_t batch_index, int key) const {
+    return table[batch_index * max_pages + Split(key).slot];
+  }
+  JAXFLASH_HD int64_t PagedRow(int key, int32_t entry) const {
+    const int64_t page = entry < 0 ? 0 : (entry >= num_pages ? num_pages - 1 : entry);
+    return page * page_size + Split(key).within;
+  }
+
+ private:
+  struct SlotWithin {
     int slot, within;
-    if (page_shift >= 0) {
-      slot = key >> page_shift;
-      within = key & ((1 << page_shift) - 1);
-    } else {
-      slot = key / static_cast<int>(page_size);
-      within = key - slot * static_cast<int>(page_size);
-    }
-    int64_t page = table[batch_index * max_pages + slot];
-    page = page < 0 ? 0 : (page >= num_pages ? num_pages - 1 : page);
-    return page * page_size + within;
+  };
+  // 32-bit arithmetic: keys and page sizes are below 2^30 (the handlers check).
+  JAXFLASH_HD SlotWithin Split(int key) const {
+    if (page_shift >= 0) return {key >> page_shift, key & ((1 << page_shift) - 1)};
+    const int slot = key / static_cast<int>(page_size);
+    return {slot, key - slot * static_cast<int>(page_size)};
   }
 };
 

@@ -69,19 +69,27 @@ JAXFLASH_HD Span SplitSpan(int first, int last, int split, int num_splits) {
 // weights 2^(lse_s - shift) (the largest lse_s, NaN-propagating; 0 when that
 // is -inf, so no inf - inf appears). The caller sums the weights (Weight) and
 // finishes with o = sum_s w_s o_s / sum and lse = log2(sum) + shift.
+// Of folds the splits in order; a parallel merge folds subsets with Add,
+// combines them with Join (the same max and or, so the result is the same) and
+// ends with Finish.
 struct SplitMerge {
   bool seen;
   float shift;
 
+  JAXFLASH_HD static SplitMerge None() { return {false, -__builtin_huge_valf()}; }
+  JAXFLASH_HD void Add(float lse_s) { Join({lse_s != kEmptyRowLse, lse_s}); }
+  JAXFLASH_HD void Join(const SplitMerge& other) {
+    seen |= other.seen;
+    shift = (other.shift != other.shift || other.shift > shift) ? other.shift : shift;
+  }
+  JAXFLASH_HD void Finish() {
+    if (shift == -__builtin_huge_valf()) shift = 0.f;
+  }
   template <typename Lse>
   JAXFLASH_HD static SplitMerge Of(int num_splits, Lse&& lse) {
-    SplitMerge m{false, lse(0)};
-    for (int s = 0; s < num_splits; ++s) {
-      const float x = lse(s);
-      m.seen |= x != kEmptyRowLse;
-      m.shift = (x != x || x > m.shift) ? x : m.shift;
-    }
-    if (m.shift == -__builtin_huge_valf()) m.shift = 0.f;
+    SplitMerge m = None();
+    for (int s = 0; s < num_splits; ++s) m.Add(lse(s));
+    m.Finish();
     return m;
   }
   // Split s's weight, exactly 0 for a split that saw no key of the row (its

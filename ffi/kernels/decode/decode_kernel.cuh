@@ -107,29 +107,59 @@ __device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const Pac
   }
 }
 
+// The K/V rows one thread copies for a tile: one 16-byte column chunk of
+// kRows rows, kRowStep apart.
+template <typename Tile>
+struct KvCopySlots {
+  static constexpr int kChunksPerRow = Tile::kD / 8;
+  static constexpr int kSlots = tc::ChunkSlots(kChunksPerRow);
+  static constexpr int kRowStep = Tile::kThreads / kSlots;
+  static constexpr int kRows = Tile::kN / kRowStep;
+  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRowStep == 0, "threads must cover whole rows");
+  __device__ static bool Idle(int tid) { return kSlots != kChunksPerRow && tid % kSlots >= kChunksPerRow; }
+  __device__ static int Row(int tid, int it) { return tid / kSlots + it * kRowStep; }
+  __device__ static int Col(int tid) { return (tid % kSlots) * 8; }
+};
+
+// Page-table entries of a thread's rows of one tile (paged K/V only). They
+// are read a tile before that tile's copies are issued: a lookup is a load
+// whose round trip the copies would otherwise wait for, every tile.
+template <typename Tile>
+struct PageEntries {
+  int32_t entry[KvCopySlots<Tile>::kRows];
+
+  __device__ __forceinline__ void Read(const FwdParams& p, int batch, int key0, int kv_valid, int tid) {
+    using Slots = KvCopySlots<Tile>;
+    if (p.paged.table == nullptr || Slots::Idle(tid)) return;
+#pragma unroll
+    for (int it = 0; it < Slots::kRows; ++it) {
+      const int key = key0 + Slots::Row(tid, it);
+      entry[it] = key < kv_valid ? p.paged.Entry(batch, key) : 0;
+    }
+  }
+};
+
 // Keys [key0, key0 + kN) of one K/V head into a stage (K rows, then V rows).
 // Each thread owns one 16-byte column chunk and walks rows; a row's address
-// comes from PagedKv::Row (one table read per row when paged), shared by its
-// K and V copies. Keys at or past kv_valid are zero-filled, unread.
+// is dense, or a page's row from the entries read beforehand, shared by its K
+// and V copies. Keys at or past kv_valid are zero-filled, unread.
 template <typename Tile, typename T>
 __device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, const FwdParams& p, int batch,
-                                           int key0, int kv_valid, int tid) {
-  constexpr int kChunksPerRow = Tile::kD / 8;
-  constexpr int kSlots = tc::ChunkSlots(kChunksPerRow);
-  constexpr int kRowStep = Tile::kThreads / kSlots;
-  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRowStep == 0, "threads must cover whole rows");
-  const int chunk = tid % kSlots;
-  if (kSlots != kChunksPerRow && chunk >= kChunksPerRow) return;
-  const int col = chunk * 8;
+                                           int key0, int kv_valid, int tid, const PageEntries<Tile>& pages) {
+  using Slots = KvCopySlots<Tile>;
+  if (Slots::Idle(tid)) return;
+  const int col = Slots::Col(tid);
   const bool col_ok = col < static_cast<int>(p.shape.head_dim);
   const int64_t kv_row_stride = p.shape.kv_row_stride();
+  const bool paged = p.paged.table != nullptr;
   T* sK = stage;
   T* sV = stage + Tile::kN * Tile::kStride;
 #pragma unroll
-  for (int it = 0; it < Tile::kN / kRowStep; ++it) {
-    const int row = tid / kSlots + it * kRowStep;
-    const bool ok = col_ok && key0 + row < kv_valid;
-    const int64_t offset = ok ? p.paged.Row(batch, p.shape.kv_len, key0 + row) * kv_row_stride + col : 0;
+  for (int it = 0; it < Slots::kRows; ++it) {
+    const int row = Slots::Row(tid, it), key = key0 + row;
+    const bool ok = col_ok && key < kv_valid;
+    const int64_t kv_row = paged ? p.paged.PagedRow(key, pages.entry[it]) : batch * p.shape.kv_len + key;
+    const int64_t offset = ok ? kv_row * kv_row_stride + col : 0;
     tc::CpAsync16(tc::SmemAddr(sK + row * Tile::kStride + col), gK + offset, ok);
     tc::CpAsync16(tc::SmemAddr(sV + row * Tile::kStride + col), gV + offset, ok);
   }
@@ -199,6 +229,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
   tc::OnlineSoftmax<1> softmax;
   softmax.Init();
 
+  // Entries of the next tile to be issued (paged K/V), read one tile early.
+  PageEntries<Tile> pages;
+  const auto key_of = [&](int i) { return (span.begin + i) * kN; };
   if (n_tiles > 0) {
     // Q joins the first stage's copy group; the prologue fills kStages - 1
     // stages (committing empty groups past the span keeps the count uniform).
@@ -206,10 +239,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < n_tiles) {
-        LoadKvTile<Tile>(sStages + st * kStageElems, gK, gV, p, batch, (span.begin + st) * kN, pol.kv_valid, tid);
+        pages.Read(p, batch, key_of(st), pol.kv_valid, tid);
+        LoadKvTile<Tile>(sStages + st * kStageElems, gK, gV, p, batch, key_of(st), pol.kv_valid, tid, pages);
       }
       tc::CpAsyncCommit();
     }
+    if (kStages - 1 < n_tiles) pages.Read(p, batch, key_of(kStages - 1), pol.kv_valid, tid);
   }
 
   const float scale_log2 = p.scale * tc::kLog2e;
@@ -219,8 +254,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
     __syncthreads();  // tile `it` visible to all; everyone is done with tile it - 1's stage
     const int ahead = it + kStages - 1;
     if (ahead < n_tiles) {
-      LoadKvTile<Tile>(sStages + (ahead % kStages) * kStageElems, gK, gV, p, batch, (span.begin + ahead) * kN,
-                       pol.kv_valid, tid);
+      LoadKvTile<Tile>(sStages + (ahead % kStages) * kStageElems, gK, gV, p, batch, key_of(ahead), pol.kv_valid,
+                       tid, pages);
+      if (ahead + 1 < n_tiles) pages.Read(p, batch, key_of(ahead + 1), pol.kv_valid, tid);
     }
     tc::CpAsyncCommit();
     const T* sK = sStages + (it % kStages) * kStageElems;
