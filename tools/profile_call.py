@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,13 @@ def main():
   ap.add_argument("--backward", action="store_true")
   ap.add_argument("--fused", action="store_true")
   ap.add_argument("--tile", type=int, default=0)
+  ap.add_argument("--decode", default="", help="B,KV_LEN,Q_HEADS,KV_HEADS: a decode step")
+  ap.add_argument("--q-len", type=int, default=1)
+  ap.add_argument("--page", type=int, default=0)
+  ap.add_argument("--splits", type=int, default=0)
   args = ap.parse_args()
+  if args.decode:
+    return decode_step(args)
   S, D = args.seq, args.head_dim
   H, B = 2048 // D, max(1, 16384 // S)
   rng = np.random.default_rng(0)
@@ -51,6 +58,29 @@ def main():
       jax.block_until_ready(f(q, k, v))
   print(f"ran B={B} S={S} H={H} D={D} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
+
+
+def decode_step(args):
+  B, S, N, K = (int(x) for x in args.decode.split(","))
+  D, T, splits = 128, args.q_len, args.splits or None
+  keys = jax.random.split(jax.random.PRNGKey(0), 3)
+  q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (B, S, K, D), jnp.bfloat16) for key in keys[1:])
+  if args.page:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from bench_decode import paged_layout  # the benchmark's shuffled pages
+    kp, vp, table = paged_layout(k, v, args.page)
+    lengths = jnp.full((B,), S, jnp.int32)
+    f = jax.jit(lambda q, kp, vp, table, n: jaxflash.paged_attention(
+        q, kp, vp, table, n, is_causal=False, num_splits=splits, implementation="native"))
+    call_args = (q, kp, vp, table, lengths)
+  else:
+    f = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, num_splits=splits,
+                                                               implementation="native"))
+    call_args = (q, k, v)
+  for _ in range(2):
+    jax.block_until_ready(f(*call_args))
+  print(f"ran decode B={B} kv={S} heads={N}/{K} q_len={T} page={args.page} splits={args.splits or 'auto'}")
 
 
 if __name__ == "__main__":

@@ -38,10 +38,14 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all)")
   ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
+  ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   args = ap.parse_args()
+  rng = np.random.default_rng(0)
+  if args.decode_only:
+    print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+    return
   dims = {int(d) for d in args.head_dims.split(",") if d}
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
-  rng = np.random.default_rng(0)
   n = 0
   shapes = [s for s in SHAPES if not dims or s[-1] in dims]
   for (B, T, S, N, K, D), mask, dtype in itertools.product(shapes, MASKS, DTYPES):
