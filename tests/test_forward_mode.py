@@ -135,7 +135,11 @@ def test_check_grads_both_modes_second_order(rng, impl):
   q, k, v = random_inputs(rng, 1, 6, 9, 2, 1, 4, jnp.float32)
   f = jax.jit(lambda q, k, v: jnp.sum(jnp.tanh(jaxflash.dot_product_attention(
       q, k, v, implementation=impl, is_causal=True, local_window_size=(4, 1)))))
-  check_grads(f, (q, k, v), order=2, modes=("fwd", "rev"), eps=1e-2, atol=2e-2, rtol=2e-2)
+  # eps 3e-3, not 1e-2: at 1e-2 the finite difference's own truncation error
+  # failed seed 667811027 for every implementation, jax.nn's xla one included
+  # (0.043 off a second-order projection of -0.309); at 3e-3 that seed and 60
+  # others pass for xla, native and Pallas.
+  check_grads(f, (q, k, v), order=2, modes=("fwd", "rev"), eps=3e-3, atol=2e-2, rtol=2e-2)
 
 
 def test_reverse_mode_runs_one_forward_and_one_backward_kernel():
