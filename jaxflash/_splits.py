@@ -102,8 +102,9 @@ def _gpu_decode(q_shape, k_shape, paged: bool = False, native_kernel: bool = Fal
     ctas = 1
   # Within 5% of full: the GPU decode kernels stream K/V at a rate set by the
   # copies each CTA has in flight, so an idle slot is lost bandwidth. On an
-  # H100, B 1 x kv 128k with 8 K/V heads ran 222 us at 29 splits (232 CTAs of
-  # 264 slots, what 15% allowed) and 214 at 32 (twelfth session's successor).
+  # H100, B 1 x kv 128k with 8 K/V heads ran 220 us at 29 splits (232 CTAs of
+  # 264 slots, what 15% allowed) and 211 at 32 (thirteenth session in
+  # docs/performance.md).
   return heuristic(items, S, _gpu_sms() * ctas, within=0.05)
 
 

@@ -41,10 +41,18 @@ def main():
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
-  if args.decode_only:
-    print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
-    return
-  dims = {int(d) for d in args.head_dims.split(",") if d}
+  if not args.decode_only:
+    dims = {int(d) for d in args.head_dims.split(",") if d}
+    print(f"sanitizer sweep: {training_sweep(rng, dims)} configurations, forward and backward")
+    if args.training_only:
+      return
+    print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
+  print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+
+
+def training_sweep(rng, dims):
+  """Forward and backward (default and deterministic) of every shape whose head
+  dim is in `dims` (all when empty), mask and dtype; returns the count."""
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   n = 0
   shapes = [s for s in SHAPES if not dims or s[-1] in dims]
@@ -65,11 +73,7 @@ def main():
     n += 1
     if n % (len(MASKS) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
       print(f"sanitizer sweep: shape {(B, T, S, N, K, D)} done", flush=True)
-  print(f"sanitizer sweep: {n} configurations, forward and backward")
-  if args.training_only:
-    return
-  print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
-  print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+  return n
 
 
 def candidate_sweep(rng):
