@@ -108,60 +108,80 @@ __device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const Pac
 }
 
 // The K/V rows one thread copies for a tile: one 16-byte column chunk of
-// kRows rows, kRowStep apart.
+// kRows consecutive rows. Consecutive, so that a page of kRows keys or more
+// (power-of-two sizes, every usual page) holds all of a thread's rows: one
+// table entry and one address computation per tile, then a row stride per
+// row, as for a dense cache (PageEntries::OnePage).
 template <typename Tile>
 struct KvCopySlots {
   static constexpr int kChunksPerRow = Tile::kD / 8;
   static constexpr int kSlots = tc::ChunkSlots(kChunksPerRow);
-  static constexpr int kRowStep = Tile::kThreads / kSlots;
-  static constexpr int kRows = Tile::kN / kRowStep;
-  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRowStep == 0, "threads must cover whole rows");
+  static constexpr int kRows = Tile::kN * kSlots / Tile::kThreads;
+  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRows == 0, "threads must cover whole rows");
   __device__ static bool Idle(int tid) { return kSlots != kChunksPerRow && tid % kSlots >= kChunksPerRow; }
-  __device__ static int Row(int tid, int it) { return tid / kSlots + it * kRowStep; }
+  __device__ static int First(int tid) { return tid / kSlots * kRows; }
   __device__ static int Col(int tid) { return (tid % kSlots) * 8; }
 };
 
 // Page-table entries of a thread's rows of one tile (paged K/V only). They
 // are read a tile before that tile's copies are issued: a lookup is a load
-// whose round trip the copies would otherwise wait for, every tile.
+// whose round trip the copies would otherwise wait for, every tile. When one
+// page holds all of a thread's rows (OnePage, the same for every thread) only
+// entry[0] is read; otherwise one entry per row.
 template <typename Tile>
 struct PageEntries {
-  int32_t entry[KvCopySlots<Tile>::kRows];
+  using Slots = KvCopySlots<Tile>;
+  int32_t entry[Slots::kRows];
 
+  // Tiles start at multiples of kN and a thread's rows at multiples of kRows,
+  // so a power-of-two page of at least kRows keys never cuts them.
+  __device__ static bool OnePage(const FwdParams& p) {
+    return p.paged.page_shift >= 0 && p.paged.page_size >= Slots::kRows;
+  }
   __device__ __forceinline__ void Read(const FwdParams& p, int batch, int key0, int kv_valid, int tid) {
-    using Slots = KvCopySlots<Tile>;
     if (p.paged.table == nullptr || Slots::Idle(tid)) return;
+    const int first = key0 + Slots::First(tid);
+    const int n = OnePage(p) ? 1 : Slots::kRows;
 #pragma unroll
     for (int it = 0; it < Slots::kRows; ++it) {
-      const int key = key0 + Slots::Row(tid, it);
-      entry[it] = key < kv_valid ? p.paged.Entry(batch, key) : 0;
+      if (it < n) entry[it] = first + it < kv_valid ? p.paged.Entry(batch, first + it) : 0;
     }
   }
 };
 
 // Keys [key0, key0 + kN) of one K/V head into a stage (K rows, then V rows).
-// Each thread owns one 16-byte column chunk and walks rows; a row's address
-// is dense, or a page's row from the entries read beforehand, shared by its K
-// and V copies. Keys at or past kv_valid are zero-filled, unread.
+// Each thread owns one 16-byte column chunk and walks its rows; their
+// addresses are dense, or a page's rows from the entries read beforehand,
+// shared by the K and V copies. Keys at or past kv_valid are zero-filled:
+// their copies pass src-size 0 and read nothing, so their addresses are
+// computed like the others' (no select per row).
 template <typename Tile, typename T>
 __device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, const FwdParams& p, int batch,
                                            int key0, int kv_valid, int tid, const PageEntries<Tile>& pages) {
   using Slots = KvCopySlots<Tile>;
   if (Slots::Idle(tid)) return;
-  const int col = Slots::Col(tid);
+  const int col = Slots::Col(tid), row0 = Slots::First(tid), first = key0 + row0;
   const bool col_ok = col < static_cast<int>(p.shape.head_dim);
   const int64_t kv_row_stride = p.shape.kv_row_stride();
-  const bool paged = p.paged.table != nullptr;
-  T* sK = stage;
-  T* sV = stage + Tile::kN * Tile::kStride;
+  T* sK = stage + row0 * Tile::kStride + col;
+  T* sV = sK + Tile::kN * Tile::kStride;
+  const auto copy = [&](int it, int64_t offset) {
+    const bool ok = col_ok && first + it < kv_valid;
+    tc::CpAsync16(tc::SmemAddr(sK + it * Tile::kStride), gK + offset, ok);
+    tc::CpAsync16(tc::SmemAddr(sV + it * Tile::kStride), gV + offset, ok);
+  };
+  if (p.paged.table == nullptr || PageEntries<Tile>::OnePage(p)) {
+    // The thread's rows are consecutive in memory: dense, or within one page.
+    const int64_t kv_row0 = p.paged.table == nullptr ? batch * p.shape.kv_len + first
+                                                     : p.paged.PagedRow(first, pages.entry[0]);
+    const int64_t offset0 = kv_row0 * kv_row_stride + col;
 #pragma unroll
-  for (int it = 0; it < Slots::kRows; ++it) {
-    const int row = Slots::Row(tid, it), key = key0 + row;
-    const bool ok = col_ok && key < kv_valid;
-    const int64_t kv_row = paged ? p.paged.PagedRow(key, pages.entry[it]) : batch * p.shape.kv_len + key;
-    const int64_t offset = ok ? kv_row * kv_row_stride + col : 0;
-    tc::CpAsync16(tc::SmemAddr(sK + row * Tile::kStride + col), gK + offset, ok);
-    tc::CpAsync16(tc::SmemAddr(sV + row * Tile::kStride + col), gV + offset, ok);
+    for (int it = 0; it < Slots::kRows; ++it) copy(it, offset0 + it * kv_row_stride);
+  } else {
+#pragma unroll
+    for (int it = 0; it < Slots::kRows; ++it) {
+      copy(it, p.paged.PagedRow(first + it, pages.entry[it]) * kv_row_stride + col);
+    }
   }
 }
 
