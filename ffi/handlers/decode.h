@@ -138,10 +138,18 @@ inline ffi::Error CheckRowStats(const char* name, ffi::AnyBuffer buf, const Atte
   return ExpectShape(name, buf.dimensions(), {s.q_heads, s.q_len}, s.batch);
 }
 
-// Sequence lengths and diagonal offsets: one int32 per batch element.
+// Sequence lengths and diagonal offsets: one int32 per batch element, or an
+// empty array for none (every row and key real, offsets 0). The Python side
+// passes an empty one when the caller gave none, so that no kernel runs to
+// fill a [batch] array before every call.
 inline ffi::Error CheckLengths(const char* name, ffi::AnyBuffer buf, const AttentionShape& s) {
   if (buf.element_type() != ffi::DataType::S32) return Invalid(std::string(name) + " must be int32");
+  if (buf.element_count() == 0) return ffi::Error::Success();
   return ExpectShape(name, buf.dimensions(), {}, s.batch);
+}
+// The kernels' pointer to a CheckLengths buffer: null for none.
+inline const int32_t* PerBatch(ffi::AnyBuffer buf) {
+  return buf.element_count() == 0 ? nullptr : static_cast<const int32_t*>(buf.untyped_data());
 }
 
 inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer like) {
@@ -234,13 +242,13 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
-  p->mask.diag_offsets = static_cast<const int32_t*>(diag_offsets.untyped_data());
+  p->mask.diag_offsets = PerBatch(diag_offsets);
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k.untyped_data();
   p->v = v.untyped_data();
-  p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
-  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->q_lengths = PerBatch(q_lengths);
+  p->kv_lengths = PerBatch(kv_lengths);
   return ffi::Error::Success();
 }
 
@@ -292,7 +300,7 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
   p->k = k_pages.untyped_data();
   p->v = v_pages.untyped_data();
   p->q_lengths = nullptr;  // every query row is real
-  p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  p->kv_lengths = PerBatch(kv_lengths);
   p->paged.table = static_cast<const int32_t*>(page_table.untyped_data());
   return ffi::Error::Success();
 }
@@ -329,7 +337,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
                                        {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
                                        p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  p->mask.diag_offsets = static_cast<const int32_t*>(in.diag_offsets.untyped_data());
+  p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
   p->deterministic = deterministic;
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
@@ -340,8 +348,8 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   p->lse = static_cast<const float*>(in.lse.untyped_data());
   p->dout = in.dout.untyped_data();
   p->dlse = static_cast<const float*>(in.dlse.untyped_data());
-  p->q_lengths = static_cast<const int32_t*>(in.q_lengths.untyped_data());
-  p->kv_lengths = static_cast<const int32_t*>(in.kv_lengths.untyped_data());
+  p->q_lengths = PerBatch(in.q_lengths);
+  p->kv_lengths = PerBatch(in.kv_lengths);
   p->dq = dq->untyped_data();
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();

@@ -810,7 +810,8 @@ def _pad_to(x, axis_sizes: dict[int, int], value=0):
 
 
 def _clamped_lengths(lengths, batch: int, limit: int):
-  if lengths is None:
+  # None or an empty array (jaxflash.reference.no_lengths): no lengths given.
+  if lengths is None or jnp.size(lengths) == 0:
     return jnp.full((batch,), limit, jnp.int32)
   lengths = jnp.asarray(lengths)
   if lengths.shape != (batch,):

@@ -13,6 +13,8 @@
 //   q_lengths,
 //   kv_lengths      [batch]                   int32, clamped to [0, q_len] / [0, kv_len]
 //   diag_offsets    [batch]                   int32, clamped to [-2^30, 2^30]
+//                   (each of the three null when not given: the whole
+//                   sequences, offsets 0)
 //   o_partial       [batch, num_splits, q_len, q_heads, head_dim]  float32 (split-KV forward)
 //   lse_partial     [batch, num_splits, q_len, q_heads]            float32, log2 units
 //   k, v when paged [num_pages, page_size, kv_heads, head_dim]      (see PagedKv)
