@@ -95,8 +95,10 @@ def main(argv=None):
     raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX")
   _native.require("gpu")
   print(f"device: {device.device_kind}")
-  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, 6)) + " | winner |")
-  print("|---|---|---|---|" + "---|" * 6)
+  columns = _native.MAX_CANDIDATES  # rows with fewer candidates are padded
+  print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, columns + 1))
+        + " | winner |")
+  print("|---|---|---|---|" + "---|" * (columns + 1))
   entries = []
   today = datetime.date.today().isoformat()
   for direction in args.direction.split(","):
@@ -107,7 +109,7 @@ def main(argv=None):
           rates = sweep(direction, D, S, causal, sm80=args.sm80, reps=args.reps, repeats=args.repeats)
           per_seq.append(rates)
           best = int(np.argmax(rates)) + 1 if rates else 0
-          cells = " | ".join(f"{r:.1f}" for r in rates)
+          cells = " | ".join([f"{r:.1f}" for r in rates] + ["—"] * (columns - len(rates)))
           print(f"| {direction} | {'yes' if causal else 'no'} | {S} | {D} | {cells} | {best} |", flush=True)
         if direction in tile_cache.DIRECTIONS and not args.sm80 and tile_cache.bucket(D) == D:
           tile, rate = winner(per_seq)
