@@ -587,13 +587,11 @@ def _exact_where_nan(xs, rows_ok, exact):
 def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                    qk_scale: float, left: int, right: int, bottom_right: bool,
                    block_r: int, block_k: int, group: int, total_rows: int,
-                   row_tiles: int, num_splits: int, static_lengths: tuple):
+                   row_tiles: int, num_splits: int):
   """One split of one tile of packed rows (the query heads of a K/V head's
   group stacked over the query rows: packed row r is query row r // group).
   Writes the split's normalised output (float32) and natural LSE, _EMPTY_LSE
-  for rows that see no key of the split (the merge skips those).
-  `static_lengths` (query, key): each the sequence length where no lengths
-  were given (its ref is then a one-element stand-in), else None."""
+  for rows that see no key of the split (the merge skips those)."""
   # Integer division as lax.div/lax.rem (operands are non-negative), which the
   # Triton lowering takes directly.
   div = lambda x, n: lax.div(x, jnp.int32(n))
@@ -601,9 +599,7 @@ def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *
   split = div(i, row_tiles)
   r0 = lax.rem(i, jnp.int32(row_tiles)) * block_r
   b = pl.program_id(1)
-  q_valid, kv_valid = (ref[b] if n is None else jnp.int32(n)
-                       for ref, n in zip((q_len_ref, kv_len_ref), static_lengths))
-  mask = _Mask.make(q_valid, kv_valid, 0, left, right, bottom_right)
+  mask = _Mask.make(q_len_ref[b], kv_len_ref[b], 0, left, right, bottom_right)
   rows = div(r0 + jnp.arange(block_r, dtype=jnp.int32)[:, None], group)
   # The query rows of the tile's real packed rows: [q0, q0 + q_rows).
   q0 = div(r0, group)
@@ -868,16 +864,9 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
                     scale: float, window_left: int, window_right: int,
                     bottom_right: bool):
   """The forward over packed rows (GQA heads stacked, so a K/V block is read
-  once per K/V head) in `splits` key ranges, merged in jnp. `q_len` or
-  `kv_len` None: the whole sequences, known statically, so no [batch] array
-  of them is filled before the call (a kernel of its own, ~2.5 µs, on a
-  decode step of ~200 µs); the kernel gets a one-element stand-in, which XLA
-  keeps as a literal."""
+  once per K/V head) in `splits` key ranges, merged in jnp."""
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
-  static_lengths = (None if q_len is not None else t, None if kv_len is not None else s)
-  stand_in = jnp.zeros((1,), jnp.int32)
-  q_len, kv_len = (x if x is not None else stand_in for x in (q_len, kv_len))
   group = hq // hkv
   dp = _padded_head_dim(d)
   total = t * group
@@ -893,7 +882,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
       _decode_kernel, qk_scale=float(scale) * _LOG2E, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_r=br,
       block_k=bk, group=group, total_rows=total, row_tiles=row_tiles,
-      num_splits=splits, static_lengths=static_lengths)
+      num_splits=splits)
   split_of = lambda i: lax.div(i, jnp.int32(row_tiles))
   tile_of = lambda i: lax.rem(i, jnp.int32(row_tiles))
   q_spec = pl.BlockSpec((None, None, br, dp), lambda i, b, h: (b, h, tile_of(i), 0))
@@ -905,8 +894,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
   o_part, lse_part = pl.pallas_call(
       kernel,
       grid=(row_tiles * splits, batch, hkv),
-      in_specs=[_length_spec(q_len.shape[0]), _length_spec(kv_len.shape[0]), q_spec, kv_spec,
-                kv_spec],
+      in_specs=[_length_spec(batch), _length_spec(batch), q_spec, kv_spec, kv_spec],
       out_specs=[o_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, hkv, splits, r_pad, dp), jnp.float32),
                  jax.ShapeDtypeStruct((batch, hkv, splits, r_pad), jnp.float32)],
@@ -965,9 +953,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
   if diagonal_offsets is None and (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS):
-    given = lambda x, n: None if x is None or jnp.size(x) == 0 else _clamped_lengths(x, batch, n)
-    return _decode_forward(q, k, v, given(q_lengths, t), given(kv_lengths, s), cfg,
-                           splits=splits, scale=scale,
+    return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scale=scale,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
   dp = _padded_head_dim(d)
