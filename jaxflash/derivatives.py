@@ -56,7 +56,8 @@ class _KeyBlocks:
     self.G = self.N // self.K
     self.block = min(_BLOCK, max(self.S, 1))
     self.count = -(-self.S // self.block)
-    self.q_lengths, self.kv_lengths = reference.given_lengths(q_lengths), reference.given_lengths(kv_lengths)
+    self.q_lengths = reference.given_lengths(q_lengths)
+    self.kv_lengths = reference.given_lengths(kv_lengths)
     self.spec = spec
     self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
 

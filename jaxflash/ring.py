@@ -277,7 +277,7 @@ class Ring:
   def _blocks(self, spec, q, k, q_lengths, kv_lengths):
     """blocks(r) yields (a, c, lq, lk, offsets, visible) for query piece a and
     key piece c of step r."""
-    batch = (q[0] if isinstance(q, tuple) else q).shape[0]   # pieces split the sequence, not the batch
+    batch = (q[0] if isinstance(q, tuple) else q).shape[0]   # pieces split the sequence only
 
     def clamped(lengths, n):  # lengths not given are the whole (global) sequence
       lengths = reference.given_lengths(lengths)
