@@ -9,7 +9,8 @@ The call runs twice (the first launch compiles and warms up; skip it in ncu). `-
 runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
 (JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
-two-kernel backward). `--decode B,KV,HQ,HKV` runs a decode step instead; with `--peer
+two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
+`--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV` runs a decode step instead; with `--peer
 cudnn` (or `pallas`) the same contiguous step through that implementation, for a side-by-side
 profile (`ncu --clock-control none --metrics gpu__time_duration.sum ...` lists every kernel
 of the call).
@@ -37,6 +38,8 @@ def main():
   ap.add_argument("--backward", action="store_true")
   ap.add_argument("--fused", action="store_true")
   ap.add_argument("--tile", type=int, default=0)
+  ap.add_argument("--heads", type=int, default=0, help="query heads (default 2048 / head dim)")
+  ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (default: as many as query heads)")
   ap.add_argument("--decode", default="", help="B,KV_LEN,Q_HEADS,KV_HEADS: a decode step")
   ap.add_argument("--q-len", type=int, default=1)
   ap.add_argument("--page", type=int, default=0)
@@ -47,9 +50,11 @@ def main():
   if args.decode:
     return decode_step(args)
   S, D = args.seq, args.head_dim
-  H, B = 2048 // D, max(1, 16384 // S)
+  H, B = args.heads or 2048 // D, max(1, 16384 // S)
+  K = args.kv_heads or H
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(3))
+  q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
   attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
                                                              implementation="native")
   if args.backward:
@@ -61,7 +66,7 @@ def main():
   with _native.forced_tile(args.tile):  # both read when the call is traced
     for _ in range(2):
       jax.block_until_ready(f(q, k, v))
-  print(f"ran B={B} S={S} H={H} D={D} causal={args.causal} backward={args.backward} "
+  print(f"ran B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
 
 
