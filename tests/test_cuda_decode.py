@@ -77,14 +77,16 @@ def test_long_decode_step_automatic_splits(rng, dtype):
 
 
 @pytest.mark.parametrize("dtype", tiered(LOW + [jnp.float32], [jnp.bfloat16, jnp.float32]), ids=_ids)
-@pytest.mark.parametrize("page_size", tiered([1, 16, 24, 64], [1, 24]))
+@pytest.mark.parametrize("page_size", tiered([1, 4, 8, 16, 24, 64], [1, 24]))
 @pytest.mark.parametrize("shape", [(4, 1, 32, 8, 128), (2, 5, 8, 1, 64), (2, 16, 16, 2, 96)],
                          ids=str)
 def test_paged_on_gpu(rng, shape, page_size, dtype):
   """Paged against float64, and against contiguous bit for bit wherever both run
   the same kernel (float32: SIMT; 16-bit: the decode kernel, which a paged call
   always takes and a contiguous one takes up to 64 packed rows or when split);
-  sequences of length 0 and 1 included."""
+  sequences of length 0 and 1 included. Page sizes on both sides of the decode
+  kernel's one-page copies (a thread's 4 rows at D 64, 8 at D 96 and 128:
+  PageEntries::OnePage) and not powers of two."""
   _poison_allocator()
   B, T, N, K, D = shape
   lengths = [0, 1, 300, 1000] if B == 4 else [0, 777]
