@@ -43,7 +43,15 @@ def no_lengths() -> jax.Array:
 
 def given_lengths(lengths):
   """`lengths`, or None where none were given (None, or `no_lengths()`)."""
-  return None if lengths is None or lengths.size == 0 else lengths
+  return None if lengths is None or jnp.size(lengths) == 0 else lengths
+
+
+def clamped_lengths(lengths, batch: int, limit: int) -> jax.Array:
+  """int32 `[batch]` lengths clipped to [0, limit]; `limit` where none were given."""
+  lengths = given_lengths(lengths)
+  if lengths is None:
+    return jnp.full((batch,), limit, jnp.int32)
+  return jnp.clip(jnp.asarray(lengths).astype(jnp.int32), 0, limit)
 
 
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,

@@ -278,12 +278,8 @@ class Ring:
     """blocks(r) yields (a, c, lq, lk, offsets, visible) for query piece a and
     key piece c of step r."""
     batch = (q[0] if isinstance(q, tuple) else q).shape[0]   # pieces split the sequence only
-
-    def clamped(lengths, n):  # lengths not given are the whole (global) sequence
-      lengths = reference.given_lengths(lengths)
-      return jnp.full((batch,), n, jnp.int32) if lengths is None else jnp.clip(lengths, 0, n)
-    ql = clamped(q_lengths, self.q_len).astype(jnp.int32)
-    kvl = clamped(kv_lengths, self.kv_len).astype(jnp.int32)
+    ql = reference.clamped_lengths(q_lengths, batch, self.q_len)    # global lengths
+    kvl = reference.clamped_lengths(kv_lengths, batch, self.kv_len)
     T, S = _length(q, 1), _length(k, 1)
     hq, hk = T // self.q_seq.pieces, S // self.kv_seq.pieces
     q_starts = self.q_seq.starts(self.q_seq.index(), T)

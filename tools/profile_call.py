@@ -10,10 +10,10 @@ runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper
 (JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
 two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
-`--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV` runs a decode step instead; with `--peer
-cudnn` (or `pallas`) the same contiguous step through that implementation, for a side-by-side
-profile (`ncu --clock-control none --metrics gpu__time_duration.sum ...` lists every kernel
-of the call).
+`--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
+runs a decode step instead; with `--peer cudnn` (or `pallas`) the same contiguous step
+through that implementation, for a side-by-side profile (`ncu --clock-control none --metrics
+gpu__time_duration.sum ...` lists every kernel of the call).
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxflash import _splits
+from jaxflash import _splits, reference
 
 try:  # The Triton-specific module; present on every jax this package supports.
   from jax.experimental.pallas import triton as _plgpu
@@ -810,14 +810,10 @@ def _pad_to(x, axis_sizes: dict[int, int], value=0):
 
 
 def _clamped_lengths(lengths, batch: int, limit: int):
-  # None or an empty array (jaxflash.reference.no_lengths): no lengths given.
-  if lengths is None or jnp.size(lengths) == 0:
-    return jnp.full((batch,), limit, jnp.int32)
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (batch,):
+  if reference.given_lengths(lengths) is not None and jnp.shape(lengths) != (batch,):
     raise ValueError(
-        f"sequence lengths must have shape ({batch},), got {lengths.shape}")
-  return jnp.clip(lengths.astype(jnp.int32), 0, limit)
+        f"sequence lengths must have shape ({batch},), got {jnp.shape(lengths)}")
+  return reference.clamped_lengths(lengths, batch, limit)
 
 
 def _offsets(offsets, batch: int):
