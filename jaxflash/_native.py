@@ -87,7 +87,8 @@ def forced_tile(index: int, *, sm80: bool = False):
   ignoring the tile cache).
 
   With `sm80=True` the CUDA forward and backward run the sm80 (mma.sync) family even
-  on a GPU that has a newer path, so the Ampere kernels stay testable on Hopper.
+  on a GPU that has a newer path, and the decode kernel copies K/V with cp.async
+  rather than the TMA, so the Ampere code stays testable on Hopper.
   """
   global _forced_tile
   if not 0 <= index < TILE_SM80:

@@ -3,11 +3,13 @@
 Every test here needs a GPU (marker `gpu`). Each compiled head-dim bucket, both
 decode tile shapes, split counts from one to more splits than key tiles, every
 mask and GQA 1/4/8 with q_len 1..16; paged caches with page sizes 1, 16, 24
-and 64; and a long (32k) decode step with the automatic split count.
+and 64; a long (32k) decode step with the automatic split count; and, on an sm_90a
+GPU, the TMA-loading decode kernel against its cp.async twin bit for bit.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,6 +105,63 @@ def test_paged_on_gpu(rng, shape, page_size, dtype):
     if dtype == jnp.float32 or T * (N // K) <= 64 or resolved > 1:
       dense = contiguous(q, k, v, kv_lengths, num_splits=splits, implementation="native")
       np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(dense, np.float32))
+
+
+def _poison_past_lengths(kp, vp, table, lengths, k, v):
+  """NaN in every cache slot past a sequence's length: the tail of its last
+  page, the pages no sequence uses, and the contiguous twin's tail."""
+  kp, vp, k, v = (np.array(x, np.float32) for x in (kp, vp, k, v))
+  table, lengths = np.asarray(table), np.asarray(lengths)
+  page_size = kp.shape[1]
+  used = np.zeros(kp.shape[0], bool)
+  for b, n in enumerate(lengths):
+    k[b, n:] = v[b, n:] = np.nan
+    for slot in range(-(-int(n) // page_size)):
+      used[table[b, slot]] = True
+    if n % page_size:
+      kp[table[b, n // page_size], n % page_size:] = vp[table[b, n // page_size], n % page_size:] = np.nan
+  kp[~used] = vp[~used] = np.nan
+  return kp, vp, k, v
+
+
+@pytest.mark.parametrize("dtype", tiered(LOW, [jnp.bfloat16]), ids=_ids)
+@pytest.mark.parametrize("case", tiered(
+    [((4, 1, 32, 8, 128), 8), ((4, 1, 32, 8, 128), 16), ((4, 1, 32, 8, 128), 64),
+     ((2, 2, 16, 2, 64), 32), ((2, 1, 16, 2, 256), 16), ((2, 3, 24, 8, 192), 128),
+     ((2, 8, 16, 2, 128), 64), ((2, 8, 16, 2, 128), 16)],
+    [((4, 1, 32, 8, 128), 16), ((2, 2, 16, 2, 64), 32), ((2, 1, 16, 2, 256), 16)]), ids=str)
+def test_tma_and_cp_async_loaders_agree(rng, case, dtype):
+  """On a GPU that runs the sm_90a code the decode kernel copies K/V by TMA
+  (dense caches and pages of 8+ keys at head dims 64/128/192/256; 64-row
+  tiles take pages of a whole key tile, so the last case stays on cp.async);
+  the sm80 flag forces its cp.async copies. Only the copies differ, so the bits must not:
+  paged and dense, split and not, ragged lengths 0..1000 with NaN stored in
+  every slot past a length (zeroed or masked, never in a product), and the
+  result within the error budget of the float64 truth."""
+  if str(getattr(jax.devices()[0], "compute_capability", "")) != "9.0":
+    pytest.skip("the TMA loader runs on sm_90a GPUs only")
+  _poison_allocator()
+  (B, T, N, K, D), page_size = case  # shape, then page size
+  lengths = [0, 1, 300, 1000] if B == 4 else [T, 777]
+  q, kp, vp, table, kv_lengths, k, v = make_cache(rng, B, T, N, K, D, page_size,
+                                                 -(-1024 // page_size), dtype, lengths=lengths)
+  truth, _, _ = numpy_reference.forward(q, k, v, scale=1 / np.sqrt(D), right=0, bottom_right=True,
+                                        kv_lengths=np.asarray(kv_lengths))
+  kw = dict(is_causal=True, causal_alignment="bottom_right", key_value_seq_lengths=kv_lengths)
+  base = baseline(q, k, v, **kw)[0]
+  kp, vp, k, v = (jnp.asarray(x, dtype) for x in _poison_past_lengths(kp, vp, table, kv_lengths, k, v))
+
+  def run(sm80):
+    with _native.forced_tile(0, sm80=sm80):
+      return [np.asarray(out, np.float32) for splits in (1, 5) for out in (
+          jaxflash.paged_attention(q, kp, vp, table, kv_lengths, num_splits=splits),
+          contiguous(q, k, v, kv_lengths, num_splits=splits, implementation="native"))]
+
+  tma, cp_async = run(False), run(True)
+  for got, want in zip(tma, cp_async):
+    np.testing.assert_array_equal(got, want)
+  for got in tma:
+    assert_within_budget(got, truth, base, "TMA-loaded output")
 
 
 def test_split_results_repeat(rng):

@@ -71,13 +71,14 @@ bool Sm90Allowed(int tile, const CudaDevice& device) {
 
 template <typename T>
 Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const bool tma = Sm90Allowed(p.tile, device);  // with kTileSm80, the cp.async loader (tests)
   switch (HeadDimBucket(p.shape.head_dim)) {
-    case 32: return decode::LaunchDecode<T, 32>(p, device, stream);
-    case 64: return decode::LaunchDecode<T, 64>(p, device, stream);
-    case 96: return decode::LaunchDecode<T, 96>(p, device, stream);
-    case 128: return decode::LaunchDecode<T, 128>(p, device, stream);
-    case 192: return decode::LaunchDecode<T, 192>(p, device, stream);
-    case 256: return decode::LaunchDecode<T, 256>(p, device, stream);
+    case 32: return decode::LaunchDecode<T, 32>(p, device, stream, tma);
+    case 64: return decode::LaunchDecode<T, 64>(p, device, stream, tma);
+    case 96: return decode::LaunchDecode<T, 96>(p, device, stream, tma);
+    case 128: return decode::LaunchDecode<T, 128>(p, device, stream, tma);
+    case 192: return decode::LaunchDecode<T, 192>(p, device, stream, tma);
+    case 256: return decode::LaunchDecode<T, 256>(p, device, stream, tma);
   }
   return Status::Unimplemented("no decode kernel for head_dim " + std::to_string(p.shape.head_dim));
 }

@@ -118,21 +118,31 @@ __device__ __forceinline__ uint32_t AFragAddr(const T* tile, int stride, int r0,
 // Two B fragments (n-tiles [n0, n0+8) and [n0+8, n0+16), k range [c0, c0+16))
 // from a tile whose rows are n and columns are k (e.g. K for Q·Kᵀ):
 // non-transposed load; regs {0,1} are n-tile 0, {2,3} n-tile 1.
+// The element (row, col) whose 16-byte chunk lane `lane` addresses is
+// BFragCoordNK (a tile in another layout, such as the TMA's swizzled one,
+// maps it to its own address).
+struct FragCoord {
+  int row, col;
+};
+__device__ __forceinline__ FragCoord BFragCoordNK(int n0, int c0, int lane) {
+  return {n0 + (lane & 7) + (lane >> 4) * 8, c0 + ((lane >> 3) & 1) * 8};
+}
 template <typename T>
 __device__ __forceinline__ uint32_t BFragAddrNK(const T* tile, int stride, int n0, int c0, int lane) {
-  const int row = n0 + (lane & 7) + (lane >> 4) * 8;
-  const int col = c0 + ((lane >> 3) & 1) * 8;
-  return SmemAddr(tile + row * stride + col);
+  const FragCoord f = BFragCoordNK(n0, c0, lane);
+  return SmemAddr(tile + f.row * stride + f.col);
 }
 
 // Two B fragments from a tile whose rows are k and columns are n (e.g. V for
 // P·V): transposed load of rows [k0, k0+16), columns [n0, n0+16);
 // regs {0,1} are n-tile [n0, n0+8), {2,3} n-tile [n0+8, n0+16).
+__device__ __forceinline__ FragCoord BFragCoordKN(int k0, int n0, int lane) {
+  return {k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8};
+}
 template <typename T>
 __device__ __forceinline__ uint32_t BFragAddrKN(const T* tile, int stride, int k0, int n0, int lane) {
-  const int row = k0 + (lane & 7) + ((lane >> 3) & 1) * 8;
-  const int col = n0 + (lane >> 4) * 8;
-  return SmemAddr(tile + row * stride + col);
+  const FragCoord f = BFragCoordKN(k0, n0, lane);
+  return SmemAddr(tile + f.row * stride + f.col);
 }
 
 // A fragment (16 m x 16 k) from a tile stored transposed, rows are k and

@@ -3,7 +3,7 @@
 
 namespace jaxflash {
 namespace decode {
-template Status LaunchDecode<__half, 256>(const FwdParams&, const CudaDevice&, cudaStream_t);
-template Status LaunchDecode<__nv_bfloat16, 256>(const FwdParams&, const CudaDevice&, cudaStream_t);
+template Status LaunchDecode<__half, 256>(const FwdParams&, const CudaDevice&, cudaStream_t, bool);
+template Status LaunchDecode<__nv_bfloat16, 256>(const FwdParams&, const CudaDevice&, cudaStream_t, bool);
 }  // namespace decode
 }  // namespace jaxflash

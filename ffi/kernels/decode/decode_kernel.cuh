@@ -32,7 +32,9 @@
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
+#include "decode/kv_stages.cuh"
 #include "decode/launch_decode.h"
+#include "sm90/tensor_map.h"
 #include "jaxflash/params.h"
 
 namespace jaxflash {
@@ -107,84 +109,6 @@ __device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const Pac
   }
 }
 
-// The K/V rows one thread copies for a tile: one 16-byte column chunk of
-// kRows consecutive rows. Consecutive, so that a page of kRows keys or more
-// (power-of-two sizes, every usual page) holds all of a thread's rows: one
-// table entry and one address computation per tile, then a row stride per
-// row, as for a dense cache (PageEntries::OnePage).
-template <typename Tile>
-struct KvCopySlots {
-  static constexpr int kChunksPerRow = Tile::kD / 8;
-  static constexpr int kSlots = tc::ChunkSlots(kChunksPerRow);
-  static constexpr int kRows = Tile::kN * kSlots / Tile::kThreads;
-  static_assert(Tile::kThreads % kSlots == 0 && Tile::kN % kRows == 0, "threads must cover whole rows");
-  __device__ static bool Idle(int tid) { return kSlots != kChunksPerRow && tid % kSlots >= kChunksPerRow; }
-  __device__ static int First(int tid) { return tid / kSlots * kRows; }
-  __device__ static int Col(int tid) { return (tid % kSlots) * 8; }
-};
-
-// Page-table entries of a thread's rows of one tile (paged K/V only). They
-// are read a tile before that tile's copies are issued: a lookup is a load
-// whose round trip the copies would otherwise wait for, every tile. When one
-// page holds all of a thread's rows (OnePage, the same for every thread) only
-// entry[0] is read; otherwise one entry per row.
-template <typename Tile>
-struct PageEntries {
-  using Slots = KvCopySlots<Tile>;
-  int32_t entry[Slots::kRows];
-
-  // Tiles start at multiples of kN and a thread's rows at multiples of kRows,
-  // so a power-of-two page of at least kRows keys never cuts them.
-  __device__ static bool OnePage(const FwdParams& p) {
-    return p.paged.page_shift >= 0 && p.paged.page_size >= Slots::kRows;
-  }
-  __device__ __forceinline__ void Read(const FwdParams& p, int batch, int key0, int kv_valid, int tid) {
-    if (p.paged.table == nullptr || Slots::Idle(tid)) return;
-    const int first = key0 + Slots::First(tid);
-    const int n = OnePage(p) ? 1 : Slots::kRows;
-#pragma unroll
-    for (int it = 0; it < Slots::kRows; ++it) {
-      if (it < n) entry[it] = first + it < kv_valid ? p.paged.Entry(batch, first + it) : 0;
-    }
-  }
-};
-
-// Keys [key0, key0 + kN) of one K/V head into a stage (K rows, then V rows).
-// Each thread owns one 16-byte column chunk and walks its rows; their
-// addresses are dense, or a page's rows from the entries read beforehand,
-// shared by the K and V copies. Keys at or past kv_valid are zero-filled:
-// their copies pass src-size 0 and read nothing, so their addresses are
-// computed like the others' (no select per row).
-template <typename Tile, typename T>
-__device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, const FwdParams& p, int batch,
-                                           int key0, int kv_valid, int tid, const PageEntries<Tile>& pages) {
-  using Slots = KvCopySlots<Tile>;
-  if (Slots::Idle(tid)) return;
-  const int col = Slots::Col(tid), row0 = Slots::First(tid), first = key0 + row0;
-  const bool col_ok = col < static_cast<int>(p.shape.head_dim);
-  const int64_t kv_row_stride = p.shape.kv_row_stride();
-  T* sK = stage + row0 * Tile::kStride + col;
-  T* sV = sK + Tile::kN * Tile::kStride;
-  const auto copy = [&](int it, int64_t offset) {
-    const bool ok = col_ok && first + it < kv_valid;
-    tc::CpAsync16(tc::SmemAddr(sK + it * Tile::kStride), gK + offset, ok);
-    tc::CpAsync16(tc::SmemAddr(sV + it * Tile::kStride), gV + offset, ok);
-  };
-  if (p.paged.table == nullptr || PageEntries<Tile>::OnePage(p)) {
-    // The thread's rows are consecutive in memory: dense, or within one page.
-    const int64_t kv_row0 = p.paged.table == nullptr ? batch * p.shape.kv_len + first
-                                                     : p.paged.PagedRow(first, pages.entry[0]);
-    const int64_t offset0 = kv_row0 * kv_row_stride + col;
-#pragma unroll
-    for (int it = 0; it < Slots::kRows; ++it) copy(it, offset0 + it * kv_row_stride);
-  } else {
-#pragma unroll
-    for (int it = 0; it < Slots::kRows; ++it) {
-      copy(it, p.paged.PagedRow(first + it, pages.entry[it]) * kv_row_stride + col);
-    }
-  }
-}
-
 // Packed row r of (batch, kv_head) with the keys of [k0, k1) it sees, its K/V
 // rows addressed through PagedKv::Row: the row type tc::ExactOutputOf takes.
 template <typename T>
@@ -209,16 +133,50 @@ struct ExactPackedRow {
   __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
 };
 
-template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParams p) {
+// Shared memory of a decode CTA with loader Kv: the K/V stages (aligned as
+// the loader needs), Q, then the loader's barriers; the epilogue's scratch
+// reuses the stages (and Q).
+template <typename Tile, typename Kv>
+struct DecodeSmem {
+  static constexpr size_t kStagesBytes = size_t(Tile::kStages) * Kv::kStageBytes;
+  static constexpr size_t kBarrierBytes = Kv::kTma ? 8 * Tile::kStages : 0;
+  static constexpr size_t kUsed = kStagesBytes + Tile::kQBytes + kBarrierBytes;
+  static constexpr size_t kBytes = (Kv::kAlign > 16 ? Kv::kAlign : 0) + kUsed;
+  static_assert(Tile::kCombineBytes <= kStagesBytes + Tile::kQBytes, "the epilogue's scratch stays off the barriers");
+  // The stage counts (and the CTAs per SM the split heuristic counts on) are
+  // those of the padded cp.async layout, the larger one.
+  static_assert(kBytes <= Tile::kSmemBytes, "the TMA layout fits where the cp.async one does");
+  __device__ static unsigned char* Base(unsigned char* raw) {
+    return raw + (Kv::kAlign - tc::SmemAddr(raw) % Kv::kAlign) % Kv::kAlign;
+  }
+};
+
+#if defined(JAXFLASH_SM90A)
+constexpr bool kTmaCode = true;  // this pass compiles sm_90a code: the TMA loader's body is real
+#else
+constexpr bool kTmaCode = false;
+#endif
+
+template <typename T, typename Tile, typename Kv>
+__device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps);
+
+// The TMA loader's kernels are empty outside the sm_90a binary; the launcher
+// picks them only on a GPU that loads it.
+template <typename T, typename Tile, typename Kv>
+__global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParams p, const __grid_constant__ KvMaps maps) {
+  if constexpr (!Kv::kTma || kTmaCode) DecodeCta<T, Tile, Kv>(p, maps);
+}
+
+template <typename T, typename Tile, typename Kv>
+__device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps) {
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN, kNw = Tile::kNw;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kStride = Tile::kStride;
-  constexpr int kStages = Tile::kStages, kStageElems = Tile::kStageElems;
+  constexpr int kStages = Tile::kStages;
   constexpr int kWarpsN = Tile::kWarpsN, kThreads = Tile::kThreads, kOStride = Tile::kOStride;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sStages = sQ + kM * kStride;
+  unsigned char* smem = DecodeSmem<Tile, Kv>::Base(smem_raw);
+  T* sQ = reinterpret_cast<T*>(smem + DecodeSmem<Tile, Kv>::kStagesBytes);
 
   const AttentionShape& sh = p.shape;
   const PackedRows rows = PackedRows::For(sh);
@@ -240,47 +198,44 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
   const int warp_row0 = wm * 16;  // the warp's rows within the CTA
-  const int64_t head_offset = int64_t(kv_head) * sh.head_dim;
-  const T* gK = static_cast<const T*>(p.k) + head_offset;
-  const T* gV = static_cast<const T*>(p.v) + head_offset;
 
   float o[1][kDT][4];
   tc::Zero(o[0]);
   tc::OnlineSoftmax<1> softmax;
   softmax.Init();
 
-  // Entries of the next tile to be issued (paged K/V), read one tile early.
-  PageEntries<Tile> pages;
+  // The K/V stages; a paged loader reads the entries of the next tile to be
+  // issued one tile early.
+  Kv kv(smem, p, maps, batch, kv_head, pol.kv_valid, tid);
   const auto key_of = [&](int i) { return (span.begin + i) * kN; };
   if (n_tiles > 0) {
+    kv.Init();
     // Q joins the first stage's copy group; the prologue fills kStages - 1
     // stages (committing empty groups past the span keeps the count uniform).
     LoadPackedQ<Tile>(sQ, p, rows, batch, kv_head, r0, tid);
 #pragma unroll
     for (int st = 0; st < kStages - 1; ++st) {
       if (st < n_tiles) {
-        pages.Read(p, batch, key_of(st), pol.kv_valid, tid);
-        LoadKvTile<Tile>(sStages + st * kStageElems, gK, gV, p, batch, key_of(st), pol.kv_valid, tid, pages);
+        kv.Prefetch(key_of(st));
+        kv.Issue(st, key_of(st));
       }
-      tc::CpAsyncCommit();
+      kv.Commit();
     }
-    if (kStages - 1 < n_tiles) pages.Read(p, batch, key_of(kStages - 1), pol.kv_valid, tid);
+    if (kStages - 1 < n_tiles) kv.Prefetch(key_of(kStages - 1));
   }
 
   const float scale_log2 = p.scale * tc::kLog2e;
   const auto query_row = [rows](int r) { return rows.QueryRow(r); };
   for (int it = 0; it < n_tiles; ++it) {
-    tc::CpAsyncWait<kStages - 2>();
+    const int stage = it % kStages;
+    kv.Wait(stage, it, key_of(it));
     __syncthreads();  // tile `it` visible to all; everyone is done with tile it - 1's stage
     const int ahead = it + kStages - 1;
     if (ahead < n_tiles) {
-      LoadKvTile<Tile>(sStages + (ahead % kStages) * kStageElems, gK, gV, p, batch, key_of(ahead), pol.kv_valid,
-                       tid, pages);
-      if (ahead + 1 < n_tiles) pages.Read(p, batch, key_of(ahead + 1), pol.kv_valid, tid);
+      kv.Issue(ahead % kStages, key_of(ahead));
+      if (ahead + 1 < n_tiles) kv.Prefetch(key_of(ahead + 1));
     }
-    tc::CpAsyncCommit();
-    const T* sK = sStages + (it % kStages) * kStageElems;
-    const T* sV = sK + kN * kStride;
+    kv.Commit();
     const int key_slice = wn * kNw;          // the warp's keys within the tile
     const int c0 = (span.begin + it) * kN + key_slice;
 
@@ -294,7 +249,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
 #pragma unroll
       for (int np = 0; np < kNw / 16; ++np) {
         uint32_t b[4];
-        tc::Ldmatrix4(b, tc::BFragAddrNK(sK, kStride, key_slice + np * 16, kk * 16, lane));
+        tc::Ldmatrix4(b, kv.KeyFrag(stage, key_slice + np * 16, kk * 16, lane));
         tc::Mma<T>(s[0][2 * np], a, b[0], b[1]);
         tc::Mma<T>(s[0][2 * np + 1], a, b[2], b[3]);
       }
@@ -312,7 +267,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
 #pragma unroll
       for (int dp = 0; dp < kD / 16; ++dp) {
         uint32_t b[4];
-        tc::Ldmatrix4Trans(b, tc::BFragAddrKN(sV, kStride, key_slice + kk * 16, dp * 16, lane));
+        tc::Ldmatrix4Trans(b, kv.ValueFrag(stage, key_slice + kk * 16, dp * 16, lane));
         tc::Mma<T>(o[0][2 * dp], a, b[0], b[1]);
         tc::Mma<T>(o[0][2 * dp + 1], a, b[2], b[3]);
       }
@@ -324,7 +279,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
   // by 2^(m_warp - M) / L into shared memory (over the tiles, now unused).
   tc::CpAsyncWait<0>();
   __syncthreads();
-  float* sO = reinterpret_cast<float*>(smem_raw);         // [kWarps][16][kOStride]
+  float* sO = reinterpret_cast<float*>(smem);             // [kWarps][16][kOStride]
   float* sStats = sO + Tile::kWarps * 16 * kOStride;      // [kWarps][16] x (max, sum)
   float* sLse = sStats + Tile::kWarps * 16 * 2;             // [kM] the row's LSE (natural log)
   int* sRedo = reinterpret_cast<int*>(sLse + kM);           // [kM] recompute the row exactly
@@ -442,10 +397,58 @@ __global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParam
   }
 }
 
+// Whether the TMA loader takes a call (on a GPU that runs sm_90a code): head
+// dims of whole 64-column blocks, and pages (if any) of a power-of-two size of
+// at least 8 keys, whose boxes start on whole swizzle atoms. Pages shorter
+// than a key tile cost a TMA request each (up to 8 per tile instead of 1);
+// 16-row tiles, which wait on memory, still gain, but 64-row ones, whose
+// warps compute 4x as much per tile, lost to cp.async there (H100, page 16,
+// q_len 16: 359 vs 334 us at B 8, 446 vs 427 at B 64; fifteenth session in
+// docs/performance.md). Other pages and the 32 and 96 buckets keep cp.async.
+template <typename Tile>
+bool TmaLoaderTakes(const FwdParams& p) {
+  if (Tile::kD % 64 != 0) return false;
+  if (p.paged.table == nullptr) return true;
+  return p.paged.page_shift >= 3 && (p.paged.page_size >= Tile::kN || Tile::kM == 16);
+}
+
+// The K and V maps of the TMA loader: boxes of `rows` keys x 64 columns of
+// one K/V head, over [batch, kv_len] rows or, paged, [num_pages, page_size].
+inline Status EncodeKvMaps(KvMaps* maps, const FwdParams& p, int rows) {
+  AttentionShape sh = p.shape;
+  if (p.paged.table != nullptr) {
+    sh.batch = p.paged.num_pages;
+    sh.kv_len = p.paged.page_size;
+    rows = p.paged.page_size < rows ? static_cast<int>(p.paged.page_size) : rows;
+  }
+  sh.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
+  sh.batch = sh.batch > 0 ? sh.batch : 1;
+  Status st = sm90::EncodeRowsMap(&maps->k, p.k, p.dtype, sh, false, rows);
+  return st.ok() ? sm90::EncodeRowsMap(&maps->v, p.v, p.dtype, sh, false, rows) : st;
+}
+
+template <typename T, typename Tile, typename Kv>
+Status LaunchDecodeKernel(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  constexpr size_t kSmem = DecodeSmem<Tile, Kv>::kBytes;
+  Status st = EnsureDynamicSmem<DecodeKernel<T, Tile, Kv>>(kSmem, device);
+  if (!st.ok()) return st;
+  const int64_t packed = p.shape.q_len * p.shape.group_size();
+  if (packed == 0 || p.shape.batch == 0 || p.shape.kv_heads == 0) return Status::Ok();
+  const int64_t ctas = CeilDiv(packed, Tile::kM) * p.num_splits;
+  if (ctas >= (int64_t{1} << 31)) return Status::Unimplemented("decode kernel: too many query tiles x splits");
+  KvMaps maps{};
+  if (Kv::kTma && !(st = EncodeKvMaps(&maps, p, Tile::kN)).ok()) return st;
+  const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.shape.kv_heads),
+                  static_cast<unsigned>(p.shape.batch));
+  DecodeKernel<T, Tile, Kv><<<grid, Tile::kThreads, kSmem, stream>>>(p, maps);
+  return CheckLaunch("decode forward");
+}
+
 // Launches the decode forward (and, when split, the merge) for one (dtype,
-// head-dim bucket); instantiated per bucket in decode_d*.cu.
+// head-dim bucket); instantiated per bucket in decode_d*.cu. `tma` says the
+// GPU runs the sm_90a code (dispatch.cu); TmaLoaderTakes then decides.
 template <typename T, int kD>
-Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t stream, bool tma) {
   const int64_t packed = p.shape.q_len * p.shape.group_size();
   if (packed >= (int64_t{1} << 30)) {
     return Status::Unimplemented("decode kernel: q_len x (query heads per K/V head) must be below 2^30");
@@ -456,16 +459,14 @@ Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t s
   const int tile = (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile % FwdParams::kTileSm80;
   return DecodeCandidates<kD>::With(tile, pick, [&](auto tile) {
     using Tile = decltype(tile);
-    Status st = EnsureDynamicSmem<DecodeKernel<T, Tile>>(Tile::kSmemBytes, device);
-    if (!st.ok()) return st;
-    if (packed == 0 || p.shape.batch == 0 || p.shape.kv_heads == 0) return Status::Ok();
-    const int64_t ctas = CeilDiv(packed, Tile::kM) * p.num_splits;
-    if (ctas >= (int64_t{1} << 31)) return Status::Unimplemented("decode kernel: too many query tiles x splits");
-    const dim3 grid(static_cast<unsigned>(ctas), static_cast<unsigned>(p.shape.kv_heads),
-                    static_cast<unsigned>(p.shape.batch));
-    DecodeKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
-    st = CheckLaunch("decode forward");
-    if (!st.ok() || p.num_splits == 1) return st;
+    Status st;
+    if constexpr (kD % 64 == 0) {
+      st = tma && TmaLoaderTakes<Tile>(p) ? LaunchDecodeKernel<T, Tile, TmaKvStages<Tile, T>>(p, device, stream)
+                                          : LaunchDecodeKernel<T, Tile, CpAsyncKvStages<Tile, T>>(p, device, stream);
+    } else {
+      st = LaunchDecodeKernel<T, Tile, CpAsyncKvStages<Tile, T>>(p, device, stream);
+    }
+    if (!st.ok() || p.num_splits == 1 || packed == 0 || p.shape.batch == 0 || p.shape.kv_heads == 0) return st;
     return LaunchMergeSplits<T>(p, stream);
   });
 }

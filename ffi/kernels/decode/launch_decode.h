@@ -26,8 +26,10 @@ inline bool UseDecodeKernel(const FwdParams& p) {
          p.shape.q_len * p.shape.group_size() <= kMaxPackedRows;
 }
 
+// `tma`: the GPU runs this build's sm_90a code, so the decode kernel may copy
+// K/V with the tensor-memory accelerator (decode/kv_stages.cuh).
 template <typename T, int kD>
-Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
+Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t stream, bool tma);
 
 // Combines p.num_splits partials (p.o_partial, p.lse_partial) into p.o, p.lse.
 template <typename T>

@@ -47,15 +47,16 @@ struct SwizzledTile {
   }
 };
 
-// Zeroes rows [first, kRows) of a SwizzledTile with the 32 lanes of a warp:
-// the padding rows of a ragged batch element that a TMA copy brought in
-// (its zero fill covers only rows past the tensor), so a NaN there meets a
-// masked pair's zero weight in no product. Whole 128-byte rows, so the
-// swizzle does not matter. The caller fences for the async proxy.
-template <typename Tile>
-__device__ __forceinline__ void ZeroTileRows(uint32_t tile, int first, int lane) {
+// Zeroes rows [first, kRows) of a SwizzledTile with kThreads threads (the 32
+// lanes of a warp unless told; `index` is the caller's among them): the
+// padding rows of a ragged batch element that a TMA copy brought in (its
+// zero fill covers only rows past the tensor), so a NaN there meets a masked
+// pair's zero weight in no product. Whole 128-byte rows, so the swizzle does
+// not matter. The caller fences for the async proxy.
+template <typename Tile, int kThreads = 32>
+__device__ __forceinline__ void ZeroTileRows(uint32_t tile, int first, int index) {
   const int chunks = (Tile::kBlockBytes / 128 - first) * 8;  // 16-byte chunks per column block
-  for (int i = lane; i < Tile::kBlocks * chunks; i += 32) {
+  for (int i = index; i < Tile::kBlocks * chunks; i += kThreads) {
     const uint32_t at = tile + (i / chunks) * Tile::kBlockBytes + first * 128 + (i % chunks) * 16;
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(at), "r"(0) : "memory");
   }
