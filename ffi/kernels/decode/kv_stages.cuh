@@ -5,9 +5,9 @@
 //   CpAsyncKvStages (sm80 and later): every thread copies 16-byte chunks with
 //     cp.async into rows padded against ldmatrix bank conflicts; a stage has
 //     landed when the thread's copy group has (the kernel then meets the CTA).
-//   TmaKvStages (sm_90a): warp 0 has the tensor-memory accelerator copy whole
-//     boxes into 128-byte-swizzled tiles (sm90/wgmma.cuh); a stage has landed
-//     when its mbarrier has counted the bytes. Streaming a decode step's K/V
+//   TmaKvStages (sm_90a): a few threads have the tensor-memory accelerator
+//     copy whole boxes into 128-byte-swizzled tiles (sm90/wgmma.cuh); a stage
+//     has landed when its mbarrier has counted the bytes. Streaming a decode step's K/V
 //     on an H100, TMA boxes read 3.00-3.07 TB/s where 16-byte cp.async copies
 //     read 2.84-2.91 (docs/performance.md, fifteenth session): the decode
 //     kernel is bound by that rate.
@@ -172,10 +172,10 @@ struct CpAsyncKvStages {
 // 64-column block of K and of V. A thread issues at most one copy of a tile,
 // spread over the warps (lane l of warp w issues copy 4l + w: each warp's
 // share of the serial TMA issue is a quarter), and reads its box's
-// page-table entry a tile early. Rows past kv_len are the TMA's zero fill; rows of a
-// tile's real keys past the batch element's length (a ragged cache, or a
-// page's tail) are zeroed in V after they land, and read from page 0 when
-// their page lies past the length.
+// page-table entry a tile early. Rows past kv_len are the TMA's zero fill;
+// rows of a tile's real keys past the batch element's length (a ragged
+// cache, or a page's tail) are zeroed in V after they land, and read from
+// page 0 when their page lies past the length.
 template <typename Tile, typename T>
 struct TmaKvStages {
   using Layout = sm90::SwizzledTile<Tile::kN, Tile::kD>;
@@ -189,7 +189,7 @@ struct TmaKvStages {
   int batch, kv_head, kv_valid, tid;
   int box_rows, boxes, copies;  // copies per tile: boxes x column blocks x {K, V}, at most 64
   int copy;                     // the copy this thread issues (when below `copies`)
-  int32_t entry;  // paged: the page-table entry of this lane's box of the next Issue
+  int32_t entry;  // paged: the page-table entry of this thread's box of the next Issue
 
   __device__ __forceinline__ TmaKvStages(unsigned char* base, const FwdParams& p_, const KvMaps& maps_, int batch_,
                                          int kv_head_, int kv_valid_, int tid_)
