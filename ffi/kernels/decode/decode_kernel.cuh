@@ -163,7 +163,8 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
 // The TMA loader's kernels are empty outside the sm_90a binary; the launcher
 // picks them only on a GPU that loads it.
 template <typename T, typename Tile, typename Kv>
-__global__ void __launch_bounds__(Tile::kThreads, 2) DecodeKernel(const FwdParams p, const __grid_constant__ KvMaps maps) {
+__global__ void __launch_bounds__(Tile::kThreads, 2)
+    DecodeKernel(const FwdParams p, const __grid_constant__ KvMaps maps) {
   if constexpr (!Kv::kTma || kTmaCode) DecodeCta<T, Tile, Kv>(p, maps);
 }
 
