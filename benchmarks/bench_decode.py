@@ -5,14 +5,15 @@
 
 Shapes (bf16, head_dim 128, a full cache, as in the decode issue):
 B 8 x kv 32k with 32 query / 4 K/V heads, B 1 x kv 128k with 32 / 8, B 64 x kv 4k
-with 32 / 8; each at q_len 1, 4 and 16. K/V layouts: contiguous, and paged with
-page sizes 16 and 64 (pages handed out in shuffled order).
+with 32 / 8; each at q_len 1, 4 and 16. K/V layouts: contiguous, contiguous with
+key_value_seq_lengths (native: what a serving loop passes), and paged with page
+sizes 16 and 64 (pages handed out in shuffled order).
 
 Peers in the same process: jaxflash native and pallas, jax.nn.dot_product_attention
 with implementation="cudnn" and "xla", and torch SDPA (enable_gqa) when torch has a
 GPU. Every call attends the whole cache (is_causal=False; at q_len 1 that is the
 decode step, at q_len 4 and 16 it differs from the bottom-right causal mask by a
-few keys per row). Paged layouts run jaxflash native only (paged_attention).
+few keys per row). The lengths and paged layouts run jaxflash native only.
 
 Bandwidth: bytes of K and V read (B x kv x K/V heads x 128 x 2 tensors x 2 bytes)
 per second, over the same run's copy bandwidth (read + write bytes per second of
@@ -103,6 +104,12 @@ def bench_shape(B, S, N, K, T, peers, page_sizes, copy_bw, reps, repeats):
       print(f"  {peer}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
   if "native" in peers:
     lengths = jnp.full((B,), S, jnp.int32)
+    # What a serving loop passes with a contiguous cache: the same kernels,
+    # plus whatever the lengths cost around them (once ~100 us of host time a
+    # call; fifteenth session in docs/performance.md).
+    with_lengths = jax.jit(lambda q, k, v, n: jaxflash.dot_product_attention(
+        q, k, v, key_value_seq_lengths=n, implementation="native"))
+    record("native", "lengths", _measure.time_jitted(with_lengths, (q, k, v, lengths), reps, repeats))
     for page_size in page_sizes:
       kp, vp, table = paged_layout(k, v, page_size)
       fn = jax.jit(lambda q, kp, vp, table, n: jaxflash.paged_attention(
