@@ -13,7 +13,9 @@ one token per step, with the keys and values of past tokens kept in a cache:
 It prints tokens/s for each cache (prefill apart, compilation excluded), and
 checks that every logit the cached steps produced equals the no-cache forward
 of the same prefix (`model(tokens)`, the training path), and that both caches
-generate the same text. CPU-sized defaults:
+generate the same text (in 16-bit precision on a GPU they may part where the top
+two logits are a near tie: a long prompt's prefill runs different kernels on the
+two caches; the script says where). CPU-sized defaults:
 
     python examples/serve.py
 
@@ -177,8 +179,10 @@ def main(argv=None) -> int:
   which = list(caches) if args.cache == "both" else [args.cache]
   results = {}
   ok = True
+  step_logits = {}
   for name in which:
     tokens, logits, per_step = generate(model, prompts, args.new_tokens, caches[name]())
+    step_logits[name] = logits
     # The no-cache forward of the whole prefix: the logits every cached step
     # should have produced (position t predicts token t + 1).
     reference = model(jnp.asarray(tokens[:, :-1]))
@@ -191,9 +195,23 @@ def main(argv=None) -> int:
           f"step of {args.batch} sequences); logits vs no-cache forward: max |diff| {diff:.2e} "
           f"(logits up to {scale:.1f}, tolerance {tol:.1e}) {'ok' if diff <= tol else 'MISMATCH'}")
   if len(results) == 2:
-    same = bool(np.array_equal(results["contiguous"], results["paged"]))
-    ok &= same
+    a, b = results["contiguous"], results["paged"]
+    same = bool(np.array_equal(a, b))
     print(f"contiguous and paged caches generate the same tokens: {same}")
+    if not same:
+      # In 16-bit precision a long prompt's prefill runs different kernels on
+      # the two caches (the training forward on the contiguous one, the decode
+      # kernel on pages), rounded differently; both stay within `tol` of the
+      # no-cache logits, so greedy decoding may part only where the top two
+      # logits lie within 2 x tol. Anything else is a bug; float32 must agree.
+      t = int(np.argmax(np.any(a != b, axis=0)))  # the first token where any sequence parts
+      seq = int(np.argmax(a[:, t] != b[:, t]))
+      top = np.sort(np.asarray(step_logits["contiguous"][seq, t - 1], np.float32))
+      margin = float(top[-1] - top[-2])
+      tie = cfg.dtype != "float32" and margin <= 2 * tol
+      ok &= tie
+      print(f"  they part at token {t} of sequence {seq}, where the top two logits are {margin:.2e} "
+            f"apart: {'a near tie (<= 2 x tolerance)' if tie else 'NOT a near tie'}")
   for b in range(min(2, args.batch)):
     text = "".join(data.chars[t] for t in results[which[0]][b])
     print(f"  [{b}] {text[:args.prompt_len]!r} -> {text[args.prompt_len:]!r}")
