@@ -10,6 +10,7 @@ here (`checkify.debug_check`) and turns a failed one into a ValueError.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -50,11 +51,8 @@ def checked(fn):
 
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    if _planting is None:
+    with _planting(True) if _planting is not None else contextlib.nullcontext():
       error, out = checkified(*args, **kwargs)
-    else:
-      with _planting(True):
-        error, out = checkified(*args, **kwargs)
     error.throw()
     return out
   return run

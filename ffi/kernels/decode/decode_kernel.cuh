@@ -398,9 +398,9 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
   }
 }
 
-// Whether the TMA loader takes a call (on a GPU that runs sm_90a code): head
-// dims of whole 64-column blocks, and pages (if any) of a power-of-two size of
-// at least 8 keys, whose boxes start on whole swizzle atoms. Pages shorter
+// Whether the TMA loader takes a call of a tile whose head dim is whole
+// 64-column blocks (on a GPU that runs sm_90a code): dense K/V, or pages of a
+// power-of-two size of at least 8 keys, whose boxes start on whole swizzle atoms. Pages shorter
 // than a key tile cost a TMA request each (up to 8 per tile instead of 1);
 // 16-row tiles, which wait on memory, still gain, but 64-row ones, whose
 // warps compute 4x as much per tile, lost to cp.async there (H100, page 16,
@@ -408,7 +408,6 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
 // docs/performance.md). Other pages and the 32 and 96 buckets keep cp.async.
 template <typename Tile>
 bool TmaLoaderTakes(const FwdParams& p) {
-  if (Tile::kD % 64 != 0) return false;
   if (p.paged.table == nullptr) return true;
   return p.paged.page_shift >= 3 && (p.paged.page_size >= Tile::kN || Tile::kM == 16);
 }
@@ -460,14 +459,15 @@ Status LaunchDecode(const FwdParams& p, const CudaDevice& device, cudaStream_t s
   const int tile = (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile % FwdParams::kTileSm80;
   return DecodeCandidates<kD>::With(tile, pick, [&](auto tile) {
     using Tile = decltype(tile);
-    Status st;
-    if constexpr (kD % 64 == 0) {
-      st = tma && TmaLoaderTakes<Tile>(p) ? LaunchDecodeKernel<T, Tile, TmaKvStages<Tile, T>>(p, device, stream)
-                                          : LaunchDecodeKernel<T, Tile, CpAsyncKvStages<Tile, T>>(p, device, stream);
-    } else {
-      st = LaunchDecodeKernel<T, Tile, CpAsyncKvStages<Tile, T>>(p, device, stream);
-    }
-    if (!st.ok() || p.num_splits == 1 || packed == 0 || p.shape.batch == 0 || p.shape.kv_heads == 0) return st;
+    const auto launch = [&]() -> Status {
+      if constexpr (kD % 64 == 0) {  // the TMA loader's stages are whole 64-column swizzle blocks
+        if (tma && TmaLoaderTakes<Tile>(p)) return LaunchDecodeKernel<T, Tile, TmaKvStages<Tile, T>>(p, device, stream);
+      }
+      return LaunchDecodeKernel<T, Tile, CpAsyncKvStages<Tile, T>>(p, device, stream);
+    };
+    const Status st = launch();
+    // An empty call launched nothing; the merge has no rows then and returns.
+    if (!st.ok() || p.num_splits == 1) return st;
     return LaunchMergeSplits<T>(p, stream);
   });
 }
