@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "common/exact_rows.cuh"
+#include "common/grid_order.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/softmax.cuh"
@@ -80,11 +81,13 @@ struct FwdBlock {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
   }
 
-  // Row block m_block of (batch, head); the grid-shaped kernels take head and
-  // batch from blockIdx.y and .z, the persistent ones from their scheduler.
+  // The row block a CTA of a grid-shaped kernel takes (grid (row blocks,
+  // heads, batch), in the order of grid_order.cuh); the persistent kernels
+  // name theirs from their scheduler.
   template <int kM, int kN, typename Params>  // FwdParams or BwdParams
-  __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block) {
-    return At<kM, kN>(p, m_block, blockIdx.y, blockIdx.z);
+  __device__ __forceinline__ static FwdBlock OfGrid(const Params& p) {
+    const GridTile t = OrderedGridTile<HeavyTiles::kLast>(p.mask);
+    return At<kM, kN>(p, t.tile, t.y, t.z);
   }
   template <int kM, int kN, typename Params>
   __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block, int head, int batch) {
@@ -107,13 +110,6 @@ struct FwdBlock {
     return b;
   }
 };
-
-// The query block this CTA takes when blocks are launched heavy-first: with a
-// causal mask, blocks further down the sequence visit more keys, so they start
-// first and the short ones fill the tail of the grid.
-__device__ __forceinline__ int HeavyFirstBlock(const MaskParams& mask) {
-  return mask.window_right >= 0 ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-}
 
 // The query row of CTA row r: the identity, except in the decode kernels,
 // whose rows pack the query heads of a GQA group (decode/decode_kernel.cuh).

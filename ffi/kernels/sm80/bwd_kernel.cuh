@@ -22,6 +22,7 @@
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"
+#include "common/grid_order.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
@@ -65,10 +66,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
   float* sDelta = sLse + 2 * kM;                                    // [2][kM]
 
   const AttentionShape& sh = p.shape;
-  const int n_block = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z / Tile::kSplits;
-  const int d_base = (blockIdx.z % Tile::kSplits) * kDOut;
+  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  const int n_block = at.tile;
+  const int kv_head = at.y;
+  const int batch = at.z / Tile::kSplits;
+  const int d_base = (at.z % Tile::kSplits) * kDOut;
   const int group = static_cast<int>(sh.group_size());
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int head_dim = static_cast<int>(sh.head_dim);
@@ -209,8 +211,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
   T* sK = sdO + kM * kStride;  // [2][kN][kStride]
   T* sV = sK + 2 * kN * kStride;  // [2][kN][kStride]
 
-  const int m_block = blockIdx.x;
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, m_block);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN>(p);
   const MaskPolicy& pol = blk.pol;
   const int r0 = blk.r0;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -106,7 +106,9 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   T* sK = sQ + kM * kStride;
   T* sV = sK + kN * kStride;
 
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, blockIdx.x);
+  // The grid's own order, not grid_order.cuh's: with a computed head and
+  // batch held to the epilogue, the two-CTA tiles at D 32 and 64 spill.
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   const MaskPolicy& pol = blk.pol;
   const int r0 = blk.r0, r_end = blk.r_end;
   const int n_begin = blk.tiles.begin, n_end = blk.tiles.end;

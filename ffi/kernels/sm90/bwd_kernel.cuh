@@ -29,6 +29,7 @@
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"
+#include "common/grid_order.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
@@ -102,9 +103,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   const uint32_t sDs = stage(0) + Tile::kStages * uint32_t(Tile::kStageBytes);  // fused only
 
   const AttentionShape& sh = p.shape;
-  const int kv_head = blockIdx.y;
-  const int batch = blockIdx.z / Tile::kSplits;
-  const int d_base = (blockIdx.z % Tile::kSplits) * kDOut;
+  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  const int kv_head = at.y;
+  const int batch = at.z / Tile::kSplits;
+  const int d_base = (at.z % Tile::kSplits) * kDOut;
   const int group = static_cast<int>(sh.group_size());
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warpgroup = tid >> 7;
   const int head_dim = static_cast<int>(sh.head_dim);
@@ -113,7 +115,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
 
   const MaskPolicy pol =
       MaskPolicy::For(p.mask, q_len, static_cast<int>(sh.kv_len), p.q_lengths, p.kv_lengths, batch);
-  const int c0 = blockIdx.x * kN;
+  const int c0 = at.tile * kN;
   const tc::QueryTiles q_tiles = tc::QueryTileRange<kM, kN>(pol, c0);
   const int n_iters = group * q_tiles.count;
   auto tile_row0 = [&](int it) { return (q_tiles.begin + it % q_tiles.count) * kM; };
@@ -266,7 +268,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
   // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
   auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, tc::HeavyFirstBlock(p.mask));
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN>(p);
   const MaskPolicy& pol = blk.pol;
   const tc::KeyTiles tiles = blk.tiles;
   const int r0 = blk.r0;

@@ -35,9 +35,11 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstddef>
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"
+#include "common/grid_order.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
@@ -84,8 +86,9 @@ struct WsBwdTile {
   // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
   // full and empty.
   static constexpr int kBarriers = 5 + 2 * kStages;
+  // After the barriers: the CTA's place in the grid (tc::GridTile).
   static constexpr size_t kSmemBytes =
-      2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes + kDqBytes + 8 * kBarriers + 1024;
+      2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes + kDqBytes + 8 * kBarriers + 16 + 1024;
   static_assert((2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes) % 1024 == 0,
                 "the dQ staging starts on a swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
@@ -111,7 +114,7 @@ struct WsBwdTile {
 
 template <typename Tile>
 struct WsBwdSmem {
-  uint32_t k, v, stages, ds, dq, bars;
+  uint32_t k, v, stages, ds, dq, bars, place;
 
   __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {
     WsBwdSmem s;
@@ -121,6 +124,7 @@ struct WsBwdSmem {
     s.ds = s.stages + Tile::kStages * uint32_t(Tile::kStageBytes);
     s.dq = s.ds + uint32_t(Tile::kDsBytes);
     s.bars = s.dq + uint32_t(Tile::kDqBytes);
+    s.place = s.bars + 8 * Tile::kBarriers;
     return s;
   }
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(Tile::kStageBytes); }
@@ -159,26 +163,37 @@ struct WsBwdSmem {
 
 // What every role derives from the CTA's place: its keys, the query tiles
 // that see them (per head of the group) and step `it`'s head and first row.
+// The place itself (key tile, kv head, batch: grid_order.cuh) is read from
+// shared memory where it is used: ordered places are computed values, and
+// held through the loop the consumers have no registers for them (ptxas
+// spills at D 64), where a grid-order place was an index read again for free.
 template <typename Tile>
 struct WsBwdWork {
+  uint32_t place;  // shared-memory address of the tc::GridTile
   MaskPolicy pol;
   tc::QueryTiles q_tiles;
-  int kv_head, batch, c0, group, steps;
+  int group, steps;
 
-  __device__ __forceinline__ static WsBwdWork At(const BwdParams& p) {
+  __device__ __forceinline__ static WsBwdWork At(const BwdParams& p, uint32_t place) {
     WsBwdWork w;
     const AttentionShape& sh = p.shape;
-    w.kv_head = blockIdx.y;
-    w.batch = blockIdx.z;
-    w.c0 = blockIdx.x * Tile::kN;
+    w.place = place;
     w.group = static_cast<int>(sh.group_size());
     w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
-                            p.kv_lengths, w.batch);
-    w.q_tiles = tc::QueryTileRange<Tile::kM, Tile::kN>(w.pol, w.c0);
+                            p.kv_lengths, w.Batch());
+    w.q_tiles = tc::QueryTileRange<Tile::kM, Tile::kN>(w.pol, w.C0());
     w.steps = w.group * w.q_tiles.count;
     return w;
   }
-  __device__ __forceinline__ int Head(int it) const { return kv_head * group + it / q_tiles.count; }
+  __device__ __forceinline__ int KvHead() const { return Field(offsetof(tc::GridTile, y)); }
+  __device__ __forceinline__ int Batch() const { return Field(offsetof(tc::GridTile, z)); }
+  __device__ __forceinline__ int C0() const { return Field(offsetof(tc::GridTile, tile)) * Tile::kN; }  // first key
+  __device__ __forceinline__ int Field(uint32_t offset) const {
+    int v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(place + offset));
+    return v;
+  }
+  __device__ __forceinline__ int Head(int it) const { return KvHead() * group + it / q_tiles.count; }
   __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
 };
 
@@ -207,19 +222,19 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
   // every lane zeroes the padding rows once they land (a NaN there would
   // reach dQ through dS = 0 times it; a visited key tile starts before
   // kv_valid).
-  const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.c0 + kN > w.pol.kv_valid;
+  const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.C0() + kN > w.pol.kv_valid;
   if (lane == 0) {
     const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
     MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
     for (int b = 0; b < kBlocks; ++b) {
-      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.kv_head, w.c0, w.batch);
-      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.kv_head, w.c0, w.batch);
+      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
     }
   }
   if (kv_tail) {
     MBarrier::Wait(sm.KvTail(), 0);
-    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.c0, lane);
-    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.c0, lane);
+    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
+    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
     FenceSharedForAsyncProxy();
   }
   if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
@@ -232,7 +247,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
     // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
     float* stats = sm.StatsPointer(stats_base, s);
-    const int64_t row_off = (int64_t(w.batch) * sh.q_heads + head) * sh.q_len + r0;
+    const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + head) * sh.q_len + r0;
     for (int i = lane; i < kM; i += 32) {
       const bool ok = r0 + i < q_len;
       stats[i] = ok ? p.lse[row_off + i] : 0.f;
@@ -243,8 +258,8 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
       const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
       MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
       for (int b = 0; b < kBlocks; ++b) {
-        TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.batch);
-        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.batch);
+        TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
+        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
       }
     }
     if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
@@ -277,7 +292,7 @@ __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const W
     MBarrier::Wait(sm.DqFull(), it & 1);
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
-      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, w.Head(it), w.Row0(it), w.batch);
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, w.Head(it), w.Row0(it), w.Batch());
     }
     TmaStoreCommit();
     TmaStoreWaitRead<0>();
@@ -323,7 +338,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's
     // products cover this warpgroup's element-wise work).
     float st[kQT][4], dp[kQT][4];
-    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, sQ, sdO, w.pol, r0, w.c0, w.c0 + key_w, kN,
+    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, sQ, sdO, w.pol, r0, w.C0(), w.C0() + key_w, kN,
                                              lse, lane, scale_log2);
     WgmmaWait<0>();
     FenceAccumulator(dp);
@@ -392,7 +407,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     ring.Advance();
   }
 
-  tc::StoreKeyGrads<T>(dk, dv, p, w.batch, w.kv_head, w.c0 + key_w, 0, lane);
+  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, 0, lane);
 }
 
 template <typename T, typename Tile>
@@ -406,18 +421,22 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsBwdSmem<Tile>::At(base);
   // The first stage's statistics as a pointer (StatsPointer finds the others).
   float* stats_base = reinterpret_cast<float*>(smem_raw + (sm.Stats(0) - tc::SmemAddr(smem_raw)));
-  if (threadIdx.x == 0) sm.InitBarriers();
+  if (threadIdx.x == 0) {
+    sm.InitBarriers();
+    *reinterpret_cast<tc::GridTile*>(smem_raw + (sm.place - tc::SmemAddr(smem_raw))) =
+        tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  }
   __syncthreads();
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
         if (warp == 0) {
-          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p), stats_base, q_map, do_map, k_map, v_map);
+          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
-          WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p), dq_map);
+          WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map);
         }
       },
       [&](int consumer) {
-        WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p), stats_base, consumer);
+        WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
       });
 #endif  // JAXFLASH_SM90A
 }

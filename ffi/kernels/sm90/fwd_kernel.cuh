@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
   auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, tc::HeavyFirstBlock(p.mask));
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN>(p);
   const MaskPolicy& pol = blk.pol;
   const tc::KeyTiles tiles = blk.tiles;
   const int r0 = blk.r0, r_end = blk.r_end;

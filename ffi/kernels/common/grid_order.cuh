@@ -1,0 +1,61 @@
+// The order in which the CTAs of a grid-shaped (not persistent) kernel take
+// their tiles. The grid is (tiles, y, z): a tile is a block of query rows or
+// of keys, and y and z name the (head, batch[, split]) it belongs to, a
+// "group" of tiles below. The hardware starts CTAs in the order of their
+// linear index, x fastest, as SMs free up.
+//
+// Without a diagonal mask every tile has the same work and the grid's own
+// order stands: a group's tiles run side by side and share its K/V (or Q and
+// dO) through L2. With one (causal, windows), tiles differ: row block m sees
+// about m + 1 key tiles, key tile n about tiles - n row blocks. Taken a group
+// at a time, the heavy tile of the last groups starts when most of the work is
+// done and runs on alone: a tail of 6-12% of the kernel at one CTA per SM and
+// up to 29% at two (a list-scheduling model of the §6 grid, docs/
+// performance.md, sixteenth session). So the groups go in chunks of about
+// kChunkCtas CTAs, and within a chunk the heaviest tile of every group comes
+// first, then the next heaviest: each chunk spans a few waves, its light
+// tiles fill in behind the next chunk's heavy ones, and only the last chunk's
+// few light tiles are left at the end. A chunk holds few enough groups that
+// the tiles running at once still share their group's data through L2.
+#pragma once
+
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace tc {
+
+struct GridTile {
+  int tile;  // the row or key block, 0-based in the sequence
+  int y, z;  // the group, as the grid's y and z name it
+};
+
+// Which heavy end a kernel's tiles have under a diagonal mask.
+enum class HeavyTiles {
+  kLast,   // row blocks: later rows see more keys
+  kFirst,  // key blocks: earlier keys are seen by more rows
+};
+
+// About four waves of one-CTA-per-SM kernels on an H100, two of two-CTA ones.
+inline constexpr int kChunkCtas = 512;
+
+template <HeavyTiles kHeavy>
+__device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask) {
+  const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
+  if (mask.window_right < 0) return {x, y, z};
+  const int tiles = gridDim.x, heads = gridDim.y;
+  const int groups = heads * gridDim.z;  // < 2^31: the launchers' limits on heads and batch
+  const int chunk = (kChunkCtas + tiles - 1) / tiles;  // groups per chunk
+  // The grid's group g = y + heads * z lies in chunk g / chunk; its CTAs are
+  // positions (g % chunk) * tiles + x of the chunk (< chunk * tiles < 2^31),
+  // which go to the chunk's groups in turn, rank by rank.
+  const int g = y + heads * z;
+  const int first = g / chunk * chunk;
+  const int in_chunk = MinInt(groups - first, chunk);  // the last chunk may be short
+  const int at = (g - first) * tiles + x;
+  const int rank = at / in_chunk;  // 0: the heaviest tiles
+  const int group = first + at % in_chunk;
+  return {kHeavy == HeavyTiles::kFirst ? rank : tiles - 1 - rank, group % heads, group / heads};
+}
+
+}  // namespace tc
+}  // namespace jaxflash
