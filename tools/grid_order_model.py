@@ -35,7 +35,7 @@ def orders(tiles, groups, heads_per_group, seq, chunk_ctas, key_tile=128, query_
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--slots", type=int, default=132, help="CTAs running at once (SMs x CTAs per SM)")
-  ap.add_argument("--chunk-ctas", type=int, default=512, help="grid_order.cuh's kChunkCtas")
+  ap.add_argument("--chunk-ctas", type=int, default=256, help="grid_order.cuh's kChunkCtas")
   args = ap.parse_args()
   # The DESIGN.md §6 grid at D 128 (B·S = 16k tokens, 16 heads), then the GQA training shape.
   shapes = [(f"S {s}, B {16384 // s}, 16 heads", s, 16384 // s * 16, 1) for s in (1024, 2048, 4096, 8192, 16384)]

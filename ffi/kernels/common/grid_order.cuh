@@ -9,9 +9,10 @@
 // dO) through L2. With one (causal, windows), tiles differ: row block m sees
 // about m + 1 key tiles, key tile n about tiles - n row blocks. Taken a group
 // at a time, the heavy tile of the last groups starts when most of the work is
-// done and runs on alone: a tail of 6-12% of the kernel at one CTA per SM and
-// up to 29% at two (a list-scheduling model of the §6 grid, docs/
-// performance.md, sixteenth session). So the groups go in chunks of about
+// done and runs on alone: a tail of 6-12% of the kernel at one CTA per SM in
+// a list-scheduling model of the §6 grid (tools/grid_order_model.py); on an
+// H100 the order below made the causal warp-specialised backward 2-5% faster
+// (docs/performance.md, sixteenth session). So the groups go in chunks of about
 // kChunkCtas CTAs, and within a chunk the heaviest tile of every group comes
 // first, then the next heaviest: each chunk spans a few waves, its light
 // tiles fill in behind the next chunk's heavy ones, and only the last chunk's
@@ -35,8 +36,11 @@ enum class HeavyTiles {
   kFirst,  // key blocks: earlier keys are seen by more rows
 };
 
-// About four waves of one-CTA-per-SM kernels on an H100, two of two-CTA ones.
-inline constexpr int kChunkCtas = 512;
+// About two waves of one-CTA-per-SM kernels on an H100. Measured there (the
+// warp-specialised backward, causal, sixteenth session): 256 was as fast as
+// 1024 at S 8k and 7% faster than 512 at S 2k (16 key tiles a group: 1024
+// CTAs span 64 groups, whose Q and dO no longer share L2), 17% than 1024.
+inline constexpr int kChunkCtas = 256;
 
 template <HeavyTiles kHeavy>
 __device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask) {
