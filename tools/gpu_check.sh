@@ -25,9 +25,13 @@
 #             pass (at D = 128 the warp-specialised one without dQ), D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
+# sanitize    compute-sanitizer memcheck, racecheck and synccheck over tools/sanitizer_sweep.py; the
+#             whole sweep under the three tools ran past one call's 10 minutes on an H100 (sixteenth
+#             session: memcheck and racecheck ~9 min): split it with SANITIZE_TOOLS (a subset of the
+#             three) and SANITIZE_ARGS (the sweep's --training-only / --decode-only / --head-dims)
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
 # benchmarks/bench_decode.py, PYTEST_K to pytest -k.
-# On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min, a D=128 slice of the benchmark ~70 s;
+# On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min (since grown: see sanitize), a D=128 slice of the benchmark ~70 s;
 # the full grid takes longer, so split stages over calls when a call is time-limited.
 # Logs go to $OUT (or ./gpu_out); each stage prints one summary line, repeated at the end.
 set -uo pipefail
@@ -138,10 +142,10 @@ fi
 if has sanitize; then
   start=$SECONDS
   : > "$OUT/sanitizer.log"
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     XLA_PYTHON_CLIENT_ALLOCATOR=platform run_py compute-sanitizer --tool "$tool" \
         --kernel-name kns=jaxflash --error-exitcode 99 python3 "$repo/tools/sanitizer_sweep.py" \
-        >> "$OUT/sanitizer.log" 2>&1
+        ${SANITIZE_ARGS:-} >> "$OUT/sanitizer.log" 2>&1
     rc=$?
     note "compute-sanitizer $tool: exit $rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer.log" | tail -n 1)"
   done
