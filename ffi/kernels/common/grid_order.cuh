@@ -44,21 +44,20 @@ inline constexpr int kChunkCtas = 256;
 
 template <HeavyTiles kHeavy>
 __device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask) {
-  const int x = blockIdx.x, y = blockIdx.y, z = blockIdx.z;
-  if (mask.window_right < 0) return {x, y, z};
-  const int tiles = gridDim.x, heads = gridDim.y;
-  const int groups = heads * gridDim.z;  // < 2^31: the launchers' limits on heads and batch
-  const int chunk = (kChunkCtas + tiles - 1) / tiles;  // groups per chunk
+  if (mask.window_right < 0) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+  // Unsigned: y and z are below 2^16 each, so groups fit 32 bits.
+  const unsigned tiles = gridDim.x, heads = gridDim.y, groups = heads * gridDim.z;
+  const unsigned chunk = (kChunkCtas + tiles - 1) / tiles;  // groups per chunk
   // The grid's group g = y + heads * z lies in chunk g / chunk; its CTAs are
   // positions (g % chunk) * tiles + x of the chunk (< chunk * tiles < 2^31),
   // which go to the chunk's groups in turn, rank by rank.
-  const int g = y + heads * z;
-  const int first = g / chunk * chunk;
-  const int in_chunk = MinInt(groups - first, chunk);  // the last chunk may be short
-  const int at = (g - first) * tiles + x;
-  const int rank = at / in_chunk;  // 0: the heaviest tiles
-  const int group = first + at % in_chunk;
-  return {kHeavy == HeavyTiles::kFirst ? rank : tiles - 1 - rank, group % heads, group / heads};
+  const unsigned g = blockIdx.y + heads * blockIdx.z;
+  const unsigned first = g / chunk * chunk;
+  const unsigned in_chunk = groups - first < chunk ? groups - first : chunk;  // the last chunk may be short
+  const unsigned at = (g - first) * tiles + blockIdx.x;
+  const unsigned rank = at / in_chunk;  // 0: the heaviest tiles
+  const unsigned group = first + at % in_chunk;
+  return {int(kHeavy == HeavyTiles::kFirst ? rank : tiles - 1 - rank), int(group % heads), int(group / heads)};
 }
 
 }  // namespace tc
