@@ -37,9 +37,10 @@ enum class HeavyTiles {
 };
 
 // About two waves of one-CTA-per-SM kernels on an H100. Measured there (the
-// warp-specialised backward, causal, sixteenth session): 256 was as fast as
-// 1024 at S 8k and 7% faster than 512 at S 2k (16 key tiles a group: 1024
-// CTAs span 64 groups, whose Q and dO no longer share L2), 17% than 1024.
+// warp-specialised backward, causal, sixteenth session): at S 8k, 256, 512
+// and 1024 within 1.3% of each other; at S 2k 0.815 ms against 0.837 (512)
+// and 0.957 (1024: 16 key tiles a group, so its chunks span 64 groups, whose
+// Q and dO no longer share L2).
 inline constexpr int kChunkCtas = 256;
 
 template <HeavyTiles kHeavy>
