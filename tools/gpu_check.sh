@@ -31,8 +31,9 @@
 #             three) and SANITIZE_ARGS (the sweep's --training-only / --decode-only / --head-dims)
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
 # benchmarks/bench_decode.py, PYTEST_K to pytest -k.
-# On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min (since grown: see sanitize), a D=128 slice of the benchmark ~70 s;
-# the full grid takes longer, so split stages over calls when a call is time-limited.
+# On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min (since grown: see sanitize), a D=128
+# slice of the benchmark ~70 s; the full grid takes longer, so split stages over calls when a call is
+# time-limited.
 # Logs go to $OUT (or ./gpu_out); each stage prints one summary line, repeated at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,7 +61,6 @@ if has build; then
     find ffi CMakeLists.txt -type f -exec touch {} +
   fi
   if JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
-    spills=$(grep -c "bytes spill stores" "$OUT/build.log" | tr -d ' ')
     nonzero=$(grep "spill stores" "$OUT/build.log" | grep -vc " 0 bytes spill stores")
     mkdir -p build && echo "$src_sum" > build/.sources.sha1
     note "build ok in $((SECONDS - start)) s ($nonzero kernels with spills)"

@@ -120,7 +120,6 @@ __device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, c
   }
 }
 
-
 // ---------------------------------------------------------------- cp.async
 template <typename Tile, typename T>
 struct CpAsyncKvStages {

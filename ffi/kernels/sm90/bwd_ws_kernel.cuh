@@ -86,9 +86,9 @@ struct WsBwdTile {
   // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
   // full and empty.
   static constexpr int kBarriers = 5 + 2 * kStages;
-  // After the barriers: the CTA's place in the grid (tc::GridTile).
-  static constexpr size_t kSmemBytes =
-      2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes + kDqBytes + 8 * kBarriers + 16 + 1024;
+  // After the barriers: the CTA's place in the grid.
+  static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes + kDqBytes +
+                                       8 * kBarriers + sizeof(tc::GridTile) + 1024;
   static_assert((2 * size_t(KVTile::kBytes) + kStages * kStageBytes + kDsBytes) % 1024 == 0,
                 "the dQ staging starts on a swizzle period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
