@@ -404,21 +404,5 @@ Status RunFusedBackward(const BwdParams& p, cudaStream_t stream, Pass&& pass) {
   return CheckLaunch("attention backward (dQ from its sums)");
 }
 
-// The fused backward with a dK/dV kernel that takes only the parameters, over
-// (key blocks, kv heads, batch x splits).
-template <typename T, int kD, auto FusedDkDvKernel>
-Status LaunchFusedBackwardKernels(const BwdParams& p, BwdLaunch dkdv, const CudaDevice& device,
-                                  cudaStream_t stream) {
-  const AttentionShape& sh = p.shape;
-  Status st = EnsureDynamicSmem<FusedDkDvKernel>(dkdv.smem, device);
-  if (!st.ok()) return st;
-  return RunFusedBackward<T, kD>(p, stream, [&] {
-    const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, dkdv.rows)), static_cast<unsigned>(sh.kv_heads),
-                    static_cast<unsigned>(sh.batch * dkdv.splits));
-    FusedDkDvKernel<<<grid, dkdv.threads, dkdv.smem, stream>>>(p);
-    return CheckLaunch("attention backward (dK, dV and dQ sums)");
-  });
-}
-
 }  // namespace tc
 }  // namespace jaxflash

@@ -11,13 +11,9 @@
 //                64 query rows and walks the key tiles they see:
 //                  S = Q·Kᵀ, dP = dO·Vᵀ, dQ += dS·K
 //
-// The fused backward (DkDvKernel<..., kFusedDq = true>) is one pass instead:
-// the dK/dV kernel also writes each step's dS to shared memory (transposed
-// out of the dSᵀ fragments with stmatrix) and adds dQ_tile = dS·K into
-// float32 sums with vector atomics, five products per step instead of seven;
-// a small kernel then converts the sums (common/bwd_blocks.cuh). It needs the
-// caller's sums buffer (BwdParams::dq_accum) and is not bit-reproducible, so
-// deterministic calls run the two kernels.
+// The fused backward (one pass, dQ added into float32 sums) is the
+// warp-specialised kernel of bwd_ws_kernel.cuh; deterministic calls and
+// forced tiles run the two kernels here.
 //
 // The next query (or key) tile streams into the second of two shared-memory
 // stages while the current one is used. Inside a warpgroup the products are
@@ -44,7 +40,6 @@ namespace sm90 {
 // ------------------------------------------------------------ dK, dV
 template <int kD_, int kWarpGroups_, int kM_, int kSplits_ = 1, int kCtasPerSm_ = 1>
 struct DkDvTile {
-  static constexpr bool kWarpSpecialised = false;
   static constexpr int kD = kD_;
   static constexpr int kWarpGroups = kWarpGroups_;
   static constexpr int kN = 64 * kWarpGroups;  // keys per CTA
@@ -64,23 +59,11 @@ struct DkDvTile {
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
   static_assert(kM == 32 || kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
   static_assert(kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
-
-  // The fused backward: a step's dS (kM queries x kN keys) after the stages,
-  // and the dQ block of a step shared by the warpgroups as kM / 64 row blocks
-  // times kDqSplits column blocks of this CTA's kDOut columns.
-  using DsTile = SwizzledTile<kM, kN>;
-  static constexpr size_t kFusedSmemBytes = kSmemBytes + DsTile::kBytes;
-  static constexpr int kDqRowBlocks = kM / 64 > 0 ? kM / 64 : 1;
-  static constexpr int kDqSplits = kWarpGroups / kDqRowBlocks > 0 ? kWarpGroups / kDqRowBlocks : 1;
-  static constexpr int kDqCols = kDOut / kDqSplits;
 };
 
-template <typename T, typename Tile, bool kFusedDq = false>
+template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(const BwdParams p) {
 #if defined(JAXFLASH_SM90A)
-  static_assert(!kFusedDq || (Tile::kM % 64 == 0 && Tile::kDqRowBlocks * Tile::kDqSplits == Tile::kWarpGroups &&
-                               Tile::kDqCols % 64 == 0),
-                "the fused dQ block is whole 64-row blocks by 64-column blocks, one per warpgroup and split");
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kDOut = Tile::kDOut;
   constexpr int kThreads = Tile::kThreads;
   constexpr int kQT = kM / 8, kDT = kDOut / 8;
@@ -99,8 +82,6 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   auto stats = [&](unsigned it) {
     return reinterpret_cast<const float*>(smem_raw + (stage(it) - tc::SmemAddr(smem_raw)) + Tile::kStatsOffset);
   };
-  using DsTile = typename Tile::DsTile;
-  const uint32_t sDs = stage(0) + Tile::kStages * uint32_t(Tile::kStageBytes);  // fused only
 
   const AttentionShape& sh = p.shape;
   const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
@@ -190,43 +171,14 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     tc::KeyMajorDs(s, dp, delta, lane);
     uint32_t da[kM / 16][4];
     tc::PackAFragments<T>(dp, da);
-    if constexpr (kFusedDq) {
-      // dS, queries x keys: this warp's 16 keys become columns of the tile.
-#pragma unroll
-      for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
-      FenceSharedForAsyncProxy();
-    }
     WgmmaFence();
     ProductRS<T, QTile, kM, kDOut>(dk, da, sQ, d_base);
     WgmmaCommit();
-    if constexpr (kFusedDq) {
-      // ---- dQ_tile = dS K once every warp's dS is in place, then its sums
-      WgmmaWait<1>();  // dV is done: pa is free for the dQ accumulator
-      FenceAccumulator(dv);
-      __syncthreads();
-      const int row_block = warpgroup % Tile::kDqRowBlocks;
-      const int head = kv_head * group + it / q_tiles.count;
-      // 64 columns (one swizzle block of K) at a time: 32 accumulator registers.
-      constexpr int kChunk = 64;
-#pragma unroll
-      for (int c = 0; c < Tile::kDqCols; c += kChunk) {
-        const int col0 = d_base + (warpgroup / Tile::kDqRowBlocks) * Tile::kDqCols + c;
-        float dq[kChunk / 8][4];
-        WgmmaFence();
-        ProductSSMn<T, DsTile, KVTile, kN, kChunk>(dq, sDs + row_block * 64 * 128, sK, col0);
-        WgmmaCommit();
-        WgmmaWait<0>();
-        FenceAccumulator(dk);
-        FenceAccumulator(dq);
-        tc::AddQueryGradSums(dq, p, pol.q_valid, batch, head, r0 + row_block * 64 + (warp & 3) * 16, col0, lane);
-      }
-    } else {
-      // The stage is refilled after the next barrier, and pa / da are live
-      // until the products that read them are done.
-      WgmmaWait<0>();
-      FenceAccumulator(dv);
-      FenceAccumulator(dk);
-    }
+    // The stage is refilled after the next barrier, and pa / da are live
+    // until the products that read them are done.
+    WgmmaWait<0>();
+    FenceAccumulator(dv);
+    FenceAccumulator(dk);
   }
 
   tc::StoreKeyGrads<T>(dk, dv, p, batch, kv_head, c0 + key_w, d_base, lane);
@@ -393,16 +345,14 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
       device, stream);
 }
 
-// The fused backward's tile per bucket. At D = 64 and 128 it is the
-// warp-specialised kernel (bwd_ws_kernel.cuh): a TMA producer, consumer
-// warpgroups of 64 keys sharing one dS tile, dQ added by bulk tensor
-// reductions. At D = 64 three consumers (192 keys a CTA) compute a step's dQ
-// in turn: 12% less kernel time than two on an H100 (twelfth session in
-// docs/performance.md); at D = 128 dK and dV leave room for two. At
-// D = 256 it is the dK/dV kernel above with dQ atomics (not the default
-// there: the two kernels measured faster, docs/performance.md), since the
-// warp-specialised tile's dK + dV registers double at D = 256 (254 registers
-// in DkDvKernel's fused tile).
+// The fused backward's tile per bucket: the warp-specialised kernel
+// (bwd_ws_kernel.cuh), a TMA producer and consumer warpgroups sharing a
+// step's dS. At D = 64 and 128 each consumer owns 64 keys: at D = 64 three
+// (192 keys a CTA) compute a step's dQ in turn, 12% less kernel time than two
+// on an H100 (twelfth session in docs/performance.md); at D = 128 dK and dV
+// leave room for two. At D = 256 dK and dV of 64 keys would fill a
+// warpgroup's registers, so two consumers share 64 keys and split the columns
+// (bwd_ws_columns.cuh).
 template <int kD>
 struct FusedBwdTile;
 template <>
@@ -415,7 +365,7 @@ struct FusedBwdTile<128> {
 };
 template <>
 struct FusedBwdTile<256> {
-  using type = DkDvTile<256, 1, 64, 2>;
+  using type = WsBwdColumnTile<256>;
 };
 
 // The backward without dQ sums (deterministic calls, or the fused pass
@@ -433,21 +383,12 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
-  if (tc::UseFusedBackward(p)) {
-    if constexpr (Fused::kWarpSpecialised) {
-      return LaunchWsBackward<T, Fused>(p, device, stream);
-    } else {
-      return tc::LaunchFusedBackwardKernels<T, kD, DkDvKernel<T, Fused, true>>(
-          p, {Fused::kN, Fused::kSplits, Fused::kThreads, Fused::kFusedSmemBytes}, device, stream);
-    }
-  }
+  if (tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
   const bool causal = p.mask.window_right >= 0;
   return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal), [&](auto tile) {
     using Tile = decltype(tile);
-    if constexpr (Fused::kWarpSpecialised) {
-      // (Two consumers: with three, the pass without dQ spills 4 bytes at D 64.)
-      using KeyTile = WsBwdTile<kD, 2, Fused::kM, Fused::kStages, false>;
-      if (!tc::TileForced(p) && p.shape.q_len > 0) return LaunchWsKeyGradsThenDq<T, KeyTile, Tile>(p, device, stream);
+    if (!tc::TileForced(p) && p.shape.q_len > 0) {
+      return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, Tile>(p, device, stream);
     }
     return LaunchBackwardTile<T, Tile>(p, device, stream);
   });

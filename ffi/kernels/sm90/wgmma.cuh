@@ -179,24 +179,26 @@ struct Wgmma;
 
 // One specialisation per (element type, N). The operands after the N/2
 // accumulators are numbered from N/2 on, and PTX wants those numbers as
-// literals: SS and SSMn take desc A (A0), desc B (B0) and the accumulate flag
-// (F0), the accumulators last (a list, hence variadic), SSMn reading B MN-major (the last immediate, the transpose bit of B);
+// literals: SS, SSMn and SSMnAB take desc A (A0), desc B (B0) and the accumulate flag
+// (F0), the accumulators last (a list, hence variadic), SSMn reading B MN-major and SSMnAB
+// both operands (the last two immediates: the transpose bits of A and B);
 // RS takes the four A registers (AREGS), desc B (B1) and the flag (F1), and
 // reads B MN-major.
-#define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                         \
+#define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_A, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                       \
   __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) { \
     asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                   \
                  "mov.b64 da, {" A0 ", " JAXFLASH_DESC_HI "};\nmov.b64 db, {" B0 ", " JAXFLASH_DESC_HI "};\n" \
                  "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"       \
-                 ", p, 1, 1, 0, " TRANSPOSE_B ";\n}\n"                                                  \
+                 ", p, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                                  \
                  : __VA_ARGS__                                                                        \
                  : "r"(a), "r"(b), "r"(int(accumulate)));                                             \
   }
 #define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
   template <>                                                                                         \
   struct Wgmma<CTYPE, N> {                                                                            \
-    JAXFLASH_WGMMA_SS(SS, "0", PTX, N, REGS, A0, B0, F0, ACC)                                         \
-    JAXFLASH_WGMMA_SS(SSMn, "1", PTX, N, REGS, A0, B0, F0, ACC)                                       \
+    JAXFLASH_WGMMA_SS(SS, "0", "0", PTX, N, REGS, A0, B0, F0, ACC)                                    \
+    JAXFLASH_WGMMA_SS(SSMn, "0", "1", PTX, N, REGS, A0, B0, F0, ACC)                                  \
+    JAXFLASH_WGMMA_SS(SSMnAB, "1", "1", PTX, N, REGS, A0, B0, F0, ACC)                                \
     __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
                                               bool accumulate) {                                      \
       asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, " F1 ", 0;\n"                     \
@@ -267,12 +269,25 @@ __device__ __forceinline__ void ForWgmmaSteps(Issue&& issue) {
 // d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
 // B columns [n0, n0 + kCols) of the MN-major BTile at `b` (e.g. dQ = dS·K with
 // K stored key by key).
-template <typename T, typename ATile, typename BTile, int kK, int kCols>
+// kAccumulate: d += A·B (otherwise the first k step overwrites d).
+template <typename T, typename ATile, typename BTile, int kK, int kCols, bool kAccumulate = false>
 __device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
   constexpr int kChunk = kWgmmaChunk<kCols>;
   ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
     Wgmma<T, kChunk>::SSMn(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), KMajorDescriptor<ATile>(a, kk),
-                           MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
+                           MnMajorDescriptor<BTile>(b, kk, n0 + c), kAccumulate || kk > 0);
+  });
+}
+
+// d = A·B as ProductSSMn, with A read MN-major too: `a` is the first of the
+// 64 columns of ATile holding A transposed (rows are the reduction index;
+// e.g. dQ = dS·K from a tile that holds dSᵀ).
+template <typename T, typename ATile, typename BTile, int kK, int kCols>
+__device__ __forceinline__ void ProductSSMnAB(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
+  constexpr int kChunk = kWgmmaChunk<kCols>;
+  ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
+    Wgmma<T, kChunk>::SSMnAB(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), MnMajorDescriptor<ATile>(a, kk, 0),
+                             MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
   });
 }
 
@@ -290,6 +305,18 @@ __device__ __forceinline__ void StoreTransposedFragment(uint32_t tile, const uin
   const uint32_t addr = tile + Tile::ChunkOffset(row0 + (j >> 1) * 8 + (lane & 7), (col0 >> 3) + (j & 1));
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a[0]),
                "r"(a[1]), "r"(a[2]), "r"(a[3])
+               : "memory");
+}
+
+// Writes a warp's 16 x 16 block held as an mma.sync A fragment as it is: block
+// row r to tile row row0 + r, columns [col0, col0 + 16). One stmatrix: lanes
+// 8j..8j+7 name the eight tile rows of 8 x 8 matrix j (a[j]).
+template <typename Tile>
+__device__ __forceinline__ void StoreFragment(uint32_t tile, const uint32_t (&a)[4], int row0, int col0, int lane) {
+  const int j = lane >> 3;
+  const uint32_t addr = tile + Tile::ChunkOffset(row0 + (j & 1) * 8 + (lane & 7), (col0 >> 3) + (j >> 1));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a[0]), "r"(a[1]),
+               "r"(a[2]), "r"(a[3])
                : "memory");
 }
 

@@ -1,0 +1,141 @@
+// The warp-specialised fused backward's consumers at D 256 (sm_90a): two
+// warpgroups share the CTA's 64 keys and split the columns of dK, dV and dQ.
+//
+// At D 256 the key-split consumers (bwd_ws_kernel.cuh) cannot hold dK and dV
+// of their own 64 keys: 256 float registers per thread. Here consumer c keeps
+// columns [128c, 128c + 128) of both (128 registers) and the step's work is
+// divided so that each of the five products is done once:
+//
+//   Sᵀ, dPᵀ    of the 64 keys against the step's query columns [32c, 32c + 32)
+//              (64 x 32 wgmma blocks), then Pᵀ and dSᵀ of those columns,
+//              stored as they are into two shared keys x queries tiles;
+//   once both halves are in (one named barrier, buffers alternating by step):
+//   dQ         = dS·K, columns [128c, 128c + 128), dS read transposed from the
+//              dSᵀ tile, added into the float32 sums with vector atomics
+//              while dV and dK run (no staging tile: at D 256 the stages,
+//              K, V and the two buffers leave no room for one);
+//   dV, dK     += Pᵀ·dO, dSᵀ·Q over the step's 64 queries, columns
+//              [128c, 128c + 128), both operands from shared memory.
+//
+// The producer warp is the key-split kernel's (bwd_ws_roles.cuh); the writer
+// warp has nothing to do.
+#pragma once
+
+#include "common/bwd_blocks.cuh"
+#include "jaxflash/params.h"
+#include "sm90/barrier.cuh"
+#include "sm90/bwd_steps.cuh"
+#include "sm90/bwd_ws_roles.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <int kD_, int kStages_ = 2, bool kWithDq_ = true>
+struct WsBwdColumnTile {
+  static constexpr bool kSharedKeys = true;
+  static constexpr bool kWithDq = kWithDq_;
+  static constexpr bool kStagedDq = false;
+  static constexpr int kD = kD_;
+  static constexpr int kConsumers = 2;
+  static constexpr int kM = 64;                 // query rows per step
+  static constexpr int kN = 64;                 // keys per CTA, shared by the consumers
+  static constexpr int kQueries = kM / kConsumers;  // a consumer's query columns of Sᵀ and dPᵀ
+  static constexpr int kCols = kD / kConsumers;     // a consumer's columns of dK, dV and dQ
+  static constexpr int kStages = kStages_;
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  using WithoutDq = WsBwdColumnTile<kD, kStages, false>;
+  using QTile = SwizzledTile<kM, kD>;
+  using KVTile = SwizzledTile<kN, kD>;
+  using DsTile = SwizzledTile<kN, kM>;  // keys x queries: Pᵀ, then dSᵀ
+  // Two buffers of Pᵀ and dSᵀ: a consumer writes step it + 1's while its
+  // partner's products may still read step it's.
+  static constexpr size_t kDsBytes = 2 * 2 * size_t(DsTile::kBytes);
+  static constexpr size_t kDqBytes = 0;
+  static constexpr int kBarriers = 5 + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
+  static_assert(kQueries == 32 && kCols % 64 == 0, "Sᵀ blocks of 32 queries; whole 64-column blocks of K");
+  static constexpr int kDsBarrier = 1;  // named: both halves of a step's Pᵀ and dSᵀ are in place
+};
+
+template <typename T, typename Tile>
+__device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                                    const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
+  constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kQ = Tile::kQueries, kCols = Tile::kCols;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  using DsTile = typename Tile::DsTile;
+  const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
+  const int lane = tid & 31, warp = tid >> 5;
+  const int key_w = warp * 16;        // this warp's first key
+  const int q0 = consumer * kQ;       // this consumer's first query column of a step
+  const int col0 = consumer * kCols;  // and its first column of dK, dV, dQ
+  const float scale_log2 = p.scale * tc::kLog2e;
+
+  float dk[kCols / 8][4], dv[kCols / 8][4];
+  tc::Zero(dk);
+  tc::Zero(dv);
+  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
+
+  RingPosition<Tile::kStages> ring;
+  for (int it = 0; it < w.steps; ++it) {
+    const int r0 = w.Row0(it);
+    const int s = ring.stage;
+    const uint32_t sQ = sm.Q(s), sdO = sm.DO(s);
+    const float* lse = sm.StatsPointer(stats_base, s);
+    const float* delta = lse + kM;
+    MBarrier::Wait(sm.Full(s), ring.parity);
+
+    // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
+    // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
+    float st[kQ / 8][4], dp[kQ / 8][4];
+    KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, sQ + q0 * 128, sdO + q0 * 128, w.pol, r0 + q0,
+                                             w.C0(), w.C0() + key_w, kN, lse + q0, lane, scale_log2);
+    WgmmaWait<0>();
+    FenceAccumulator(dp);
+    uint32_t pa[kQ / 16][4], da[kQ / 16][4];
+    tc::PackAFragments<T>(st, pa);
+    tc::KeyMajorDs(st, dp, delta + q0, lane);
+    tc::PackAFragments<T>(dp, da);
+    const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+      StoreFragment<DsTile>(sP, pa[kk], key_w, q0 + kk * 16, lane);
+      StoreFragment<DsTile>(sDs, da[kk], key_w, q0 + kk * 16, lane);
+    }
+    FenceSharedForAsyncProxy();
+    NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
+
+    // ---- dQ first, so its sums are added while dV and dK run.
+    if constexpr (Tile::kWithDq) {
+      float dq[kCols / 8][4];
+      WgmmaFence();
+      ProductSSMnAB<T, DsTile, KVTile, kN, kCols>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, sdO, col0);
+      WgmmaCommit();
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, sQ, col0);
+      WgmmaCommit();
+      WgmmaWait<2>();
+      FenceAccumulator(dq);
+      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), r0 + warp * 16, col0, lane);
+    } else {
+      WgmmaFence();
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, sdO, col0);
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, sQ, col0);
+      WgmmaCommit();
+    }
+    WgmmaWait<0>();
+    FenceAccumulator(dv);
+    FenceAccumulator(dk);
+    MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read
+    ring.Advance();
+  }
+
+  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
+}
+
+}  // namespace sm90
+}  // namespace jaxflash

@@ -1,0 +1,230 @@
+// The roles of the warp-specialised fused backward (bwd_ws_kernel.cuh) that
+// do not depend on how its consumers split the work: the shared-memory
+// layout, the CTA's place and walk, the producer warp (K and V once, then Q,
+// dO and the rows' statistics per step through the TMA) and the dQ writer
+// (staged dQ into the float32 sums by bulk tensor reductions). A Tile says
+// what the consumers need: tiles, stages, dS buffers and dQ staging.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "common/bwd_blocks.cuh"
+#include "common/grid_order.cuh"
+#include "common/launch_util.cuh"
+#include "common/mask.h"
+#include "jaxflash/params.h"
+#include "sm90/barrier.cuh"
+#include "sm90/tma.cuh"
+#include "sm90/wgmma.cuh"
+
+namespace jaxflash {
+namespace sm90 {
+
+template <typename Tile>
+struct WsBwdSmem {
+  // Per stage Q and dO (whole swizzle periods), the dS buffers and the dQ
+  // staging (also swizzled), then per stage kM LSE and kM delta values: kept
+  // out of the stages, so that at D 256 none is rounded up to 1024 bytes.
+  static constexpr size_t kStageBytes = 2 * size_t(Tile::QTile::kBytes);
+  static constexpr size_t kStatsBytes = Tile::kStages * 2 * Tile::kM * sizeof(float);
+  static constexpr size_t kBytes = 2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes +
+                                   Tile::kDqBytes + kStatsBytes + 8 * Tile::kBarriers + sizeof(tc::GridTile);
+  static_assert((2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes) % 1024 == 0,
+                "the dQ staging starts on a swizzle period");
+  // What a launch asks for: the base is aligned up to a swizzle period.
+  static constexpr size_t kLaunchBytes = kBytes + 1024;
+  static_assert(kLaunchBytes <= 227 * 1024, "shared memory of one CTA");
+  uint32_t k, v, stages, ds, dq, stats, bars, place;
+
+  __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {
+    WsBwdSmem s;
+    s.k = base;
+    s.v = s.k + Tile::KVTile::kBytes;
+    s.stages = s.v + Tile::KVTile::kBytes;
+    s.ds = s.stages + Tile::kStages * uint32_t(kStageBytes);
+    s.dq = s.ds + uint32_t(Tile::kDsBytes);
+    s.stats = s.dq + uint32_t(Tile::kDqBytes);
+    s.bars = s.stats + uint32_t(kStatsBytes);
+    s.place = s.bars + 8 * Tile::kBarriers;
+    return s;
+  }
+  __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(kStageBytes); }
+  __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
+  // A stage's LSE (then delta) values as a pointer, from the first stage's.
+  __device__ __forceinline__ static float* StatsPointer(float* first, int stage) { return first + stage * 2 * Tile::kM; }
+  // The dS buffer of step `it` (two, alternating).
+  __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * uint32_t(Tile::kDsBytes / 2); }
+  __device__ __forceinline__ uint32_t KvFull() const { return bars; }
+  __device__ __forceinline__ uint32_t KvTail() const { return bars + 8; }
+  __device__ __forceinline__ uint32_t QTail() const { return bars + 16; }
+  __device__ __forceinline__ uint32_t DqFull() const { return bars + 24; }
+  __device__ __forceinline__ uint32_t DqEmpty() const { return bars + 32; }
+  __device__ __forceinline__ uint32_t Full(int s) const { return bars + 40 + 8 * s; }
+  __device__ __forceinline__ uint32_t Empty(int s) const { return Full(Tile::kStages + s); }
+
+  // Every thread that wrote (or read) a buffer with ordinary instructions
+  // arrives itself, so each access is ordered by its own thread's arrival
+  // (and compute-sanitizer's racecheck sees that it is).
+  __device__ __forceinline__ void InitBarriers() const {
+    constexpr int kConsumerThreads = 128 * Tile::kConsumers;
+    MBarrier::Init(KvFull(), 32);  // the producer warp's lanes (plus the copied bytes)
+    MBarrier::Init(KvTail(), 1);
+    MBarrier::Init(QTail(), 1);
+    if constexpr (Tile::kStagedDq) {
+      MBarrier::Init(DqFull(), 128 * Tile::kDqWriters);  // every staging consumer thread has written its share
+      MBarrier::Init(DqEmpty(), 1);                      // the writer's bulk reductions have read the tile
+    }
+    for (int s = 0; s < Tile::kStages; ++s) {
+      MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
+      MBarrier::Init(Empty(s), kConsumerThreads);  // every consumer thread is done with the stage
+    }
+    MBarrier::FenceInit();
+  }
+};
+
+// What every role derives from the CTA's place: its keys, the query tiles
+// that see them (per head of the group) and step `it`'s head and first row.
+// The place itself (key tile, kv head, batch: grid_order.cuh) is read from
+// shared memory where it is used: ordered places are computed values, and
+// held through the loop the consumers have no registers for them (ptxas
+// spills at D 64), where a grid-order place was an index read again for free.
+template <typename Tile>
+struct WsBwdWork {
+  uint32_t place;  // shared-memory address of the tc::GridTile
+  MaskPolicy pol;
+  tc::QueryTiles q_tiles;
+  int group, steps;
+
+  __device__ __forceinline__ static WsBwdWork At(const BwdParams& p, uint32_t place) {
+    WsBwdWork w;
+    const AttentionShape& sh = p.shape;
+    w.place = place;
+    w.group = static_cast<int>(sh.group_size());
+    w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
+                            p.kv_lengths, w.Batch());
+    w.q_tiles = tc::QueryTileRange<Tile::kM, Tile::kN>(w.pol, w.C0());
+    w.steps = w.group * w.q_tiles.count;
+    return w;
+  }
+  __device__ __forceinline__ int KvHead() const { return Field(offsetof(tc::GridTile, y)); }
+  __device__ __forceinline__ int Batch() const { return Field(offsetof(tc::GridTile, z)); }
+  __device__ __forceinline__ int C0() const { return Field(offsetof(tc::GridTile, tile)) * Tile::kN; }  // first key
+  __device__ __forceinline__ int Field(uint32_t offset) const {
+    int v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(place + offset));
+    return v;
+  }
+  __device__ __forceinline__ int Head(int it) const { return KvHead() * group + it / q_tiles.count; }
+  __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
+};
+
+// ------------------------------------------------------------------ producer
+template <typename Tile>
+__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w, float* stats_base, const CUtensorMap& q_map,
+                                              const CUtensorMap& do_map, const CUtensorMap& k_map,
+                                              const CUtensorMap& v_map) {
+  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+  using QTile = typename Tile::QTile;
+  using KVTile = typename Tile::KVTile;
+  const AttentionShape& sh = p.shape;
+  const int lane = threadIdx.x & 31;
+  const int q_len = static_cast<int>(sh.q_len);
+  if (w.steps == 0) return;  // no query sees these keys: the consumers store zeros
+  if (lane == 0) {
+    PrefetchTensorMap(q_map);
+    PrefetchTensorMap(do_map);
+    PrefetchTensorMap(k_map);
+    PrefetchTensorMap(v_map);
+  }
+  // K and V of the CTA's keys, once. A full barrier of the producer's
+  // completes with its 32 lanes' arrivals and the copied bytes: lane 0 issues
+  // the copies onto it, or, for a ragged tail, onto the tail barrier, and
+  // every lane zeroes the padding rows once they land (a NaN there would
+  // reach dQ through dS = 0 times it; a visited key tile starts before
+  // kv_valid).
+  const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.C0() + kN > w.pol.kv_valid;
+  if (lane == 0) {
+    const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
+    MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
+    for (int b = 0; b < kBlocks; ++b) {
+      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+    }
+  }
+  if (kv_tail) {
+    MBarrier::Wait(sm.KvTail(), 0);
+    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
+    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
+    FenceSharedForAsyncProxy();
+  }
+  if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
+
+  RingPosition<Tile::kStages> ring;
+  uint32_t tail_parity = 0;
+  for (int it = 0; it < w.steps; ++it) {
+    const int head = w.Head(it), r0 = w.Row0(it);
+    const int s = ring.stage;
+    MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
+    // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
+    float* stats = sm.StatsPointer(stats_base, s);
+    const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + head) * sh.q_len + r0;
+    for (int i = lane; i < kM; i += 32) {
+      const bool ok = r0 + i < q_len;
+      stats[i] = ok ? p.lse[row_off + i] : 0.f;
+      stats[kM + i] = ok ? p.delta[row_off + i] : 0.f;
+    }
+    const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
+    if (lane == 0) {
+      const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
+      MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
+      for (int b = 0; b < kBlocks; ++b) {
+        TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
+        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
+      }
+    }
+    if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
+      MBarrier::Wait(sm.QTail(), tail_parity);
+      __syncwarp();  // every lane has seen this phase before lane 0 can start the next one
+      tail_parity ^= 1;
+      const int first = MaxInt(w.pol.q_valid - r0, 0);
+      ZeroTileRows<QTile>(sm.Q(s), first, lane);
+      ZeroTileRows<QTile>(sm.DO(s), first, lane);
+      FenceSharedForAsyncProxy();
+    }
+    if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written
+    ring.Advance();
+  }
+}
+
+// ------------------------------------------------------------------ dQ writer
+// One lane: per step, the staged tile goes into the sums of its (batch, head,
+// rows) with one bulk tensor reduction per 32-column block; the tile is free
+// once the copy engine has read it. Rows past q_len are clipped by the map;
+// rows in [q_valid, q_len) (padding queries) add into sums DqFromSumsKernel
+// never reads.
+template <typename Tile>
+__device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
+                                              const CUtensorMap& dq_map) {
+  using DqStage = typename Tile::DqStage;
+  static_assert(Tile::kStagedDq, "a tile with a dQ staging tile");
+  if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
+  PrefetchTensorMap(dq_map);
+  for (int it = 0; it < w.steps; ++it) {
+    MBarrier::Wait(sm.DqFull(), it & 1);
+#pragma unroll
+    for (int b = 0; b < DqStage::kBlocks; ++b) {
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, w.Head(it), w.Row0(it), w.Batch());
+    }
+    TmaStoreCommit();
+    TmaStoreWaitRead<0>();
+    MBarrier::Arrive(sm.DqEmpty());
+  }
+  TmaStoreWait<0>();  // the sums are complete before the CTA retires
+}
+
+}  // namespace sm90
+}  // namespace jaxflash
