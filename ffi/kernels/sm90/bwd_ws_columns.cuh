@@ -81,23 +81,18 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
 
   RingPosition<Tile::kStages> ring;
   for (int it = 0; it < w.steps; ++it) {
-    const int r0 = w.Row0(it);
-    const int s = ring.stage;
-    const uint32_t sQ = sm.Q(s), sdO = sm.DO(s);
-    const float* lse = sm.StatsPointer(stats_base, s);
-    const float* delta = lse + kM;
-    MBarrier::Wait(sm.Full(s), ring.parity);
+    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
 
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
-    KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, sQ + q0 * 128, sdO + q0 * 128, w.pol, r0 + q0,
-                                             w.C0(), w.C0() + key_w, kN, lse + q0, lane, scale_log2);
+    KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
+                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
     tc::PackAFragments<T>(st, pa);
-    tc::KeyMajorDs(st, dp, delta + q0, lane);
+    tc::KeyMajorDs(st, dp, in.delta + q0, lane);
     tc::PackAFragments<T>(dp, da);
     const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
 #pragma unroll
@@ -114,23 +109,23 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
       WgmmaFence();
       ProductSSMnAB<T, DsTile, KVTile, kN, kCols>(dq, sDs, sm.k, col0);
       WgmmaCommit();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, sdO, col0);
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, in.d_o, col0);
       WgmmaCommit();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, sQ, col0);
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, in.q, col0);
       WgmmaCommit();
       WgmmaWait<2>();
       FenceAccumulator(dq);
-      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), r0 + warp * 16, col0, lane);
+      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), in.r0 + warp * 16, col0, lane);
     } else {
       WgmmaFence();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, sdO, col0);
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, sQ, col0);
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, in.d_o, col0);
+      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, in.q, col0);
       WgmmaCommit();
     }
     WgmmaWait<0>();
     FenceAccumulator(dv);
     FenceAccumulator(dk);
-    MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read
+    MBarrier::Arrive(sm.Empty(ring.stage));  // Q, dO and the stats are read
     ring.Advance();
   }
 

@@ -136,25 +136,20 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
 
   RingPosition<Tile::kStages> ring;
   for (int it = 0; it < w.steps; ++it) {
-    const int r0 = w.Row0(it);
-    const int s = ring.stage;
-    const uint32_t sQ = sm.Q(s), sdO = sm.DO(s);
-    const float* lse = sm.StatsPointer(stats_base, s);
-    const float* delta = lse + kM;
-    MBarrier::Wait(sm.Full(s), ring.parity);
+    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
 
     // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ. Both are packed only once dSᵀ
     // is done, so Pᵀ in float32 and its packed form are never live together
     // (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's
     // products cover this warpgroup's element-wise work).
     float st[kQT][4], dp[kQT][4];
-    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, sQ, sdO, w.pol, r0, w.C0(), w.C0() + key_w, kN,
-                                             lse, lane, scale_log2);
+    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0(),
+                                             w.C0() + key_w, kN, in.lse, lane, scale_log2);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     tc::PackAFragments<T>(st, pa);
-    tc::KeyMajorDs(st, dp, delta, lane);
+    tc::KeyMajorDs(st, dp, in.delta, lane);
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ); dV += Pᵀ dO
@@ -165,7 +160,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       FenceSharedForAsyncProxy();
     }
     WgmmaFence();
-    ProductRS<T, QTile, kM, kD>(dv, pa, sdO, 0);
+    ProductRS<T, QTile, kM, kD>(dv, pa, in.d_o, 0);
     WgmmaCommit();
 
     // ---- dQ = dS K over all kN keys, once every consumer's dS is in place,
@@ -180,7 +175,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaFence();
       ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
       WgmmaCommit();
-      ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+      ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
       WgmmaCommit();
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
@@ -207,13 +202,13 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     } else {
       if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
       WgmmaFence();
-      ProductRS<T, QTile, kM, kD>(dk, da, sQ, 0);
+      ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
       WgmmaCommit();
     }
     WgmmaWait<0>();
     FenceAccumulator(dv);
     FenceAccumulator(dk);
-    MBarrier::Arrive(sm.Empty(s));  // Q, dO and the stats are read (dK, dV done)
+    MBarrier::Arrive(sm.Empty(ring.stage));  // Q, dO and the stats are read (dK, dV done)
     ring.Advance();
   }
 

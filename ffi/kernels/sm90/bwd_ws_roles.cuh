@@ -54,7 +54,9 @@ struct WsBwdSmem {
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(kStageBytes); }
   __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
   // A stage's LSE (then delta) values as a pointer, from the first stage's.
-  __device__ __forceinline__ static float* StatsPointer(float* first, int stage) { return first + stage * 2 * Tile::kM; }
+  __device__ __forceinline__ static float* StatsPointer(float* first, int stage) {
+    return first + stage * 2 * Tile::kM;
+  }
   // The dS buffer of step `it` (two, alternating).
   __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * uint32_t(Tile::kDsBytes / 2); }
   __device__ __forceinline__ uint32_t KvFull() const { return bars; }
@@ -120,6 +122,29 @@ struct WsBwdWork {
   __device__ __forceinline__ int Head(int it) const { return KvHead() * group + it / q_tiles.count; }
   __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
 };
+
+// ------------------------------------------------------------------ a consumer's step
+// What every consumer kind reads in step `it`: its first query row and the
+// stage's Q, dO, LSE and delta, returned once the producer has filled the
+// stage (the caller releases it on sm.Empty).
+struct WsBwdStage {
+  int r0;
+  uint32_t q, d_o;
+  const float* lse;
+  const float* delta;
+};
+template <typename Tile>
+__device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
+                                                   float* stats_base, const RingPosition<Tile::kStages>& ring, int it) {
+  WsBwdStage st;
+  st.r0 = w.Row0(it);
+  st.q = sm.Q(ring.stage);
+  st.d_o = sm.DO(ring.stage);
+  st.lse = sm.StatsPointer(stats_base, ring.stage);
+  st.delta = st.lse + Tile::kM;
+  MBarrier::Wait(sm.Full(ring.stage), ring.parity);
+  return st;
+}
 
 // ------------------------------------------------------------------ producer
 template <typename Tile>
