@@ -9,7 +9,7 @@ ideal (total work / slots) for the grid's order, for the chunked order of
 grid_order.cuh, and for all CTAs heaviest first. A model, not a measurement:
 docs/performance.md holds what the GPU did.
 
-    python tools/grid_order_model.py [--slots 132] [--chunk-ctas 512]
+    python tools/grid_order_model.py [--slots 132] [--chunk-ctas 256]
 """
 
 import argparse

@@ -400,12 +400,12 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
 
 // Whether the TMA loader takes a call of a tile whose head dim is whole
 // 64-column blocks (on a GPU that runs sm_90a code): dense K/V, or pages of a
-// power-of-two size of at least 8 keys, whose boxes start on whole swizzle atoms. Pages shorter
-// than a key tile cost a TMA request each (up to 8 per tile instead of 1);
-// 16-row tiles, which wait on memory, still gain, but 64-row ones, whose
-// warps compute 4x as much per tile, lost to cp.async there (H100, page 16,
-// q_len 16: 359 vs 334 us at B 8, 446 vs 427 at B 64; fifteenth session in
-// docs/performance.md). Other pages and the 32 and 96 buckets keep cp.async.
+// power-of-two size of at least 8 keys, whose boxes start on whole swizzle
+// atoms. Pages shorter than a key tile cost a TMA request each (up to 8 per tile
+// instead of 1); 16-row tiles, which wait on memory, still gain, but 64-row
+// ones, whose warps compute 4x as much per tile, lost to cp.async there (H100,
+// page 16, q_len 16: 359 vs 334 us at B 8, 446 vs 427 at B 64; fifteenth session
+// in docs/performance.md). Other pages and the 32 and 96 buckets keep cp.async.
 template <typename Tile>
 bool TmaLoaderTakes(const FwdParams& p) {
   if (p.paged.table == nullptr) return true;

@@ -7,10 +7,10 @@
 //     landed when the thread's copy group has (the kernel then meets the CTA).
 //   TmaKvStages (sm_90a): a few threads have the tensor-memory accelerator
 //     copy whole boxes into 128-byte-swizzled tiles (sm90/wgmma.cuh); a stage
-//     has landed when its mbarrier has counted the bytes. Streaming a decode step's K/V
-//     on an H100, TMA boxes read 3.00-3.07 TB/s where 16-byte cp.async copies
-//     read 2.84-2.91 (docs/performance.md, fifteenth session): the decode
-//     kernel is bound by that rate.
+//     has landed when its mbarrier has counted the bytes. Streaming a decode
+//     step's K/V on an H100, TMA boxes read 3.00-3.07 TB/s where 16-byte
+//     cp.async copies read 2.84-2.91 (docs/performance.md, fifteenth
+//     session): the decode kernel is bound by that rate.
 //
 // What the kernel calls:
 //   Init()                  before the first copy (the CTA meets inside)

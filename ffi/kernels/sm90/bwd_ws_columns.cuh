@@ -103,24 +103,23 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     FenceSharedForAsyncProxy();
     NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
 
-    // ---- dQ first, so its sums are added while dV and dK run.
+    // ---- dQ first (fused), so its sums are added while dV and dK run.
+    auto key_grads = [&] {
+      ProductSSMn<T, DsTile, QTile, kM, kCols>(dv, sP, in.d_o, col0, /*accumulate=*/true);
+      ProductSSMn<T, DsTile, QTile, kM, kCols>(dk, sDs, in.q, col0, /*accumulate=*/true);
+      WgmmaCommit();
+    };
+    WgmmaFence();
     if constexpr (Tile::kWithDq) {
       float dq[kCols / 8][4];
-      WgmmaFence();
-      ProductSSMnAB<T, DsTile, KVTile, kN, kCols>(dq, sDs, sm.k, col0);
+      ProductSSMn<T, DsTile, KVTile, kN, kCols, Major::kMn>(dq, sDs, sm.k, col0);
       WgmmaCommit();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, in.d_o, col0);
-      WgmmaCommit();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, in.q, col0);
-      WgmmaCommit();
-      WgmmaWait<2>();
+      key_grads();
+      WgmmaWait<1>();
       FenceAccumulator(dq);
       tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), in.r0 + warp * 16, col0, lane);
     } else {
-      WgmmaFence();
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dv, sP, in.d_o, col0);
-      ProductSSMn<T, DsTile, QTile, kM, kCols, true>(dk, sDs, in.q, col0);
-      WgmmaCommit();
+      key_grads();
     }
     WgmmaWait<0>();
     FenceAccumulator(dv);

@@ -266,32 +266,31 @@ __device__ __forceinline__ void ForWgmmaSteps(Issue&& issue) {
     for (int c = 0; c < kCols; c += kChunk) issue(kk, c);
 }
 
+// How an operand's tile is stored: K-major (rows are M or N, columns the
+// reduction index) or MN-major (rows are the reduction index).
+enum class Major { kK, kMn };
+
 // d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
-// B columns [n0, n0 + kCols) of the MN-major BTile at `b` (e.g. dQ = dS·K with
-// K stored key by key).
-// kAccumulate: d += A·B (otherwise the first k step overwrites d).
-template <typename T, typename ATile, typename BTile, int kK, int kCols, bool kAccumulate = false>
-__device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
+// or with kA = Major::kMn the 64 columns at `a` of an ATile that holds A
+// transposed (e.g. dS from a tile of dSᵀ); B columns [n0, n0 + kCols) of the
+// MN-major BTile at `b` (e.g. dQ = dS·K with K stored key by key).
+// `accumulate`: d += A·B (otherwise the first k step overwrites d).
+template <typename T, typename ATile, typename BTile, int kK, int kCols, Major kA = Major::kK>
+__device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0,
+                                            bool accumulate = false) {
   constexpr int kChunk = kWgmmaChunk<kCols>;
   ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
-    Wgmma<T, kChunk>::SSMn(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), KMajorDescriptor<ATile>(a, kk),
-                           MnMajorDescriptor<BTile>(b, kk, n0 + c), kAccumulate || kk > 0);
+    auto& acc = reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]);
+    const uint32_t b_desc = MnMajorDescriptor<BTile>(b, kk, n0 + c);
+    if constexpr (kA == Major::kMn) {
+      Wgmma<T, kChunk>::SSMnAB(acc, MnMajorDescriptor<ATile>(a, kk, 0), b_desc, accumulate || kk > 0);
+    } else {
+      Wgmma<T, kChunk>::SSMn(acc, KMajorDescriptor<ATile>(a, kk), b_desc, accumulate || kk > 0);
+    }
   });
 }
 
-// d = A·B as ProductSSMn, with A read MN-major too: `a` is the first of the
-// 64 columns of ATile holding A transposed (rows are the reduction index;
-// e.g. dQ = dS·K from a tile that holds dSᵀ).
-template <typename T, typename ATile, typename BTile, int kK, int kCols>
-__device__ __forceinline__ void ProductSSMnAB(float (&d)[kCols / 8][4], uint32_t a, uint32_t b, int n0) {
-  constexpr int kChunk = kWgmmaChunk<kCols>;
-  ForWgmmaSteps<kK, kCols>([&](int kk, int c) {
-    Wgmma<T, kChunk>::SSMnAB(reinterpret_cast<float(&)[kChunk / 2]>(d[c / 8]), MnMajorDescriptor<ATile>(a, kk, 0),
-                             MnMajorDescriptor<BTile>(b, kk, n0 + c), kk > 0);
-  });
-}
-
-// ------------------------------------------------------------ transposed stores
+// ------------------------------------------------------------ fragment stores
 // Writes the transpose of a warp's 16 x 16 block held as an mma.sync A
 // fragment (PackAFragment: rows r of the block in a[0], a[2] for r < 8 and
 // a[1], a[3] for r >= 8; columns 0-7 in a[0], a[1], 8-15 in a[2], a[3]) into
