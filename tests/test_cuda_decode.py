@@ -51,6 +51,16 @@ def test_decode_masks_and_splits(rng, shape, mask_name, splits):
   check_forward(rng, shape, mask_name, jnp.bfloat16, num_splits=splits)
 
 
+@pytest.mark.parametrize("splits", [12, 20, 100])
+@pytest.mark.parametrize("D", [128, 256])
+def test_merge_rows_shared_by_warps(rng, D, splits):
+  """The merge's layouts with 2, 4 and 8 warps per row (two rounds of loads
+  at 100 splits, most of them empty) on 5 rows, so a block's last rows are
+  past the end; D 256 takes two column chunks."""
+  _poison_allocator()
+  check_forward(rng, (1, 1, 1000, 5, 1, D), "lengths_causal_bottom_right", jnp.bfloat16, num_splits=splits)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("candidate", [1, 2])
 @pytest.mark.parametrize("shape", [(2, 1, 300, 8, 1, 64), (1, 6, 400, 8, 1, 128),

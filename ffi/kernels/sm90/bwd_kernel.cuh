@@ -361,7 +361,7 @@ struct FusedBwdTile<64> {
 };
 template <>
 struct FusedBwdTile<128> {
-  using type = WsBwdTile<128, 2, 64, 2, true, true>;
+  using type = WsBwdTile<128>;
 };
 template <>
 struct FusedBwdTile<256> {

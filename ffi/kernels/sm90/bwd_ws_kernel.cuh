@@ -58,7 +58,7 @@ namespace sm90 {
 
 // kWithDq = false: dK and dV only (the deterministic backward's first pass,
 // before the dQ kernel): no dS tile, no dQ staging, no writer.
-template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true, bool kDqInTurns_ = false>
+template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   static constexpr bool kWithDq = kWithDq_;
@@ -74,7 +74,7 @@ struct WsBwdTile {
   using WithoutDq = WsBwdTile<kD, 2, kM, kStages, false>;
   // dQ of a step: split in 64-column blocks over the consumers, or (one
   // block) computed whole by consumer `step % kConsumers`.
-  static constexpr bool kDqByColumns = !kDqInTurns_ && kD / kConsumers >= 64;
+  static constexpr bool kDqByColumns = kD / kConsumers >= 64;
   static constexpr int kDqCols = kDqByColumns ? kD / kConsumers : kD;  // dQ columns per computing consumer
   static constexpr int kDqWriters = kDqByColumns ? kConsumers : 1;     // consumers staging each step
   using QTile = SwizzledTile<kM, kD>;
@@ -92,7 +92,7 @@ struct WsBwdTile {
   // full and empty.
   static constexpr int kBarriers = 5 + 2 * kStages;
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
-  static_assert(kDqCols <= 128, "a consumer's dQ columns");
+  static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over (at
   // 24 the producer spills).
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
@@ -170,42 +170,31 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
     if (Tile::kWithDq && (Tile::kDqByColumns || it % Tile::kConsumers == consumer)) {
       NamedBarrierSync(barrier, 128 * Tile::kConsumers);
-      // dQ in 64-column blocks through one set of 32 registers: the first
-      // block's product runs beside dK, later ones after the block before has
-      // been staged (a whole 128-column dQ beside dK, dV and dSᵀ spills).
+      const int col0 = Tile::kDqByColumns ? consumer * kDqCols : 0;
+      float dq[kDqCols / 8][4];
+      WgmmaFence();
+      ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
+      WgmmaCommit();
+      WgmmaWait<1>();  // dV and dQ
+      FenceAccumulator(dq);
+      MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+      // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
+      // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
+      // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
+      // where the same order for every lane takes two.
+      const int flip = Tile::kFlipStaging ? t & 2 : 0;
 #pragma unroll
-      for (int block = 0; block < kDqCols / 64; ++block) {
-        const int col0 = (Tile::kDqByColumns ? consumer * kDqCols : 0) + block * 64;
-        float dq[8][4];
-        WgmmaFence();
-        ProductSSMn<T, DsTile, KVTile, kN, 64>(dq, sDs, sm.k, col0);
-        WgmmaCommit();
-        if (block == 0) {
-          ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
-          WgmmaCommit();
-          WgmmaWait<1>();  // dV and dQ
-          FenceAccumulator(dq);
-          MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-        } else {
-          WgmmaWait<0>();
-          FenceAccumulator(dq);
-        }
-        // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
-        // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle
-        // phase each) hit 8 different 16-byte chunks: one wavefront per
-        // half-warp, where the same order for every lane takes two.
-        const int flip = Tile::kFlipStaging ? t & 2 : 0;
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + g + half * 8;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = warp * 16 + g + half * 8;
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
-            const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
-            const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
-            const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
-          }
+        for (int k = 0; k < kDqCols / 8; ++k) {
+          const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
+          const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
+          const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
+          const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
         }
       }
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
