@@ -99,8 +99,9 @@ def candidate_sweep(rng):
 
 
 # Decode shapes (q_len 1..16, GQA 1/4/8), forced splits including more splits
-# than key tiles (and merges whose last block has rows past the end), and paged caches whose tables hold out-of-range entries and
-# whose lengths run past the table: the kernels must clamp, never read outside.
+# than key tiles (and merges whose last block has rows past the end), and
+# paged caches whose tables hold out-of-range entries and whose lengths run
+# past the table: the kernels must clamp, never read outside.
 DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 2, 32),
                  (1, 5, 200, 4, 1, 256), (1, 1, 300, 5, 1, 128)]
 
