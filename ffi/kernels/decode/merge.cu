@@ -37,6 +37,8 @@ inline int WarpsPerRow(int splits) {
   return w;
 }
 
+// The minimum of one block a multiprocessor: without it ptxas aimed at full
+// occupancy, capped the kernel at 40 registers and spilled.
 template <typename T>
 __global__ void __launch_bounds__(32 * kWarps, 1) MergeSplitsKernel(const FwdParams p, int warps_per_row) {
   __shared__ float4 partial[kWarps][32];
