@@ -75,9 +75,7 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
   const float scale_log2 = p.scale * tc::kLog2e;
 
   float dk[kCols / 8][4], dv[kCols / 8][4];
-  tc::Zero(dk);
-  tc::Zero(dv);
-  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
+  StartKeyGrads(sm, w, dk, dv);
 
   RingPosition<Tile::kStages> ring;
   for (int it = 0; it < w.steps; ++it) {
@@ -121,11 +119,7 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     } else {
       key_grads();
     }
-    WgmmaWait<0>();
-    FenceAccumulator(dv);
-    FenceAccumulator(dk);
-    MBarrier::Arrive(sm.Empty(ring.stage));  // Q, dO and the stats are read
-    ring.Advance();
+    FinishStep(sm, ring, dk, dv);
   }
 
   tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);

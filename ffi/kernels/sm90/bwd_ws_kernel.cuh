@@ -130,9 +130,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   const float scale_log2 = p.scale * tc::kLog2e;
 
   float dk[kDT][4], dv[kDT][4];
-  tc::Zero(dk);
-  tc::Zero(dv);
-  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
+  StartKeyGrads(sm, w, dk, dv);
 
   RingPosition<Tile::kStages> ring;
   for (int it = 0; it < w.steps; ++it) {
@@ -205,11 +203,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
       WgmmaCommit();
     }
-    WgmmaWait<0>();
-    FenceAccumulator(dv);
-    FenceAccumulator(dk);
-    MBarrier::Arrive(sm.Empty(ring.stage));  // Q, dO and the stats are read (dK, dV done)
-    ring.Advance();
+    FinishStep(sm, ring, dk, dv);
   }
 
   tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, 0, lane);

@@ -1,8 +1,9 @@
 // The roles of the warp-specialised fused backward (bwd_ws_kernel.cuh) that
 // do not depend on how its consumers split the work: the shared-memory
 // layout, the CTA's place and walk, the producer warp (K and V once, then Q,
-// dO and the rows' statistics per step through the TMA) and the dQ writer
-// (staged dQ into the float32 sums by bulk tensor reductions). A Tile says
+// dO and the rows' statistics per step through the TMA), the dQ writer
+// (staged dQ into the float32 sums by bulk tensor reductions) and the frame
+// of a consumer's walk (StartKeyGrads, WaitForStage, FinishStep). A Tile says
 // what the consumers need: tiles, stages, dS buffers and dQ staging.
 #pragma once
 
@@ -144,6 +145,28 @@ __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm, co
   st.delta = st.lse + Tile::kM;
   MBarrier::Wait(sm.Full(ring.stage), ring.parity);
   return st;
+}
+
+// A consumer's start: dK and dV zeroed, and (when it has a step) K and V of
+// the CTA's keys landed.
+template <typename Tile, int kCT>
+__device__ __forceinline__ void StartKeyGrads(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
+                                              float (&dk)[kCT][4], float (&dv)[kCT][4]) {
+  tc::Zero(dk);
+  tc::Zero(dv);
+  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
+}
+
+// A consumer's step end: its dV and dK products are done, so Q, dO and the
+// stats of the stage are read; the stage goes back to the producer.
+template <typename Tile, int kCT>
+__device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPosition<Tile::kStages>& ring,
+                                           float (&dk)[kCT][4], float (&dv)[kCT][4]) {
+  WgmmaWait<0>();
+  FenceAccumulator(dv);
+  FenceAccumulator(dk);
+  MBarrier::Arrive(sm.Empty(ring.stage));
+  ring.Advance();
 }
 
 // ------------------------------------------------------------------ producer

@@ -179,19 +179,19 @@ struct Wgmma;
 
 // One specialisation per (element type, N). The operands after the N/2
 // accumulators are numbered from N/2 on, and PTX wants those numbers as
-// literals: SS, SSMn and SSMnAB take desc A (A0), desc B (B0) and the accumulate flag
-// (F0), the accumulators last (a list, hence variadic), SSMn reading B MN-major and SSMnAB
-// both operands (the last two immediates: the transpose bits of A and B);
-// RS takes the four A registers (AREGS), desc B (B1) and the flag (F1), and
-// reads B MN-major.
-#define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_A, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                       \
-  __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) { \
-    asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                   \
+// literals: SS, SSMn and SSMnAB take desc A (A0), desc B (B0) and the
+// accumulate flag (F0), the accumulators last (a list, hence variadic), SSMn
+// reading B MN-major and SSMnAB both operands (the last two immediates: the
+// transpose bits of A and B); RS takes the four A registers (AREGS), desc B
+// (B1) and the flag (F1), and reads B MN-major.
+#define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_A, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                      \
+  __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) {   \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                           \
                  "mov.b64 da, {" A0 ", " JAXFLASH_DESC_HI "};\nmov.b64 db, {" B0 ", " JAXFLASH_DESC_HI "};\n" \
-                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"       \
-                 ", p, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                                  \
-                 : __VA_ARGS__                                                                        \
-                 : "r"(a), "r"(b), "r"(int(accumulate)));                                             \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", da, db"            \
+                 ", p, 1, 1, " TRANSPOSE_A ", " TRANSPOSE_B ";\n}\n"                                          \
+                 : __VA_ARGS__                                                                                \
+                 : "r"(a), "r"(b), "r"(int(accumulate)));                                                     \
   }
 #define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
   template <>                                                                                         \
