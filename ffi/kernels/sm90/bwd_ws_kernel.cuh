@@ -93,10 +93,16 @@ struct WsBwdTile {
   static constexpr int kBarriers = 5 + 2 * kStages;
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
-  // Registers once the producer warpgroup has handed its surplus over (at
-  // 24 the producer spills).
-  static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+  // Registers once the producer warpgroup has handed its surplus over: all
+  // but 24 a thread with two consumers (the dQ writer fits in 24 since it
+  // counts its heads and rows rather than dividing).
+  static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  // dV += Pᵀ·dO issued as soon as Pᵀ is packed, so it runs under dSᵀ and its
+  // store: Pᵀ packed and in float32, dPᵀ, dK and dV are then live together,
+  // which needs 240 registers (at 232 ptxas spilled 16 bytes and serialised
+  // the products; with three consumers' 160 it spills).
+  static constexpr bool kEarlyDv = kConsumers == 2;
   // The dQ staging stores take one wavefront per half-warp when lanes t = 2,
   // 3 write their blocks in flipped order; the flip's selects need registers
   // that three consumers (160 each) do not have, so they take two.
@@ -136,30 +142,38 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   for (int it = 0; it < w.steps; ++it) {
     const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
 
-    // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ. Both are packed only once dSᵀ
-    // is done, so Pᵀ in float32 and its packed form are never live together
-    // (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers; the other consumer's
-    // products cover this warpgroup's element-wise work).
+    // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ, dV += Pᵀ dO issued before
+    // dSᵀ (kEarlyDv) or after its store. Without the early dV, Pᵀ is packed
+    // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
+    // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
     float st[kQT][4], dp[kQT][4];
     KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0(),
                                              w.C0() + key_w, kN, in.lse, lane, scale_log2);
-    WgmmaWait<0>();
-    FenceAccumulator(dp);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
-    tc::PackAFragments<T>(st, pa);
+    auto issue_dv = [&] {
+      tc::PackAFragments<T>(st, pa);
+      WgmmaFence();
+      ProductRS<T, QTile, kM, kD>(dv, pa, in.d_o, 0);
+      WgmmaCommit();
+    };
+    if constexpr (Tile::kEarlyDv) {
+      issue_dv();
+      WgmmaWait<1>();  // dPᵀ; dV runs on
+    } else {
+      WgmmaWait<0>();
+    }
+    FenceAccumulator(dp);
     tc::KeyMajorDs(st, dp, in.delta, lane);
     tc::PackAFragments<T>(dp, da);
 
-    // ---- dSᵀ into the shared tile (for dQ); dV += Pᵀ dO
+    // ---- dSᵀ into the shared tile (for dQ)
     const uint32_t sDs = sm.Ds(it);
     if constexpr (Tile::kWithDq) {
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
       FenceSharedForAsyncProxy();
     }
-    WgmmaFence();
-    ProductRS<T, QTile, kM, kD>(dv, pa, in.d_o, 0);
-    WgmmaCommit();
+    if constexpr (!Tile::kEarlyDv) issue_dv();
 
     // ---- dQ = dS K over all kN keys, once every consumer's dS is in place,
     // then dK += dSᵀ Q, which runs on while dQ is staged. (Running it on into

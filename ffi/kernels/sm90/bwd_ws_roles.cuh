@@ -261,15 +261,23 @@ __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const W
   static_assert(Tile::kStagedDq, "a tile with a dQ staging tile");
   if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
+  // Step `it`'s head and rows (w.Head, w.Row0) kept as counters: the writer
+  // runs in the producer warpgroup's registers, where the divisions spill.
+  int head = w.KvHead() * w.group, q_tile = 0;
   for (int it = 0; it < w.steps; ++it) {
     MBarrier::Wait(sm.DqFull(), it & 1);
+    const int row0 = (w.q_tiles.begin + q_tile) * Tile::kM;
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
-      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, w.Head(it), w.Row0(it), w.Batch());
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, head, row0, w.Batch());
     }
     TmaStoreCommit();
     TmaStoreWaitRead<0>();
     MBarrier::Arrive(sm.DqEmpty());
+    if (++q_tile == w.q_tiles.count) {
+      q_tile = 0;
+      ++head;
+    }
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires
 }
