@@ -122,6 +122,21 @@ struct WsBwdWork {
   }
   __device__ __forceinline__ int Head(int it) const { return KvHead() * group + it / q_tiles.count; }
   __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
+  // Head and Row0 of step after step, counted: the producer warpgroup's roles
+  // run in 24 registers, where the division and modulo per step spilled.
+  struct Steps {
+    int head, q_tile, begin, end;
+    __device__ __forceinline__ int Row0() const { return q_tile * Tile::kM; }
+    __device__ __forceinline__ void Next() {
+      if (++q_tile == end) {
+        q_tile = begin;
+        ++head;
+      }
+    }
+  };
+  __device__ __forceinline__ Steps FirstStep() const {
+    return {KvHead() * group, q_tiles.begin, q_tiles.begin, q_tiles.begin + q_tiles.count};
+  }
 };
 
 // ------------------------------------------------------------------ a consumer's step
@@ -213,8 +228,9 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
 
   RingPosition<Tile::kStages> ring;
   uint32_t tail_parity = 0;
-  for (int it = 0; it < w.steps; ++it) {
-    const int head = w.Head(it), r0 = w.Row0(it);
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    const int head = step.head, r0 = step.Row0();
     const int s = ring.stage;
     MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
     // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
@@ -261,23 +277,16 @@ __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const W
   static_assert(Tile::kStagedDq, "a tile with a dQ staging tile");
   if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
-  // Step `it`'s head and rows (w.Head, w.Row0) kept as counters: the writer
-  // runs in the producer warpgroup's registers, where the divisions spill.
-  int head = w.KvHead() * w.group, q_tile = 0;
-  for (int it = 0; it < w.steps; ++it) {
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
     MBarrier::Wait(sm.DqFull(), it & 1);
-    const int row0 = (w.q_tiles.begin + q_tile) * Tile::kM;
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
-      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, head, row0, w.Batch());
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
     }
     TmaStoreCommit();
     TmaStoreWaitRead<0>();
     MBarrier::Arrive(sm.DqEmpty());
-    if (++q_tile == w.q_tiles.count) {
-      q_tile = 0;
-      ++head;
-    }
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires
 }
