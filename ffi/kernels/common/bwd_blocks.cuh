@@ -25,43 +25,95 @@
 namespace jaxflash {
 namespace tc {
 
+// ------------------------------------------------------------ row-wise passes
+// The delta pre-pass and the fused backward's dQ conversion stream q-shaped
+// rows: a group of RowLanes(D) lanes per row ([b][t][h] order, so a CTA reads
+// one contiguous range), each lane one 16-byte chunk of 8 elements per round
+// (head_dim % 8 == 0). One row per warp left half the lanes idle at D 128 and
+// each warp with a single row's loads in flight: 2.0-2.45 TB/s
+// (docs/performance.md, twelfth session).
+constexpr int kRowPassThreads = 256;
+__host__ __device__ __forceinline__ int RowLanes(int64_t head_dim) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
+  return lanes;
+}
+// A thread's row and its chunk within the row; rows past the batch
+// element's q_len · q_heads are not real.
+struct RowPassThread {
+  int batch, t, h, lane_in_row, lanes;
+  bool real;
+  __device__ __forceinline__ static RowPassThread At(const AttentionShape& sh, int batch) {
+    RowPassThread r;
+    r.lanes = RowLanes(sh.head_dim);
+    const int64_t row = int64_t(blockIdx.x) * (kRowPassThreads / r.lanes) + threadIdx.x / r.lanes;
+    r.batch = batch;
+    r.lane_in_row = threadIdx.x % r.lanes;
+    r.real = row < sh.q_len * sh.q_heads;
+    if (sh.q_len * sh.q_heads <= UINT32_MAX) {  // a 32-bit division is a fifth of a 64-bit one
+      const uint32_t row32 = static_cast<uint32_t>(row), heads = static_cast<uint32_t>(sh.q_heads);
+      r.t = static_cast<int>(row32 / heads);
+      r.h = static_cast<int>(row32 - uint32_t(r.t) * heads);
+    } else {
+      r.t = static_cast<int>(row / sh.q_heads);
+      r.h = static_cast<int>(row % sh.q_heads);
+    }
+    return r;
+  }
+  // The lanes of this thread's row (a real row's lanes are all real).
+  __device__ __forceinline__ unsigned RowMask() const {
+    const int first = (threadIdx.x & 31) - lane_in_row;
+    return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << first;
+  }
+  __device__ __forceinline__ int64_t Offset(const AttentionShape& sh) const {  // of the row in q-shaped tensors
+    return batch * sh.q_batch_stride() + t * sh.q_row_stride() + h * sh.head_dim;
+  }
+  __device__ __forceinline__ int64_t Stat(const AttentionShape& sh) const {  // in [b][h][t] statistics
+    return (int64_t(batch) * sh.q_heads + h) * sh.q_len + t;
+  }
+};
+// The grid of a row-wise pass: row blocks by batch elements (a batch beyond
+// the grid's y limit is walked by the CTAs).
+inline dim3 RowPassGrid(const AttentionShape& sh) {
+  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim);
+  return dim3(static_cast<unsigned>(CeilDiv(sh.q_len * sh.q_heads, rows_per_cta)),
+              static_cast<unsigned>(sh.batch < 65535 ? sh.batch : 65535));
+}
+
 // ------------------------------------------------------------ delta
-// delta[b][h][t] = rowsum(dO * O) - dLSE, one warp per row (rows walked in
-// O's [b][t][h] order so a warp reads one contiguous row); 0 for a row that
-// sees no key, whose dO (padding, say) must reach no key through a masked
-// pair's zero weight. The same warp zeroes the row of the fused backward's dQ
-// sums (p.dq_accum, laid out like q) when there is one.
+// delta[b][h][t] = rowsum(dO * O) - dLSE; 0 for a row that sees no key, whose
+// dO (padding, say) must reach no key through a masked pair's zero weight.
+// The same lanes zero the row of the fused backward's dQ sums (p.dq_accum,
+// laid out like q) when there is one.
 template <typename T>
-__global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
+__global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
-  const int64_t row = int64_t(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  if (p.dq_accum) {
-    float* acc = p.dq_accum + row * sh.head_dim;  // head_dim % 8 == 0: whole float4s
-    for (int c = lane * 4; c < sh.head_dim; c += 32 * 4) *reinterpret_cast<float4*>(acc + c) = float4{};
-  }
-  const T* o = static_cast<const T*>(p.o) + row * sh.head_dim;
-  const T* d_o = static_cast<const T*>(p.dout) + row * sh.head_dim;
-  float acc = 0.f;
-  for (int c = lane * 8; c < sh.head_dim; c += 32 * 8) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
+  for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
+    const RowPassThread r = RowPassThread::At(sh, batch);
+    if (!r.real) continue;
+    const int64_t off = r.Offset(sh);
+    if (p.dq_accum) {
+      float* acc = p.dq_accum + off;
+      for (int c = r.lane_in_row * 4; c < sh.head_dim; c += r.lanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{};
+    }
+    const T* o = static_cast<const T*>(p.o) + off;
+    const T* d_o = static_cast<const T*>(p.dout) + off;
+    float acc = 0.f;
+    for (int c = r.lane_in_row * 8; c < sh.head_dim; c += r.lanes * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
-    const int64_t h = row % sh.q_heads;
-    const int64_t t = (row / sh.q_heads) % sh.q_len;
-    const int64_t b = row / (sh.q_heads * sh.q_len);
-    const int64_t idx = (b * sh.q_heads + h) * sh.q_len + t;
-    const bool keys = MaskPolicy::ForBatch(p, static_cast<int>(b)).HasKeys(static_cast<int>(t));
-    p.delta[idx] = keys ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
+      for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+    }
+    // The row's lanes are an aligned group of a power of two: xor stays inside.
+    for (int off_lane = r.lanes / 2; off_lane > 0; off_lane >>= 1) acc += __shfl_xor_sync(r.RowMask(), acc, off_lane);
+    if (r.lane_in_row == 0) {
+      const int64_t idx = r.Stat(sh);
+      const bool keys = MaskPolicy::ForBatch(p, batch).HasKeys(r.t);
+      p.delta[idx] = keys ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
+    }
   }
 }
 
@@ -69,9 +121,8 @@ __global__ void __launch_bounds__(256) DeltaKernel(const BwdParams p) {
 template <typename T>
 Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
-  const int64_t rows = sh.batch * sh.q_len * sh.q_heads;
-  if (rows == 0) return Status::Ok();
-  DeltaKernel<T><<<static_cast<unsigned>(CeilDiv(rows, 8)), 256, 0, stream>>>(p);
+  if (sh.batch * sh.q_len * sh.q_heads == 0) return Status::Ok();
+  DeltaKernel<T><<<RowPassGrid(sh), kRowPassThreads, 0, stream>>>(p);
   return CheckLaunch("attention backward (delta)");
 }
 
@@ -358,38 +409,43 @@ __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], cons
   }
 }
 
-// dQ from the sums: one CTA of four warps per 64 rows of (batch, head), each
-// warp loading its 16 rows into the accumulator layout for StoreQueryGrad.
-template <typename T, int kD>
-__global__ void __launch_bounds__(128, 1) DqFromSumsKernel(const BwdParams p) {
-  constexpr int kDT = kD / 8;
+// dQ from the sums, a row-wise pass: the scale, zeros for padding rows, and
+// the exact recomputation of entries that a masked pair's 0 * NaN reached.
+template <typename T>
+__global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  const int batch = blockIdx.z, head = blockIdx.y;
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-  const int row0 = blockIdx.x * 64 + (threadIdx.x >> 5) * 16;
-  const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
-  const float* sums = p.dq_accum + batch * sh.q_batch_stride() + head * sh.head_dim + 2 * t;
-  float dq[kDT][4];
+  for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
+    const RowPassThread r = RowPassThread::At(sh, batch);
+    if (!r.real) continue;
+    const int64_t off = r.Offset(sh);
+    const bool padding = r.t >= MaskPolicy::ForBatch(p, batch).q_valid;
+    for (int c = r.lane_in_row * 8; c < sh.head_dim; c += r.lanes * 8) {
+      float v[8];
+      const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + off + c);
+      const float4 hi = *reinterpret_cast<const float4*>(p.dq_accum + off + c + 4);
+      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+      bool nan = false;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + g + half * 8;
-    const bool ok = row < pol.q_valid;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      float2 v = float2{};
-      if (ok && dt * 8 + 2 * t < sh.head_dim) {
-        v = *reinterpret_cast<const float2*>(sums + row * sh.q_row_stride() + dt * 8);
+      for (int i = 0; i < 8; ++i) nan |= isnan(v[i]);
+      // A row with a NaN LSE or delta is NaN throughout anyway.
+      if (nan && !padding && isfinite(p.lse[r.Stat(sh)]) && isfinite(p.delta[r.Stat(sh)])) {
+        ExactQueryGradColumns<T>(p, batch, r.h, r.t, c, v);
       }
-      dq[dt][2 * half] = v.x;
-      dq[dt][2 * half + 1] = v.y;
+      uint4 out = make_uint4(0, 0, 0, 0);
+      if (!padding) {
+        out.x = ElemTraits<T>::Pack(v[0] * p.scale, v[1] * p.scale);
+        out.y = ElemTraits<T>::Pack(v[2] * p.scale, v[3] * p.scale);
+        out.z = ElemTraits<T>::Pack(v[4] * p.scale, v[5] * p.scale);
+        out.w = ElemTraits<T>::Pack(v[6] * p.scale, v[7] * p.scale);
+      }
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + off + c) = out;
     }
   }
-  StoreQueryGrad<T>(dq, p, pol, batch, head, row0, lane);
 }
 
 // The fused backward around its one pass: delta (zeroing the sums), `pass`
 // (the dK/dV kernel with dQ sums; called when there are keys), then dQ from
-// the sums over (64-row blocks, heads, batch). The dispatch sends calls
+// the sums. The dispatch sends calls
 // without queries to the two-kernel backward.
 template <typename T, int kD, typename Pass>
 Status RunFusedBackward(const BwdParams& p, cudaStream_t stream, Pass&& pass) {
@@ -398,9 +454,7 @@ Status RunFusedBackward(const BwdParams& p, cudaStream_t stream, Pass&& pass) {
   Status st = LaunchDelta<T>(p, stream);
   if (!st.ok()) return st;
   if (sh.kv_len > 0 && !(st = pass()).ok()) return st;
-  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, 64)), static_cast<unsigned>(sh.q_heads),
-                  static_cast<unsigned>(sh.batch));
-  DqFromSumsKernel<T, kD><<<grid, 128, 0, stream>>>(p);
+  DqFromSumsKernel<T><<<RowPassGrid(sh), kRowPassThreads, 0, stream>>>(p);
   return CheckLaunch("attention backward (dQ from its sums)");
 }
 

@@ -157,23 +157,43 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
   }
 }
 
-// This lane's entries of row `row` of dQ / scale for (batch, head).
-template <typename T, int kDT>
-__device__ __forceinline__ void ExactQueryGradLane(const BwdParams& p, int batch, int head, int row, int t,
-                                                float (&dq)[kDT][4], int half) {
+// Row `row` of dQ / scale for (batch, head) in the columns a thread holds:
+// for_columns(f) calls f(col, x, y) for each pair (col, col + 1) of them,
+// with x and y the thread's floats for those columns.
+template <typename T, typename ForColumns>
+__device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, int head, int row,
+                                               ForColumns&& for_columns) {
   const ExactQueryRow<T> r(p, batch, head, row);
   const int64_t stat = (int64_t(batch) * p.shape.q_heads + head) * p.shape.q_len + row;
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
-  ForLaneColumns<kDT>(t, 0, r.dim, [&](int dt, int) { dq[dt][2 * half] = dq[dt][2 * half + 1] = 0.f; });
+  for_columns([&](int, float& x, float& y) { x = y = 0.f; });
   for (int j = r.begin; j < r.end; ++j) {
     const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat).ds;
     const T* k = r.Key(j);
-    ForLaneColumns<kDT>(t, 0, r.dim, [&](int dt, int col) {
-      dq[dt][2 * half] += ds * At(k, col);
-      dq[dt][2 * half + 1] += ds * At(k, col + 1);
+    for_columns([&](int col, float& x, float& y) {
+      x += ds * At(k, col);
+      y += ds * At(k, col + 1);
     });
   }
+}
+// ... a lane's entries of accumulator row `half`,
+template <typename T, int kDT>
+__device__ __forceinline__ void ExactQueryGradLane(const BwdParams& p, int batch, int head, int row, int t,
+                                                float (&dq)[kDT][4], int half) {
+  const int dim = static_cast<int>(p.shape.head_dim);
+  ExactQueryGrad<T>(p, batch, head, row, [&](auto&& f) {
+    ForLaneColumns<kDT>(t, 0, dim, [&](int dt, int col) { f(col, dq[dt][2 * half], dq[dt][2 * half + 1]); });
+  });
+}
+// ... or columns [col0, col0 + 8) of a row-wise pass.
+template <typename T>
+__device__ __forceinline__ void ExactQueryGradColumns(const BwdParams& p, int batch, int head, int row, int col0,
+                                                   float (&dq)[8]) {
+  ExactQueryGrad<T>(p, batch, head, row, [&](auto&& f) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) f(col0 + i, dq[i], dq[i + 1]);
+  });
 }
 
 // This lane's entries (columns from d_base) of key `key`'s rows of dK / scale
