@@ -11,9 +11,9 @@ runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
 two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
-runs a decode step instead; with `--peer cudnn` (or `pallas`) the same contiguous step
-through that implementation, for a side-by-side profile (`ncu --clock-control none --metrics
-gpu__time_duration.sum ...` lists every kernel of the call).
+runs a decode step instead. `--peer cudnn` (or `pallas`) runs the same call (a decode step:
+contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
+none --metrics gpu__time_duration.sum ...` lists every kernel of the call).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main():
   ap.add_argument("--page", type=int, default=0)
   ap.add_argument("--splits", type=int, default=0)
   ap.add_argument("--peer", choices=("native", "pallas", "cudnn"), default="native",
-                  help="implementation of a contiguous decode step")
+                  help="implementation of the call (a decode step's: contiguous)")
   args = ap.parse_args()
   if args.decode:
     return decode_step(args)
@@ -55,8 +55,15 @@ def main():
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
   k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
-  attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                             implementation="native")
+  if args.peer == "native":
+    attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                               implementation="native")
+  elif args.peer == "cudnn":
+    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                             implementation="cudnn")
+  else:
+    attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                               implementation=args.peer)
   if args.backward:
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
@@ -66,7 +73,7 @@ def main():
   with _native.forced_tile(args.tile):  # both read when the call is traced
     for _ in range(2):
       jax.block_until_ready(f(q, k, v))
-  print(f"ran B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
+  print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
 
 
