@@ -19,10 +19,14 @@
 //              rows of the Q buffer and one thread stores them with the TMA;
 //              the producer loads the next Q only after those stores have read
 //              the buffer. With kSeparateO (where shared memory has room) O has
-//              a buffer of its own: the consumers free Q after their last Q·Kᵀ,
-//              so the next Q loads during the last P·V and the epilogue, and a
-//              store is only waited for by the next epilogue. LSE goes straight
-//              to global memory. Entries of O
+//              a buffer of its own and Q two: the consumers free a Q after their
+//              last Q·Kᵀ, the producer loads the next tile's Q into the other
+//              buffer (and its first K/V tiles into the ring) while this tile
+//              still runs, and a store is only waited for by the next
+//              epilogue. (With one Q buffer the producer waited for that
+//              release before the next tile's copies, whose latency then fell
+//              between two tiles: some thirty work tiles a CTA at D 64, S 1k.)
+//              LSE goes straight to global memory. Entries of O
 //              that show a NaN are recomputed exactly by their lane into the
 //              staged tile (tc::FinishRows, common/exact_rows.cuh).
 //
@@ -59,6 +63,7 @@ struct WsFwdTile {
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kSeparateO = kSeparateO_;  // O staged in its own buffer, not Q's
+  static constexpr int kQBuffers = kSeparateO ? 2 : 1;  // the next tile's Q loads beside this one's
   static constexpr int kM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -69,11 +74,11 @@ struct WsFwdTile {
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
-  // Barriers: Q full / empty, the ragged-tail V copy, then per stage K full,
-  // K empty, V full, V empty.
-  static constexpr int kBarriers = 3 + 4 * kStages;
+  // Barriers: the ragged-tail V copy, per Q buffer full and empty, then per
+  // stage K full, K empty, V full, V empty.
+  static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
-  static constexpr size_t kSmemBytes = size_t(QTile::kBytes) * (kSeparateO ? 2 : 1) +
+  static constexpr size_t kSmemBytes = size_t(QTile::kBytes) * (kQBuffers + (kSeparateO ? 1 : 0)) +
                                        2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
@@ -85,7 +90,7 @@ struct WsFwdTile {
 };
 
 // Where the buffers and barriers of a WsFwdTile sit in shared memory. O's
-// staging buffer is Q's own unless the tile has a separate one.
+// staging buffer is Q's own (its only one) unless the tile has a separate one.
 template <typename Tile>
 struct WsFwdSmem {
   uint32_t q, k, v, o, bars;
@@ -93,7 +98,7 @@ struct WsFwdSmem {
   __device__ __forceinline__ static WsFwdSmem At(uint32_t base) {
     WsFwdSmem s;
     s.q = base;
-    s.k = s.q + Tile::QTile::kBytes;
+    s.k = s.q + Tile::kQBuffers * Tile::QTile::kBytes;
     s.v = s.k + Tile::kStages * Tile::KVTile::kBytes;
     const uint32_t after_v = s.v + Tile::kStages * Tile::KVTile::kBytes;
     s.o = Tile::kSeparateO ? after_v : s.q;
@@ -102,20 +107,23 @@ struct WsFwdSmem {
   }
   __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
   __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::KVTile::kBytes; }
-  __device__ __forceinline__ uint32_t QFull() const { return bars; }
-  __device__ __forceinline__ uint32_t QEmpty() const { return bars + 8; }
-  __device__ __forceinline__ uint32_t Tail() const { return bars + 16; }
-  __device__ __forceinline__ uint32_t KFull(int s) const { return bars + 24 + 8 * s; }
+  __device__ __forceinline__ uint32_t Q(int b) const { return q + b * Tile::QTile::kBytes; }
+  __device__ __forceinline__ uint32_t Tail() const { return bars; }
+  __device__ __forceinline__ uint32_t QFull(int b) const { return bars + 8 + 8 * b; }
+  __device__ __forceinline__ uint32_t QEmpty(int b) const { return QFull(Tile::kQBuffers + b); }
+  __device__ __forceinline__ uint32_t KFull(int s) const { return QFull(2 * Tile::kQBuffers) + 8 * s; }
   __device__ __forceinline__ uint32_t KEmpty(int s) const { return KFull(Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VFull(int s) const { return KFull(2 * Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VEmpty(int s) const { return KFull(3 * Tile::kStages + s); }
 
   __device__ __forceinline__ void InitBarriers() const {
     constexpr int kConsumerWarps = 4 * Tile::kConsumers;
-    MBarrier::Init(QFull(), 1);
-    // Q is free after every consumer's epilogue (one arrival each), or with a
-    // separate O after every consumer warp's last Q·Kᵀ (one arrival a warp).
-    MBarrier::Init(QEmpty(), Tile::kSeparateO ? kConsumerWarps : Tile::kConsumers);
+    for (int b = 0; b < Tile::kQBuffers; ++b) {
+      MBarrier::Init(QFull(b), 1);
+      // Q is free after every consumer's epilogue (one arrival each), or with
+      // a separate O after every consumer warp's last Q·Kᵀ (one arrival a warp).
+      MBarrier::Init(QEmpty(b), Tile::kSeparateO ? kConsumerWarps : Tile::kConsumers);
+    }
     MBarrier::Init(Tail(), 1);
     for (int s = 0; s < Tile::kStages; ++s) {
       MBarrier::Init(KFull(s), 1);  // the producer's arrival, plus the copied bytes
@@ -170,7 +178,8 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
     PrefetchTensorMap(v_map);
   }
   RingPosition<Tile::kStages> ring;
-  uint32_t q_parity = 0, tail_parity = 0;
+  RingPosition<Tile::kQBuffers> q_ring;
+  uint32_t tail_parity = 0;
   for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
     WorkTile tile;
     if (!sched.Get(index, &tile)) continue;
@@ -178,13 +187,14 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
     if (lane == 0) {
-      MBarrier::Wait(sm.QEmpty(), q_parity ^ 1);  // the last tile's O has left the buffer
-      MBarrier::ArriveExpectBytes(sm.QFull(), QTile::kBytes);
+      const int qb = q_ring.stage;
+      MBarrier::Wait(sm.QEmpty(qb), q_ring.parity ^ 1);  // the buffer's last tile is done with it
+      MBarrier::ArriveExpectBytes(sm.QFull(qb), QTile::kBytes);
       for (int b = 0; b < kBlocks; ++b) {
-        TmaLoad4d(sm.q + b * QTile::kBlockBytes, q_map, sm.QFull(), 64 * b, head, w.r0, batch);
+        TmaLoad4d(sm.Q(qb) + b * QTile::kBlockBytes, q_map, sm.QFull(qb), 64 * b, head, w.r0, batch);
       }
     }
-    q_parity ^= 1;
+    q_ring.Advance();
     for (int nb = w.keys.begin; nb < w.keys.end; ++nb) {
       const int c0 = nb * kN;
       const int s = ring.stage;
@@ -227,7 +237,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31;
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
-  const uint32_t sQ_rows = sm.q + consumer * 64 * 128;    // this warpgroup's Q rows (A operand)
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
 
@@ -247,7 +256,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (consumer == kConsumers - 1) pass_turn();
 
   RingPosition<Tile::kStages> ring;
-  uint32_t q_parity = 0;
+  RingPosition<Tile::kQBuffers> q_ring;
   for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
     WorkTile tile;
     if (!sched.Get(index, &tile)) continue;  // as the producer: a position without a tile
@@ -259,8 +268,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     softmax.Init();
 
     if (!w.Empty()) {
-      MBarrier::Wait(sm.QFull(), q_parity);
-      q_parity ^= 1;
+      const int qb = q_ring.stage;
+      MBarrier::Wait(sm.QFull(qb), q_ring.parity);
+      q_ring.Advance();
+      const uint32_t sQ_rows = sm.Q(qb) + consumer * 64 * 128;  // this warpgroup's Q rows (A operand)
       uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
       float s[1][kNT][4];
       // Masks (if kMasked) and folds S_n into the softmax state; returns the
@@ -335,7 +346,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
       // Every Q·Kᵀ of this warp is done (waited above): with a separate O
       // the producer may load the next Q now, under the last P·V.
-      if constexpr (Tile::kSeparateO) release(sm.QEmpty());
+      if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
       // The last tile's P·V.
       const RingPosition<Tile::kStages> prev = ring.Previous();
       MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
@@ -415,7 +426,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         TmaStoreCommit();
         if constexpr (!Tile::kSeparateO) TmaStoreWaitRead<0>();
       }
-      if constexpr (!Tile::kSeparateO) MBarrier::Arrive(sm.QEmpty());
+      if constexpr (!Tile::kSeparateO) MBarrier::Arrive(sm.QEmpty(0));
     }
   }
   if (consumer == 0) await_turn();  // the last consumer's final pass, so no turn is left pending
