@@ -19,13 +19,12 @@
 //              rows of the Q buffer and one thread stores them with the TMA;
 //              the producer loads the next Q only after those stores have read
 //              the buffer. With kSeparateO (where shared memory has room) O has
-//              a buffer of its own and Q two: the consumers free a Q after their
-//              last Q·Kᵀ, the producer loads the next tile's Q into the other
-//              buffer (and its first K/V tiles into the ring) while this tile
-//              still runs, and a store is only waited for by the next
-//              epilogue. (With one Q buffer the producer waited for that
-//              release before the next tile's copies, whose latency then fell
-//              between two tiles: some thirty work tiles a CTA at D 64, S 1k.)
+//              a buffer of its own: the consumers free Q after their last
+//              Q·Kᵀ, so the next Q loads during the last P·V and the epilogue,
+//              and a store is only waited for by the next epilogue. At D 128
+//              Q has two buffers as well (kQBuffers): the producer loads the
+//              next tile's Q, and goes on to its first K/V tiles, while this
+//              tile still runs, where with one it waited for the release.
 //              LSE goes straight to global memory. Entries of O
 //              that show a NaN are recomputed exactly by their lane into the
 //              staged tile (tc::FinishRows, common/exact_rows.cuh).
@@ -63,7 +62,10 @@ struct WsFwdTile {
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kSeparateO = kSeparateO_;  // O staged in its own buffer, not Q's
-  static constexpr int kQBuffers = kSeparateO ? 2 : 1;  // the next tile's Q loads beside this one's
+  // Two Q buffers (the next tile's Q loads beside this one's) where O has its
+  // own: measured 1-3% faster at D 128, but 2-3% slower at D 64, S 1k causal
+  // (docs/performance.md, nineteenth session), so D 64 keeps one.
+  static constexpr int kQBuffers = kSeparateO && kD >= 128 ? 2 : 1;
   static constexpr int kM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -74,7 +76,7 @@ struct WsFwdTile {
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
-  // Barriers: the ragged-tail V copy, per Q buffer full and empty, then per
+  // Barriers: per Q buffer full, then empty, the ragged-tail V copy, then per
   // stage K full, K empty, V full, V empty.
   static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
@@ -108,10 +110,10 @@ struct WsFwdSmem {
   __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
   __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::KVTile::kBytes; }
   __device__ __forceinline__ uint32_t Q(int b) const { return q + b * Tile::QTile::kBytes; }
-  __device__ __forceinline__ uint32_t Tail() const { return bars; }
-  __device__ __forceinline__ uint32_t QFull(int b) const { return bars + 8 + 8 * b; }
+  __device__ __forceinline__ uint32_t QFull(int b) const { return bars + 8 * b; }
   __device__ __forceinline__ uint32_t QEmpty(int b) const { return QFull(Tile::kQBuffers + b); }
-  __device__ __forceinline__ uint32_t KFull(int s) const { return QFull(2 * Tile::kQBuffers) + 8 * s; }
+  __device__ __forceinline__ uint32_t Tail() const { return QFull(2 * Tile::kQBuffers); }
+  __device__ __forceinline__ uint32_t KFull(int s) const { return Tail() + 8 + 8 * s; }
   __device__ __forceinline__ uint32_t KEmpty(int s) const { return KFull(Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VFull(int s) const { return KFull(2 * Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VEmpty(int s) const { return KFull(3 * Tile::kStages + s); }
