@@ -55,15 +55,9 @@ def main():
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
   k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
-  if args.peer == "native":
-    attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                               implementation="native")
-  elif args.peer == "cudnn":
-    attention = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                             implementation="cudnn")
-  else:
-    attention = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                               implementation=args.peer)
+  library = jax.nn if args.peer == "cudnn" else jaxflash
+  attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
+                                                            implementation=args.peer)
   if args.backward:
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
