@@ -94,8 +94,9 @@ struct WsBwdTile {
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over: all
-  // but 24 a thread with two consumers (the dQ writer fits in 24 since it
-  // counts its heads and rows rather than dividing).
+  // but 24 a thread with two consumers (the producer and the dQ writer fit
+  // in 24 since they count their steps' heads and rows, WsBwdWork::Steps, and
+  // ZeroTileRows does not divide).
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
   // dV += Pᵀ·dO issued as soon as Pᵀ is packed, so it runs under dSᵀ and its
