@@ -71,6 +71,15 @@ struct RowPassThread {
   __device__ __forceinline__ int64_t Stat(const AttentionShape& sh) const {  // in [b][h][t] statistics
     return (int64_t(batch) * sh.q_heads + h) * sh.q_len + t;
   }
+  // Calls f(r, offset) for this thread's real row of each batch element the
+  // CTA walks.
+  template <typename F>
+  __device__ __forceinline__ static void ForEach(const AttentionShape& sh, F&& f) {
+    for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
+      const RowPassThread r = At(sh, batch);
+      if (r.real) f(r, r.Offset(sh));
+    }
+  }
 };
 // The grid of a row-wise pass: row blocks by batch elements (a batch beyond
 // the grid's y limit is walked by the CTAs).
@@ -88,10 +97,7 @@ inline dim3 RowPassGrid(const AttentionShape& sh) {
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
-    const RowPassThread r = RowPassThread::At(sh, batch);
-    if (!r.real) continue;
-    const int64_t off = r.Offset(sh);
+  RowPassThread::ForEach(sh, [&](const RowPassThread& r, int64_t off) {
     if (p.dq_accum) {
       float* acc = p.dq_accum + off;
       for (int c = r.lane_in_row * 4; c < sh.head_dim; c += r.lanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{};
@@ -111,10 +117,10 @@ __global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p
     for (int off_lane = r.lanes / 2; off_lane > 0; off_lane >>= 1) acc += __shfl_xor_sync(r.RowMask(), acc, off_lane);
     if (r.lane_in_row == 0) {
       const int64_t idx = r.Stat(sh);
-      const bool keys = MaskPolicy::ForBatch(p, batch).HasKeys(r.t);
+      const bool keys = MaskPolicy::ForBatch(p, r.batch).HasKeys(r.t);
       p.delta[idx] = keys ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
     }
-  }
+  });
 }
 
 // Launches DeltaKernel on every (batch, row, head); nothing when there are none.
@@ -349,11 +355,7 @@ __device__ __forceinline__ void StoreQueryGrad(float (&dq)[kDT][4], const BwdPar
     const int row = row0 + g + half * 8;
     if (row >= sh.q_len) continue;
     const bool real = row < pol.q_valid;
-    if (real && LaneHasNan(dq, half)) {
-      // A row with a NaN LSE or delta is NaN throughout anyway.
-      const int64_t stat = (int64_t(batch) * sh.q_heads + head) * sh.q_len + row;
-      if (isfinite(p.lse[stat]) && isfinite(p.delta[stat])) ExactQueryGradLane<T>(p, batch, head, row, t, dq, half);
-    }
+    if (real && LaneHasNan(dq, half)) ExactQueryGradLane<T>(p, batch, head, row, t, dq, half);
     T* dst = gdQ + row * sh.q_row_stride();
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -414,11 +416,8 @@ __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], cons
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
-    const RowPassThread r = RowPassThread::At(sh, batch);
-    if (!r.real) continue;
-    const int64_t off = r.Offset(sh);
-    const bool padding = r.t >= MaskPolicy::ForBatch(p, batch).q_valid;
+  RowPassThread::ForEach(sh, [&](const RowPassThread& r, int64_t off) {
+    const bool padding = r.t >= MaskPolicy::ForBatch(p, r.batch).q_valid;
     for (int c = r.lane_in_row * 8; c < sh.head_dim; c += r.lanes * 8) {
       float v[8];
       const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + off + c);
@@ -427,10 +426,7 @@ __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdPar
       bool nan = false;
 #pragma unroll
       for (int i = 0; i < 8; ++i) nan |= isnan(v[i]);
-      // A row with a NaN LSE or delta is NaN throughout anyway.
-      if (nan && !padding && isfinite(p.lse[r.Stat(sh)]) && isfinite(p.delta[r.Stat(sh)])) {
-        ExactQueryGradColumns<T>(p, batch, r.h, r.t, c, v);
-      }
+      if (nan && !padding) ExactQueryGradColumns<T>(p, r.batch, r.h, r.t, c, v);
       uint4 out = make_uint4(0, 0, 0, 0);
       if (!padding) {
         out.x = ElemTraits<T>::Pack(v[0] * p.scale, v[1] * p.scale);
@@ -440,7 +436,7 @@ __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdPar
       }
       *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + off + c) = out;
     }
-  }
+  });
 }
 
 // The fused backward around its one pass: delta (zeroing the sums), `pass`

@@ -159,12 +159,14 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
 
 // Row `row` of dQ / scale for (batch, head) in the columns a thread holds:
 // for_columns(f) calls f(col, x, y) for each pair (col, col + 1) of them,
-// with x and y the thread's floats for those columns.
+// with x and y the thread's floats for those columns. A row with a NaN LSE or
+// delta is NaN throughout anyway: its values are left as they are.
 template <typename T, typename ForColumns>
 __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, int head, int row,
                                                ForColumns&& for_columns) {
-  const ExactQueryRow<T> r(p, batch, head, row);
   const int64_t stat = (int64_t(batch) * p.shape.q_heads + head) * p.shape.q_len + row;
+  if (!isfinite(p.lse[stat]) || !isfinite(p.delta[stat])) return;
+  const ExactQueryRow<T> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
   for_columns([&](int, float& x, float& y) { x = y = 0.f; });
