@@ -89,29 +89,29 @@ struct OnlineSoftmax {
     Rescale(o, alpha);
   }
 
-  // Normalises o by the row sums and returns the natural-log LSE per row, as
-  // a dense softmax over the scores seen would: a +inf or NaN score leaves the
-  // row and its LSE NaN, and a row whose scores were all -inf (or masked) has
-  // sum 0, so 0 / 0 = NaN and LSE -inf. Which rows see no key at all is the
-  // mask's business, not the sum's: the caller zeroes those (StoreOutput).
-  template <int kDT>
-  __device__ __forceinline__ void Finalize(float (&o)[kMT][kDT][4], float (&lse)[kRows]) {
+  // The row totals: per row the factor 1 / sum that normalises the output
+  // and the natural-log LSE, as a dense softmax over the scores seen would
+  // give: a +inf or NaN score leaves the row and its LSE NaN, and a row whose
+  // scores were all -inf (or masked) has sum 0, so 0 / 0 = NaN and LSE -inf.
+  // Which rows see no key at all is the mask's business, not the sum's: the
+  // caller zeroes those (StoreOutput). Apart from Finalize so that a kernel
+  // can take them while its last P·V still accumulates into o.
+  __device__ __forceinline__ void Totals(float (&inv)[kRows], float (&lse)[kRows]) const {
     constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 2 + half;
-        const float sum = QuadSum(l[r]);
-        const float inv = 1.f / sum;
-        lse[r] = (m[r] + __log2f(sum)) * kLn2;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[mt][dt][2 * half] *= inv;
-          o[mt][dt][2 * half + 1] *= inv;
-        }
-      }
+    for (int r = 0; r < kRows; ++r) {
+      const float sum = QuadSum(l[r]);
+      inv[r] = 1.f / sum;
+      lse[r] = (m[r] + __log2f(sum)) * kLn2;
     }
+  }
+
+  // Totals, then o normalised by the row sums.
+  template <int kDT>
+  __device__ __forceinline__ void Finalize(float (&o)[kMT][kDT][4], float (&lse)[kRows]) const {
+    float inv[kRows];
+    Totals(inv, lse);
+    Rescale(o, inv);
   }
 };
 

@@ -159,6 +159,15 @@ struct WsWork {
   __device__ __forceinline__ bool Empty() const { return keys.begin >= keys.end; }
 };
 
+// The CTA's next work tile after position *index (TileScheduler::Next).
+template <int kM, int kN>
+__device__ __forceinline__ bool NextWork(const FwdParams& p, const TileScheduler& sched, int* index, WsWork* w) {
+  WorkTile tile;
+  if (!sched.Next(index, &tile)) return false;
+  *w = WsWork::At<kM, kN>(p, tile);
+  return true;
+}
+
 // ------------------------------------------------------------------ producer
 // One warp; lane 0 issues the copies. Keys at or past the batch element's
 // kv_valid but inside the tensor (padding of a ragged batch) are zeroed in the
@@ -182,9 +191,9 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
   RingPosition<Tile::kStages> ring;
   RingPosition<Tile::kQBuffers> q_ring;
   uint32_t tail_parity = 0;
-  for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
-    WorkTile tile;
-    if (!sched.Get(index, &tile)) continue;
+  int index = blockIdx.x - gridDim.x;
+  WorkTile tile;
+  while (sched.Next(&index, &tile)) {
     const WsWork w = WsWork::At<kM, kN>(p, tile);
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
@@ -259,17 +268,26 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 
   RingPosition<Tile::kStages> ring;
   RingPosition<Tile::kQBuffers> q_ring;
-  for (int index = blockIdx.x; index < sched.positions; index += gridDim.x) {
-    WorkTile tile;
-    if (!sched.Get(index, &tile)) continue;  // as the producer: a position without a tile
-    const WsWork w = WsWork::At<kM, kN>(p, tile);
+  // The next work tile is found while this one's last P·V runs: its setup
+  // (the walk's divisions, the mask policy, the key tiles) would otherwise
+  // leave the tensor cores idle at every tile boundary, where both consumers
+  // arrive together.
+  int index = blockIdx.x - gridDim.x;
+  WsWork next;
+  bool more = NextWork<kM, kN>(p, sched, &index, &next);
+  while (more) {
+    const WsWork w = next;
     const int r0 = w.r0;
     float o[1][kDT][4];
     tc::Zero(o[0]);
     tc::OnlineSoftmax<1> softmax;
     softmax.Init();
+    float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
 
-    if (!w.Empty()) {
+    if (w.Empty()) {
+      more = NextWork<kM, kN>(p, sched, &index, &next);
+      softmax.Totals(inv, lse);
+    } else {
       const int qb = q_ring.stage;
       MBarrier::Wait(sm.QFull(qb), q_ring.parity);
       q_ring.Advance();
@@ -357,6 +375,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
       WgmmaCommit();
       pass_turn();
+      more = NextWork<kM, kN>(p, sched, &index, &next);
+      softmax.Totals(inv, lse);
       WgmmaWait<0>();
       FenceAccumulator(o[0]);
       release(sm.VEmpty(prev.stage));
@@ -365,10 +385,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     // ---- epilogue
     const int g = lane >> 2, t = lane & 3;
     const int head_dim = static_cast<int>(sh.head_dim);
-    float lse[2];
-    softmax.Finalize(o, lse);
+    softmax.Rescale(o, inv);
     bool redo[2];
     tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane, redo);
+    // As a bit mask: the array, indexed in the rolled loop below, was kept in
+    // local memory and reloaded at every tile.
+    const unsigned redo_rows = (redo[0] ? 1u : 0u) | (redo[1] ? 2u : 0u);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + warp_row0 + g + half * 8;
@@ -408,7 +430,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     // the accumulator is no longer live (in registers, D = 256 spills).
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
-      if (!redo[half]) continue;
+      if (!(redo_rows >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
       tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
         const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;

@@ -97,6 +97,16 @@ struct TileScheduler {
     w->batch = bh / heads;
     return true;
   }
+
+  // Moves *index on to this CTA's next position that holds a tile (a CTA's
+  // positions are blockIdx.x, + gridDim.x, ...; start from blockIdx.x -
+  // gridDim.x) and reads it; false once past the walk.
+  __device__ __forceinline__ bool Next(int* index, WorkTile* w) const {
+    for (*index += gridDim.x; *index < positions; *index += gridDim.x) {
+      if (Get(*index, w)) return true;
+    }
+    return false;
+  }
 };
 
 }  // namespace sm90
