@@ -326,7 +326,14 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       WgmmaWait<0>();
       FenceAccumulator(s[0]);
       release(sm.KEmpty(ring.stage));
-      softmax_step(w.keys.begin, std::true_type{}, alpha);
+      // Tiles every row sees whole skip the mask (as in the loops below),
+      // the first one too: it has no P·V to hide its softmax under.
+      const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
+      if (Tile::kD <= 128 && full.begin == w.keys.begin && full.end > full.begin) {
+        softmax_step(w.keys.begin, std::false_type{}, alpha);
+      } else {
+        softmax_step(w.keys.begin, std::true_type{}, alpha);
+      }
       tc::PackAFragments<T>(s[0], pa);
       ring.Advance();
       // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
@@ -359,7 +366,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // costs little there (the products are long).
       int nb = w.keys.begin + 1;
       if constexpr (Tile::kD <= 128) {
-        const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
         for (; nb < MinInt(full.begin, w.keys.end); ++nb) steady_step(nb, std::true_type{});
         for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
       }
