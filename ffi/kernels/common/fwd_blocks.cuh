@@ -185,20 +185,23 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
 // The rules every forward applies to this warp's rows once Finalize has run
 // (o, lse in the accumulator layout; row0 is the warp's first row in the
 // sequence): a row that sees no key (padding queries past q_valid among them,
-// which full tiles did not mask) gets O = 0 and kEmptyRowLse; redo[r] is set
-// where this lane's entries of a row with a finite LSE show a NaN (possibly a
-// masked pair's 0 * NaN from P·V): the lane recomputes them exactly
-// (ExactOutputLane). Lane by lane, no warp collective.
+// which full tiles did not mask) gets O = 0 and kEmptyRowLse. Returns a bit
+// mask with bit r set where this lane's entries of row r (mt * 2 + half) with
+// a finite LSE show a NaN (possibly a masked pair's 0 * NaN from P·V): the
+// lane recomputes them exactly (ExactOutputLane). Lane by lane, no warp
+// collective. (A mask, not an array: a caller indexing an array in a rolled
+// loop had it kept in local memory.)
 template <int kMT, int kDT>
-__device__ __forceinline__ void FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT], const MaskPolicy& pol,
-                                           int row0, int lane, bool (&redo)[2 * kMT]) {
+__device__ __forceinline__ unsigned FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT],
+                                               const MaskPolicy& pol, int row0, int lane) {
+  unsigned redo = 0;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 2 + half;
       const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8);
-      redo[r] = keys && isfinite(lse[r]) && LaneHasNan(o[mt], half);
+      if (keys && isfinite(lse[r]) && LaneHasNan(o[mt], half)) redo |= 1u << r;
       if (!keys) {
 #pragma unroll
         for (int dt = 0; dt < kDT; ++dt) o[mt][dt][2 * half] = o[mt][dt][2 * half + 1] = 0.f;
@@ -206,6 +209,7 @@ __device__ __forceinline__ void FinishRows(float (&o)[kMT][kDT][4], float (&lse)
       }
     }
   }
+  return redo;
 }
 
 // Normalises the output accumulator, then writes this warp's rows of O
@@ -222,8 +226,7 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
   const int64_t q_row_stride = sh.q_row_stride();
   float lse[2 * kMT];
   softmax.Finalize(o, lse);
-  bool redo[2 * kMT];
-  FinishRows(o, lse, pol, r0 + warp_row0, lane, redo);
+  const unsigned redo = FinishRows(o, lse, pol, r0 + warp_row0, lane);
   T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
 #pragma unroll
@@ -235,7 +238,7 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
       if (r0 + row >= sh.q_len) continue;
       if (t == 0) gLse[r0 + row] = lse[r];
       T* dst = gO + row * q_row_stride;
-      if (redo[r]) {  // this lane's entries, exactly and straight to memory
+      if (redo >> r & 1u) {  // this lane's entries, exactly and straight to memory
         ExactOutputLane<T, kDT>(p, batch, head, r0 + row, lse[r], t, [&](int dt, float2 x) {
           *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * t) = ElemTraits<T>::Pack(x.x, x.y);
         });

@@ -159,7 +159,8 @@ struct WsWork {
   __device__ __forceinline__ bool Empty() const { return keys.begin >= keys.end; }
 };
 
-// The CTA's next work tile after position *index (TileScheduler::Next).
+// The CTA's next work tile after position *index (TileScheduler::Next); the
+// producer and the consumers walk the same sequence through it.
 template <int kM, int kN>
 __device__ __forceinline__ bool NextWork(const FwdParams& p, const TileScheduler& sched, int* index, WsWork* w) {
   WorkTile tile;
@@ -192,9 +193,8 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
   RingPosition<Tile::kQBuffers> q_ring;
   uint32_t tail_parity = 0;
   int index = blockIdx.x - gridDim.x;
-  WorkTile tile;
-  while (sched.Next(&index, &tile)) {
-    const WsWork w = WsWork::At<kM, kN>(p, tile);
+  WsWork w;
+  while (NextWork<kM, kN>(p, sched, &index, &w)) {
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
     if (lane == 0) {
@@ -392,11 +392,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     const int g = lane >> 2, t = lane & 3;
     const int head_dim = static_cast<int>(sh.head_dim);
     softmax.Rescale(o, inv);
-    bool redo[2];
-    tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane, redo);
-    // As a bit mask: the array, indexed in the rolled loop below, was kept in
-    // local memory and reloaded at every tile.
-    const unsigned redo_rows = (redo[0] ? 1u : 0u) | (redo[1] ? 2u : 0u);
+    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + warp_row0 + g + half * 8;
@@ -436,7 +432,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     // the accumulator is no longer live (in registers, D = 256 spills).
 #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
-      if (!(redo_rows >> half & 1u)) continue;
+      if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
       tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
         const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
