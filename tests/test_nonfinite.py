@@ -386,6 +386,30 @@ def test_padding_never_leaks_gpu(rng, impl, poison):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
+# The Hopper forward chains the work tiles of a CTA at D 64 (causal, up to 1k
+# rows): a tile's output is checked, staged and stored during the next tile's
+# first steps, and its NaN entries are recomputed there. These shapes give
+# each of an H100's 132 CTAs several tiles (2 x 8 heads x 8 row blocks of
+# 128), with tiles of one key tile (the first row blocks), empty ones
+# (lengths), and poison in every head at keys that most tiles mask.
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_name", tiered(["causal", "lengths_causal", "window", "causal_bottom_right"],
+                                             ["causal", "lengths_causal"]))
+@pytest.mark.parametrize("poison", ["v_nan", "k_nan"])
+def test_nonfinite_cuda_chained_work_tiles(rng, poison, mask_name):
+  B, T, S, N, K, D = shape = (2, 1000, 1000, 8, 4, 64)
+  kw = _mask_kwargs(mask_name, rng, B, T, S)
+  if "query_seq_lengths" in kw:
+    kw["query_seq_lengths"][1] = 300  # row blocks 3 to 7 of element 1 see no key: empty tiles
+  arrays = _inputs(rng, shape, jnp.bfloat16)
+  name, value = POISONS[poison]
+  for key in (130, 520, 990):  # one element per batch element and K/V head at each
+    arrays[name][:, key, :, int(rng.integers(D))] = value
+  got = _run("native", arrays, jnp.bfloat16, kw)
+  assert_same_nonfinite(got, _truth(arrays, jnp.bfloat16, kw), f"native {poison} {mask_name}")
+  assert np.isnan(np.asarray(got[0], np.float32)).any()  # the poison reached some rows
+
+
 # Decode steps on the GPU: the tensor-core decode kernel (16-row CTAs for a
 # few packed rows, 64-row ones beyond), its epilogue's exact recomputation
 # and the merge kernel; the Pallas decode kernel on Triton.
