@@ -386,17 +386,18 @@ def test_padding_never_leaks_gpu(rng, impl, poison):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=name)
 
 
-# The Hopper forward chains the work tiles of a CTA at D 64 (causal, up to 1k
-# rows): a tile's output is checked, staged and stored during the next tile's
-# first steps, and its NaN entries are recomputed there. These shapes give
-# each of an H100's 132 CTAs several tiles (2 x 8 heads x 8 row blocks of
-# 128), with tiles of one key tile (the first row blocks), empty ones
-# (lengths), and poison in every head at keys that most tiles mask.
+# The persistent Hopper forward walks several work tiles per CTA, and its
+# epilogue recomputes NaN entries per tile while the next tile's Q and the
+# previous tile's store are in flight. These shapes give each of an H100's 132
+# CTAs several tiles (2 x 8 heads x 8 row blocks of 128 at D 64, causal up to
+# 1k rows: the two-consumer tile), with tiles of one key tile (the first row
+# blocks), empty ones (lengths), and poison in every head at keys that most
+# tiles mask.
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", tiered(["causal", "lengths_causal", "window", "causal_bottom_right"],
                                              ["causal", "lengths_causal"]))
 @pytest.mark.parametrize("poison", ["v_nan", "k_nan"])
-def test_nonfinite_cuda_chained_work_tiles(rng, poison, mask_name):
+def test_nonfinite_cuda_many_work_tiles(rng, poison, mask_name):
   B, T, S, N, K, D = shape = (2, 1000, 1000, 8, 4, 64)
   kw = _mask_kwargs(mask_name, rng, B, T, S)
   if "query_seq_lengths" in kw:

@@ -124,37 +124,13 @@ __device__ __forceinline__ void ForLaneColumns(int t, int d_base, int dim, F&& f
   }
 }
 
-// True when one of this lane's entries of accumulator row `half` is NaN
-// (T, the element type, matters only to the packed form below).
-template <typename T = float, int kDT>
+// True when one of this lane's entries of accumulator row `half` is NaN.
+template <int kDT>
 __device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
   bool nan = false;
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) nan |= isnan(a[dt][2 * half]) || isnan(a[dt][2 * half + 1]);
   return nan;
-}
-// ... or of the row packed to pairs of T (a[dt][half] = Pack of the two
-// floats above; packing keeps a NaN a NaN): a 16-bit float is NaN where its
-// magnitude bits exceed infinity's, and adding (0x7fff - infinity's bits) to
-// them carries that into bit 15 of each half at once.
-template <typename T, int kDT>
-__device__ __forceinline__ bool LaneHasNan(const uint32_t (&a)[kDT][2], int half) {
-  constexpr uint32_t kCarry = (0x7fffu - ElemTraits<T>::kInfBits) * 0x10001u;
-  uint32_t nan = 0;
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) nan |= ((a[dt][half] & 0x7fff7fffu) + kCarry) & 0x80008000u;
-  return nan != 0;
-}
-// Zeroes this lane's entries of row `half`, in either form.
-template <int kDT>
-__device__ __forceinline__ void ZeroLaneRow(float (&a)[kDT][4], int half) {
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) a[dt][2 * half] = a[dt][2 * half + 1] = 0.f;
-}
-template <int kDT>
-__device__ __forceinline__ void ZeroLaneRow(uint32_t (&a)[kDT][2], int half) {
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) a[dt][half] = 0u;
 }
 
 // This lane's entries of row `row` of O for (batch, head), given the row's

@@ -190,11 +190,10 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
 // a finite LSE show a NaN (possibly a masked pair's 0 * NaN from P·V): the
 // lane recomputes them exactly (ExactOutputLane). Lane by lane, no warp
 // collective. (A mask, not an array: a caller indexing an array in a rolled
-// loop had it kept in local memory.) o is the float accumulator or the rows
-// already packed to pairs of T (LaneHasNan).
-template <typename T, int kMT, typename Rows>
-__device__ __forceinline__ unsigned FinishRows(Rows (&o)[kMT], float (&lse)[2 * kMT], const MaskPolicy& pol,
-                                               int row0, int lane) {
+// loop had it kept in local memory.)
+template <int kMT, int kDT>
+__device__ __forceinline__ unsigned FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT],
+                                               const MaskPolicy& pol, int row0, int lane) {
   unsigned redo = 0;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
@@ -202,9 +201,10 @@ __device__ __forceinline__ unsigned FinishRows(Rows (&o)[kMT], float (&lse)[2 * 
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 2 + half;
       const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8);
-      if (keys && isfinite(lse[r]) && LaneHasNan<T>(o[mt], half)) redo |= 1u << r;
+      if (keys && isfinite(lse[r]) && LaneHasNan(o[mt], half)) redo |= 1u << r;
       if (!keys) {
-        ZeroLaneRow(o[mt], half);
+#pragma unroll
+        for (int dt = 0; dt < kDT; ++dt) o[mt][dt][2 * half] = o[mt][dt][2 * half + 1] = 0.f;
         lse[r] = kEmptyRowLse;
       }
     }
@@ -226,7 +226,7 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
   const int64_t q_row_stride = sh.q_row_stride();
   float lse[2 * kMT];
   softmax.Finalize(o, lse);
-  const unsigned redo = FinishRows<T>(o, lse, pol, r0 + warp_row0, lane);
+  const unsigned redo = FinishRows(o, lse, pol, r0 + warp_row0, lane);
   T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
 #pragma unroll

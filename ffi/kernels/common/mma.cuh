@@ -26,7 +26,6 @@ struct ElemTraits;
 
 template <>
 struct ElemTraits<__half> {
-  static constexpr uint32_t kInfBits = 0x7c00;  // |x| bits above this: NaN
   __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -37,7 +36,6 @@ struct ElemTraits<__half> {
 
 template <>
 struct ElemTraits<__nv_bfloat16> {
-  static constexpr uint32_t kInfBits = 0x7f80;
   __device__ __forceinline__ static uint32_t Pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);

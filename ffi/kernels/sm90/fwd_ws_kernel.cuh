@@ -62,16 +62,10 @@ struct WsFwdTile {
   static constexpr int kConsumers = kConsumers_;
   static constexpr bool kPingPong = kPingPong_;
   static constexpr bool kSeparateO = kSeparateO_;  // O staged in its own buffer, not Q's
-  // Work tiles chained: a tile's last P·V is issued beside the next tile's
-  // first Q·Kᵀ, and its epilogue runs under the next step's products, from a
-  // second O accumulator. That fits the consumer's registers at D 64 with two
-  // consumers; it needs O's own buffer (the next Q loads while O is staged).
-  static constexpr bool kChained = kSeparateO && kD == 64 && kConsumers == 2 && !kPingPong;
   // Two Q buffers (the next tile's Q loads beside this one's) where O has its
   // own: measured 1-3% faster at D 128, but 2-3% slower at D 64, S 1k causal
-  // (docs/performance.md, nineteenth session), so D 64 keeps one unless its
-  // tiles are chained: the boundary step needs the next Q there.
-  static constexpr int kQBuffers = kSeparateO && (kD >= 128 || kChained) ? 2 : 1;
+  // (docs/performance.md, nineteenth session), so D 64 keeps one.
+  static constexpr int kQBuffers = kSeparateO && kD >= 128 ? 2 : 1;
   static constexpr int kM = 64 * kConsumers;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -249,11 +243,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
   constexpr int kM = Tile::kM, kN = Tile::kN, kD = Tile::kD;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
-  constexpr bool kChained = Tile::kChained;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
-  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int lane = tid & 31;
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
@@ -271,235 +264,102 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     __syncwarp();
     if (lane == 0) MBarrier::Arrive(bar);
   };
-
-  // ---- epilogue pieces
-  auto store_lse = [&](const WsWork& w, const float (&lse)[2]) {
-    float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
-    for (int half = 0; half < 2; ++half) {
-      const int row = w.r0 + warp_row0 + g + half * 8;
-      if (t == 0 && row < sh.q_len) gLse[row] = lse[half];
-    }
-  };
-  // A work tile no row of which sees a key: no Q was loaded for it, and the
-  // buffers may be in flight for other tiles, so its zeros go straight to
-  // global memory.
-  auto write_empty = [&](const WsWork& w) {
-    const float lse[2] = {kEmptyRowLse, kEmptyRowLse};
-    store_lse(w, lse);
-    T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, w.r0);
-    // (The thread index Unhoisted: this rare loop's column is not kept, or
-    // spilled, across the key loop.)
-    for (int i = tc::Unhoisted(tid); i < 64 * kD / 8; i += 128) {
-      const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
-      if (w.r0 + row < sh.q_len && col < static_cast<int>(sh.head_dim)) {
-        *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
-      }
-    }
-  };
-  // O normalised (o / row sum) and packed to pairs of T, the form the
-  // epilogue takes: half the registers of the float accumulator.
-  using PackedO = uint32_t[1][kDT][2];
-  auto pack_output = [&](const float (&acc)[1][kDT][4], const float (&inv)[2], PackedO& out) {
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        out[0][dt][half] = tc::ElemTraits<T>::Pack(acc[0][dt][2 * half] * inv[half], acc[0][dt][2 * half + 1] * inv[half]);
-      }
-  };
-  // The epilogue of work tile w, in two parts. stage_output: the rows' checks
-  // (FinishRows), LSE, and O staged in this warpgroup's rows of the O buffer
-  // (Q's, whose last Q·Kᵀ is done, or its own once the previous tile's store
-  // has read it) in the swizzled layout the O tensor map expects; returns the
-  // rows FinishRows flagged. store_output: those recomputed into the staged
-  // tile (rare, so kept out of the products' flight, where registers are
-  // short), then the TMA store.
-  auto stage_output = [&](const WsWork& w, PackedO& o, float (&lse)[2]) {
-    const unsigned redo = tc::FinishRows<T>(o, lse, w.pol, w.r0 + warp_row0, lane);
-    store_lse(w, lse);
-    if constexpr (Tile::kSeparateO) {
-      if (tid == 0) TmaStoreWaitRead<0>();
-      NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
-    }
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + g + half * 8;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(o[0][dt][half]) : "memory");
-      }
-    }
-    return redo;
-  };
-  auto store_output = [&](const WsWork& w, unsigned redo, const float (&lse)[2]) {
-#pragma unroll 1
-    for (int half = 0; half < 2; ++half) {
-      if (!(redo >> half & 1u)) continue;
-      const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, w.r0 + row, lse[half], t, [&](int dt, float2 x) {
-        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::ElemTraits<T>::Pack(x.x, x.y)) : "memory");
-      });
-    }
-    __syncwarp();
-    FenceSharedForAsyncProxy();
-    NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
-    if (tid == 0) {
-      const int row0 = w.r0 + consumer * 64;
-      if (row0 < sh.q_len) {
-        for (int b = 0; b < kD / 64; ++b) {
-          TmaStore4d(o_map, sm.o + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
-                     w.tile.batch);
-        }
-        TmaStoreCommit();
-        if constexpr (!Tile::kSeparateO) TmaStoreWaitRead<0>();
-      }
-      if constexpr (!Tile::kSeparateO) MBarrier::Arrive(sm.QEmpty(0));
-    }
-  };
-
-  // ---- the walk
-  // The CTA's next work tile, found while products run. Only the tile and
-  // whether it has keys to visit are kept: what WsWork derives from it is
-  // cheaper to derive again than to hold in registers meanwhile.
-  int index = blockIdx.x - gridDim.x;
-  WorkTile next;     // the tile after the one being computed
-  bool next_empty;  // no row of it sees a key
-  auto fetch = [&] {
-    WsWork x;
-    const bool found = NextWork<kM, kN>(p, sched, &index, &x);
-    next = x.tile;
-    next_empty = x.Empty();
-    return found;
-  };
-  // Empty tiles are written where no product is in flight (their loop would
-  // take registers the accumulators hold there).
-  auto skip_empty = [&](bool found) {
-    while (found && next_empty) {
-      write_empty(WsWork::At<kM, kN>(p, next));
-      found = fetch();
-    }
-    return found;
-  };
   if (consumer == kConsumers - 1) pass_turn();
 
   RingPosition<Tile::kStages> ring;
   RingPosition<Tile::kQBuffers> q_ring;
-  WsWork w;  // the tile being computed
-  bool more = skip_empty(fetch());
-  float o[1][kDT][4];
-  tc::OnlineSoftmax<1> softmax;
-  float s[1][kNT][4];
-  uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
-  float alpha[2];
-  int qb = 0;            // w's Q buffer
-  uint32_t sQ_rows = 0;  // this warpgroup's rows of it (the A operand of Q·Kᵀ)
-  tc::KeyTiles full;     // w's key tiles every row sees whole
-  // kChained: a finished tile whose O (packed) and LSE wait for the step
-  // after the boundary; it stages them once that step's products are issued
-  // (flush_stage) and stores them when its own waits are done (flush_store).
-  WorkTile done;
-  PackedO o_done;
-  float lse_done[2];
-  unsigned redo_done = 0;
-  bool pending = false;
-  auto flush_stage = [&] {
-    if constexpr (kChained) {
-      if (pending) redo_done = stage_output(WsWork::At<kM, kN>(p, done), o_done, lse_done);
-    }
-  };
-  auto flush_store = [&] {
-    if constexpr (kChained) {
-      if (pending) store_output(WsWork::At<kM, kN>(p, done), redo_done, lse_done);
-      pending = false;
-    }
-  };
-
-  // Masks (if kMasked) and folds S_n into the softmax state; returns the
-  // factor the output must be rescaled by. A positive scale rides in the
-  // exponent's FFMA (the usual case); any other is applied first.
-  auto softmax_step = [&](int nb, auto masked) {
-    constexpr bool kMasked = decltype(masked)::value;
-    const int c0 = nb * kN;
-    if (scale_log2 > 0.f) {
-      if constexpr (kMasked) tc::MaskScores(s, w.pol, w.r0, warp_row0, c0, lane);
-      softmax.Scores(s, alpha, scale_log2);
-    } else {
-      tc::ScaleAndMask(s, w.pol, !kMasked, w.r0, warp_row0, c0, lane, scale_log2);
-      softmax.Scores(s, alpha);
-    }
-  };
-  // The softmax of w's first key tile, from a fresh state. Tiles every row
-  // sees whole skip the mask (as in the loops below), the first one too.
-  auto first_softmax = [&] {
-    softmax.Init();
-    full = tc::FullKeyTiles<kN>(w.pol, w.r0, w.r_end, w.keys);
-    if (Tile::kD <= 128 && full.begin == w.keys.begin && full.end > full.begin) {
-      softmax_step(w.keys.begin, std::false_type{});
-    } else {
-      softmax_step(w.keys.begin, std::true_type{});
-    }
-  };
-  auto take_q = [&] {
-    qb = q_ring.stage;
-    MBarrier::Wait(sm.QFull(qb), q_ring.parity);
-    q_ring.Advance();
-    sQ_rows = sm.Q(qb) + consumer * 64 * 128;
-  };
-  // Q's address is taken Unhoisted at each use, so the compiler rebuilds its
-  // kD / 16 descriptors per product instead of holding them (two registers
-  // each) across the loop.
-  // Every product is issued right after its wgmma.fence, in one basic block
-  // with no wait loop between: otherwise the compiler adds fences of its own
-  // on a path it cannot prove uniform and serialises the wgmma (ptxas C7520).
-  // So all waits come first.
-  // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of S_n
-  // runs while P·V is still on the tensor cores.
-  auto steady_step = [&](int nb, auto masked) {
-    const RingPosition<Tile::kStages> prev = ring.Previous();
-    MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
-    MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
-    await_turn();
-    WgmmaFence();
-    ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
-    WgmmaCommit();
-    ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
-    WgmmaCommit();
-    pass_turn();
-    flush_stage();
-    WgmmaWait<1>();  // S is done; P·V may still run
-    FenceAccumulator(s[0]);
-    release(sm.KEmpty(ring.stage));
-    softmax_step(nb, masked);
-    WgmmaWait<0>();
-    FenceAccumulator(o[0]);
-    release(sm.VEmpty(prev.stage));
-    softmax.Rescale(o, alpha);
-    tc::PackAFragments<T>(s[0], pa);
-    ring.Advance();
-    flush_store();
-  };
-
+  // The next work tile is found while this one's last P·V runs: its setup
+  // (the walk's divisions, the mask policy, the key tiles) would otherwise
+  // leave the tensor cores idle at every tile boundary, where both consumers
+  // arrive together.
+  int index = blockIdx.x - gridDim.x;
+  WsWork next;
+  bool more = NextWork<kM, kN>(p, sched, &index, &next);
   while (more) {
-    // A chain's first tile (every tile's, unless kChained): the first key
-    // tile's S alone.
-    w = WsWork::At<kM, kN>(p, next);
-    take_q();
+    const WsWork w = next;
+    const int r0 = w.r0;
+    float o[1][kDT][4];
     tc::Zero(o[0]);
-    MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
-    await_turn();
-    WgmmaFence();
-    ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
-    WgmmaCommit();
-    pass_turn();
-    if constexpr (kChained) more = fetch();
-    WgmmaWait<0>();
-    FenceAccumulator(s[0]);
-    release(sm.KEmpty(ring.stage));
-    first_softmax();
-    tc::PackAFragments<T>(s[0], pa);
-    ring.Advance();
-    for (;;) {
+    tc::OnlineSoftmax<1> softmax;
+    softmax.Init();
+    float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
+
+    if (w.Empty()) {
+      more = NextWork<kM, kN>(p, sched, &index, &next);
+      softmax.Totals(inv, lse);
+    } else {
+      const int qb = q_ring.stage;
+      MBarrier::Wait(sm.QFull(qb), q_ring.parity);
+      q_ring.Advance();
+      const uint32_t sQ_rows = sm.Q(qb) + consumer * 64 * 128;  // this warpgroup's Q rows (A operand)
+      uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
+      float s[1][kNT][4];
+      // Masks (if kMasked) and folds S_n into the softmax state; returns the
+      // factor the output must be rescaled by. A positive scale rides in the
+      // exponent's FFMA (the usual case); any other is applied first.
+      auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
+        constexpr bool kMasked = decltype(masked)::value;
+        const int c0 = nb * kN;
+        if (scale_log2 > 0.f) {
+          if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
+          softmax.Scores(s, alpha, scale_log2);
+        } else {
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+          softmax.Scores(s, alpha);
+        }
+      };
+      // Q's address is taken Unhoisted at each use, so the compiler rebuilds
+      // its kD / 16 descriptors per product instead of holding them (two
+      // registers each) across the loop.
+      // Every product is issued right after its wgmma.fence, in one basic
+      // block with no wait loop between: otherwise the compiler adds fences
+      // of its own on a path it cannot prove uniform and serialises the
+      // wgmma (ptxas C7520). So all waits come first.
+      // The first key tile: S only.
+      float alpha[2];
+      MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+      await_turn();
+      WgmmaFence();
+      ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
+      WgmmaCommit();
+      pass_turn();
+      WgmmaWait<0>();
+      FenceAccumulator(s[0]);
+      release(sm.KEmpty(ring.stage));
+      // Tiles every row sees whole skip the mask (as in the loops below),
+      // the first one too: it has no P·V to hide its softmax under.
+      const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
+      if (Tile::kD <= 128 && full.begin == w.keys.begin && full.end > full.begin) {
+        softmax_step(w.keys.begin, std::false_type{}, alpha);
+      } else {
+        softmax_step(w.keys.begin, std::true_type{}, alpha);
+      }
+      tc::PackAFragments<T>(s[0], pa);
+      ring.Advance();
+      // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
+      // S_n runs while P·V is still on the tensor cores.
+      auto steady_step = [&](int nb, auto masked) {
+        const RingPosition<Tile::kStages> prev = ring.Previous();
+        MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+        MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+        await_turn();
+        WgmmaFence();
+        ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
+        WgmmaCommit();
+        ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+        WgmmaCommit();
+        pass_turn();
+        WgmmaWait<1>();  // S is done; P·V may still run
+        FenceAccumulator(s[0]);
+        release(sm.KEmpty(ring.stage));
+        softmax_step(nb, masked, alpha);
+        WgmmaWait<0>();
+        FenceAccumulator(o[0]);
+        release(sm.VEmpty(prev.stage));
+        softmax.Rescale(o, alpha);
+        tc::PackAFragments<T>(s[0], pa);
+        ring.Advance();
+      };
       // Tiles every row sees whole skip the mask: three loops rather than a
       // branch per tile, which the compiler would turn into selects. At
       // kD = 256 the three copies' register demand spills; one masked loop
@@ -513,68 +373,86 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // Every Q·Kᵀ of this warp is done (waited above): with a separate O
       // the producer may load the next Q now, under the last P·V.
       if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
+      // The last tile's P·V.
       const RingPosition<Tile::kStages> prev = ring.Previous();
-      float inv[2];  // the row totals (OnlineSoftmax::Totals)
-      if constexpr (kChained) {
-        if (more && !next_empty) {  // (an empty tile ends the chain; the walk writes it)
-          // The boundary step: the next tile's first S beside this tile's
-          // last P·V, so the next tile's first softmax runs under the P·V;
-          // this tile's epilogue waits for the step after.
-          const int q_stage = q_ring.stage;
-          MBarrier::Wait(sm.QFull(q_stage), q_ring.parity);
-          MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
-          MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
-          WgmmaFence();
-          ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sm.Q(q_stage) + consumer * 64 * 128),
-                                              sm.K(ring.stage));
-          WgmmaCommit();
-          ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
-          WgmmaCommit();
-          flush_stage();
-          float lse[2];  // (lse_done is the pending tile's until flush_store)
-          softmax.Totals(inv, lse);
-          done = w.tile;
-          w = WsWork::At<kM, kN>(p, next);
-          take_q();  // (waited above)
-          more = fetch();
-          WgmmaWait<1>();
-          FenceAccumulator(s[0]);
-          release(sm.KEmpty(ring.stage));
-          first_softmax();
-          WgmmaWait<0>();
-          FenceAccumulator(o[0]);
-          release(sm.VEmpty(prev.stage));
-          flush_store();
-          pack_output(o, inv, o_done);
-          lse_done[0] = lse[0];
-          lse_done[1] = lse[1];
-          tc::Zero(o[0]);
-          pending = true;
-          tc::PackAFragments<T>(s[0], pa);
-          ring.Advance();
-          continue;
-        }
-      }
-      // The chain's last tile: its last P·V alone, then its epilogue.
-      float lse[2];
       MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
       await_turn();
       WgmmaFence();
       ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
       WgmmaCommit();
       pass_turn();
-      if constexpr (!kChained) more = fetch();
-      flush_stage();
+      more = NextWork<kM, kN>(p, sched, &index, &next);
       softmax.Totals(inv, lse);
       WgmmaWait<0>();
       FenceAccumulator(o[0]);
       release(sm.VEmpty(prev.stage));
-      flush_store();
-      PackedO packed;
-      pack_output(o, inv, packed);
-      store_output(w, stage_output(w, packed, lse), lse);
-      more = skip_empty(more);
-      break;
+    }
+
+    // ---- epilogue
+    const int g = lane >> 2, t = lane & 3;
+    const int head_dim = static_cast<int>(sh.head_dim);
+    softmax.Rescale(o, inv);
+    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
+    float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
+    for (int half = 0; half < 2; ++half) {
+      const int row = r0 + warp_row0 + g + half * 8;
+      if (t == 0 && row < sh.q_len) gLse[row] = lse[half];
+    }
+    if (w.Empty()) {
+      // No Q was loaded and the buffer may be in flight for the next tile:
+      // write the zeros straight to global memory.
+      T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0);
+      // (The thread index Unhoisted: this rare loop's column is not kept, or
+      // spilled, across the key loop.)
+      for (int i = tc::Unhoisted(tid); i < 64 * kD / 8; i += 128) {
+        const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
+        if (r0 + row < sh.q_len && col < head_dim) {
+          *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      continue;
+    }
+    // Stage O in this warpgroup's rows of the O buffer (Q's, whose last Q·Kᵀ
+    // is done, or its own once the previous tile's store has read it) in the
+    // swizzled layout the O tensor map expects.
+    if constexpr (Tile::kSeparateO) {
+      if (tid == 0) TmaStoreWaitRead<0>();
+      NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
+    }
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
+        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
+      }
+    }
+    // Entries FinishRows flagged are recomputed into the staged tile, where
+    // the accumulator is no longer live (in registers, D = 256 spills).
+#pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+      if (!(redo >> half & 1u)) continue;
+      const int row = warp_row0 + g + half * 8;
+      tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
+        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::ElemTraits<T>::Pack(x.x, x.y)) : "memory");
+      });
+    }
+    __syncwarp();
+    FenceSharedForAsyncProxy();
+    NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
+    if (tid == 0) {
+      const int row0 = r0 + consumer * 64;
+      if (row0 < sh.q_len) {
+        for (int b = 0; b < kD / 64; ++b) {
+          TmaStore4d(o_map, sm.o + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
+                     w.tile.batch);
+        }
+        TmaStoreCommit();
+        if constexpr (!Tile::kSeparateO) TmaStoreWaitRead<0>();
+      }
+      if constexpr (!Tile::kSeparateO) MBarrier::Arrive(sm.QEmpty(0));
     }
   }
   if (consumer == 0) await_turn();  // the last consumer's final pass, so no turn is left pending
