@@ -26,7 +26,7 @@ template <>
 struct FwdCandidates<64> {
   using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 128, 4, 2, false>, WsFwdTile<64, 64, 6, 3>,
                         FwdTile<64, 1, 128, 3>, WsFwdTile<64, 128, 4, 2, false, true>,
-                        WsFwdTile<64, 128, 4, 3, false, true>>;
+                        WsFwdTile<64, 128, 4, 3, false, true>, WsFwdTile<64, 64, 6, 4, false, true>>;
 };
 template <>
 struct FwdCandidates<128> {

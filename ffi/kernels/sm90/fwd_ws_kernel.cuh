@@ -74,7 +74,7 @@ struct WsFwdTile {
   using KVTile = SwizzledTile<kN, kD>;
   // Registers per thread once the producer has handed its surplus over.
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : 160;
+  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : kConsumers == 3 ? 160 : 112;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
   // Barriers: per Q buffer full, then empty, the ragged-tail V copy, then per
   // stage K full, K empty, V full, V empty.
