@@ -389,22 +389,24 @@ def test_padding_never_leaks_gpu(rng, impl, poison):
 # The persistent Hopper forward walks several work tiles per CTA, and its
 # epilogue recomputes NaN entries per tile while the next tile's Q and the
 # previous tile's store are in flight. These shapes give each of an H100's 132
-# CTAs several tiles (2 x 8 heads x 8 row blocks of 128 at D 64, causal up to
-# 1k rows: the two-consumer tile), with tiles of one key tile (the first row
-# blocks), empty ones (lengths), and poison in every head at keys that most
-# tiles mask.
+# CTAs several tiles at D 64 (2 x 16 heads x 8 row blocks of 128 rows for the
+# causal pick up to 1k rows, two consumers; 6 of 256 rows at 1500, four
+# consumers), with tiles of one key tile (the first row blocks), empty ones
+# (lengths), and poison in every head at keys that most tiles mask.
 @pytest.mark.gpu
 @pytest.mark.parametrize("mask_name", tiered(["causal", "lengths_causal", "window", "causal_bottom_right"],
                                              ["causal", "lengths_causal"]))
 @pytest.mark.parametrize("poison", ["v_nan", "k_nan"])
-def test_nonfinite_cuda_many_work_tiles(rng, poison, mask_name):
-  B, T, S, N, K, D = shape = (2, 1000, 1000, 8, 4, 64)
+@pytest.mark.parametrize("T", [1000, 1500])  # the causal picks: two consumers, four
+def test_nonfinite_cuda_many_work_tiles(rng, T, poison, mask_name):
+  B, S, N, K, D = 2, T, 16, 4, 64
+  shape = (B, T, S, N, K, D)
   kw = _mask_kwargs(mask_name, rng, B, T, S)
   if "query_seq_lengths" in kw:
-    kw["query_seq_lengths"][1] = 300  # row blocks 3 to 7 of element 1 see no key: empty tiles
+    kw["query_seq_lengths"][1] = 300  # the last row blocks of element 1 see no key: empty tiles
   arrays = _inputs(rng, shape, jnp.bfloat16)
   name, value = POISONS[poison]
-  for key in (130, 520, 990):  # one element per batch element and K/V head at each
+  for key in (130, 520, T - 10):  # one element per batch element and K/V head at each
     arrays[name][:, key, :, int(rng.integers(D))] = value
   got = _run("native", arrays, jnp.bfloat16, kw)
   assert_same_nonfinite(got, _truth(arrays, jnp.bfloat16, kw), f"native {poison} {mask_name}")

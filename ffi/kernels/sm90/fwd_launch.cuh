@@ -54,10 +54,14 @@ struct FwdCandidates<256> {
 // limiting; a third warpgroup hides more of it. At D 256, 80-key tiles
 // (Q and two stages fill 225 KiB) beat 64-key ones by 4-7% at S 1k-16k, causal
 // S 1k tied (same session). Causal D 64 up to 1k rows keeps two consumers:
-// 192-row tiles pad 1024 rows by 12% and measured 7% slower there.
+// 192-row tiles pad 1024 rows by 12% and measured 7% slower there. Four
+// consumers of 64-key tiles (256 rows, 112 registers each: more warps to hide
+// the consumers' latency) won causal D 64 at S 2k by 7-11% and tied at 4k,
+// but lost causal S 1k by a third and non-causal S >= 2k by 6%
+// (twenty-first session).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
-    case 64: return causal && q_len <= 1024 ? 4 : 5;
+    case 64: return !causal ? 5 : q_len <= 1024 ? 4 : q_len <= 2048 ? 6 : 5;
     case 128: return 2;
     case 256: return 2;
     default: return 0;
