@@ -56,9 +56,9 @@ struct FwdCandidates<256> {
 // S 1k tied (same session). Causal D 64 up to 1k rows keeps two consumers:
 // 192-row tiles pad 1024 rows by 12% and measured 7% slower there. Four
 // consumers of 64-key tiles (256 rows, 112 registers each: more warps to hide
-// the consumers' latency) won causal D 64 at S 2k by 7-11% and tied at 4k,
-// but lost causal S 1k by a third and non-causal S >= 2k by 6%
-// (twenty-first session).
+// the consumers' latency) won causal D 64 at S 2k (3% kernel to kernel, 11%
+// in the tune sweep) and tied at 4k, but lost causal S 1k by a third and
+// non-causal S >= 2k by 6% (twenty-first session).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
     case 64: return !causal ? 5 : q_len <= 1024 ? 4 : q_len <= 2048 ? 6 : 5;

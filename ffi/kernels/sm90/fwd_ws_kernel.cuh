@@ -72,7 +72,8 @@ struct WsFwdTile {
   static constexpr int kDT = kD / 8;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
-  // Registers per thread once the producer has handed its surplus over.
+  // Registers per thread once the producer has handed its surplus over (with
+  // four consumers, 112 leave room for 64-key tiles only).
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : kConsumers == 3 ? 160 : 112;
   static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
