@@ -56,12 +56,12 @@ struct FwdCandidates<256> {
 // S 1k tied (same session). Causal D 64 up to 1k rows keeps two consumers:
 // 192-row tiles pad 1024 rows by 12% and measured 7% slower there. Four
 // consumers of 64-key tiles (256 rows, 112 registers each: more warps to hide
-// the consumers' latency) won causal D 64 at S 2k (3% kernel to kernel, 11%
-// in the tune sweep) and tied at 4k, but lost causal S 1k by a third and
-// non-causal S >= 2k by 6% (twenty-first session).
+// the consumers' latency) are faster kernel to kernel at causal S 1k (8%) and
+// 2k (3%) and non-causal S 1k (5%), a tie at causal 4k, 6% slower non-causal
+// at S >= 2k (twenty-first session; its tune-sweep rates vary run to run).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
-    case 64: return !causal ? 5 : q_len <= 1024 ? 4 : q_len <= 2048 ? 6 : 5;
+    case 64: return q_len <= (causal ? 2048 : 1024) ? 6 : 5;
     case 128: return 2;
     case 256: return 2;
     default: return 0;
