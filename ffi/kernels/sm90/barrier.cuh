@@ -78,9 +78,11 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
 // registers it does not need, the consumers take them for accumulators. The
 // moves stay within what the CTA got at launch, its threads times the count
 // per thread its launch bound allows (65536 / threads, down to a multiple of
-// 8): a claim beyond what was given up waits forever.
-constexpr bool RegisterSplitFits(int warpgroups, int producer_regs, int consumer_regs) {
-  return producer_regs + (warpgroups - 1) * consumer_regs <= warpgroups * (65536 / (128 * warpgroups) / 8 * 8);
+// 8): a claim beyond what was given up waits forever. So the consumers' count
+// follows from the producer's: the rest of the budget, shared out in
+// multiples of 8.
+constexpr int ConsumerRegisters(int warpgroups, int producer_regs) {
+  return (warpgroups * (65536 / (128 * warpgroups) / 8 * 8) - producer_regs) / (warpgroups - 1) / 8 * 8;
 }
 template <int kRegs>
 __device__ __forceinline__ void ReleaseRegisters() {

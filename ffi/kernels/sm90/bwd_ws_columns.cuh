@@ -54,8 +54,7 @@ struct WsBwdColumnTile {
   static constexpr size_t kDqBytes = 0;
   static constexpr int kBarriers = 5 + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
   static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
-  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
+  static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);  // 232
   static_assert(kQueries == 32 && kCols % 64 == 0, "Sᵀ blocks of 32 queries; whole 64-column blocks of K");
   static constexpr int kDsBarrier = 1;  // named: both halves of a step's Pᵀ and dSᵀ are in place
 };

@@ -98,7 +98,7 @@ struct WsBwdTile {
   // in 24 since they count their steps' heads and rows, WsBwdWork::Steps, and
   // ZeroTileRows does not divide).
   static constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+  static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);  // 240, 160
   // dV += Pᵀ·dO issued as soon as Pᵀ is packed, so it runs under dSᵀ and its
   // store: Pᵀ packed and in float32, dPᵀ, dK and dV are then live together,
   // which needs 240 registers (at 232 ptxas spilled 16 bytes and serialised
@@ -108,7 +108,6 @@ struct WsBwdTile {
   // 3 write their blocks in flipped order; the flip's selects need registers
   // that three consumers (160 each) do not have, so they take two.
   static constexpr bool kFlipStaging = kConsumers == 2;
-  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
   // Named: every consumer's dS of a step is in place. Consumers taking turns
   // alternate two, so one that only arrives and runs a step ahead cannot
   // complete its partner's wait on the same barrier (with two stages no

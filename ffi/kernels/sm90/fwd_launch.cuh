@@ -53,12 +53,13 @@ struct FwdCandidates<256> {
 // exponent unit sat at 48% and issue at 44%, latency rather than a pipe
 // limiting; a third warpgroup hides more of it. At D 256, 80-key tiles
 // (Q and two stages fill 225 KiB) beat 64-key ones by 4-7% at S 1k-16k, causal
-// S 1k tied (same session). Causal D 64 up to 1k rows keeps two consumers:
-// 192-row tiles pad 1024 rows by 12% and measured 7% slower there. Four
-// consumers of 64-key tiles (256 rows, 112 registers each: more warps to hide
-// the consumers' latency) are faster kernel to kernel at causal S 1k (8%) and
-// 2k (3%) and non-causal S 1k (5%), a tie at causal 4k, 6% slower non-causal
-// at S >= 2k (twenty-first session; its tune-sweep rates vary run to run).
+// S 1k tied (same session). Four consumers of 64-key tiles (256 rows, 112
+// registers each: more warps to hide the consumers' latency) are faster
+// kernel to kernel than the picks before them at causal S 1k (8%, over two
+// consumers, which had kept causal up to 1k rows: 192-row tiles pad 1024 rows
+// by 12%) and 2k (3%) and non-causal S 1k (5%), a tie at causal 4k, 6% slower
+// non-causal at S >= 2k (twenty-first session; its tune-sweep rates vary run
+// to run).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
     case 64: return q_len <= (causal ? 2048 : 1024) ? 6 : 5;

@@ -72,11 +72,11 @@ struct WsFwdTile {
   static constexpr int kDT = kD / 8;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
-  // Registers per thread once the producer has handed its surplus over (with
-  // four consumers, 112 leave room for 64-key tiles only).
+  // Registers per thread once the producer has handed its surplus over: 232
+  // with two consumers, 160 with three, 112 with four (room for 64-key tiles
+  // only).
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
-  static constexpr int kConsumerRegs = kConsumers == 2 ? 232 : kConsumers == 3 ? 160 : 112;
-  static_assert(RegisterSplitFits(kConsumers + 1, kProducerRegs, kConsumerRegs), "register budget");
+  static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
   // Barriers: per Q buffer full, then empty, the ragged-tail V copy, then per
   // stage K full, K empty, V full, V empty.
   static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages;
