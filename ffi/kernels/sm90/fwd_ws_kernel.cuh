@@ -242,6 +242,11 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 template <typename T, typename Tile>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
+  // The same in every lane of a warp, but derived from threadIdx the compiler
+  // cannot tell; read from lane 0 it can, and what follows from it (this
+  // warpgroup's key tiles, the loops' bounds) stays in uniform registers
+  // instead of taking the consumers' (it spilled without).
+  consumer = __shfl_sync(0xffffffffu, consumer, 0);
   constexpr int kM = Tile::kM, kN = Tile::kN, kD = Tile::kD;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
   using QTile = typename Tile::QTile;
@@ -293,100 +298,138 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       MBarrier::Wait(sm.QFull(qb), q_ring.parity);
       q_ring.Advance();
       const uint32_t sQ_rows = sm.Q(qb) + consumer * 64 * 128;  // this warpgroup's Q rows (A operand)
-      uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
-      float s[1][kNT][4];
-      // Masks (if kMasked) and folds S_n into the softmax state; returns the
-      // factor the output must be rescaled by. A positive scale rides in the
-      // exponent's FFMA (the usual case); any other is applied first.
-      auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
-        constexpr bool kMasked = decltype(masked)::value;
-        const int c0 = nb * kN;
-        if (scale_log2 > 0.f) {
-          if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
-          softmax.Scores(s, alpha, scale_log2);
-        } else {
-          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
-          softmax.Scores(s, alpha);
-        }
-      };
-      // Q's address is taken Unhoisted at each use, so the compiler rebuilds
-      // its kD / 16 descriptors per product instead of holding them (two
-      // registers each) across the loop.
-      // Every product is issued right after its wgmma.fence, in one basic
-      // block with no wait loop between: otherwise the compiler adds fences
-      // of its own on a path it cannot prove uniform and serialises the
-      // wgmma (ptxas C7520). So all waits come first.
-      // The first key tile: S only.
-      float alpha[2];
-      MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
-      await_turn();
-      WgmmaFence();
-      ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
-      WgmmaCommit();
-      pass_turn();
-      WgmmaWait<0>();
-      FenceAccumulator(s[0]);
-      release(sm.KEmpty(ring.stage));
-      // Tiles every row sees whole skip the mask (as in the loops below),
-      // the first one too: it has no P·V to hide its softmax under.
-      const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
-      if (Tile::kD <= 128 && full.begin == w.keys.begin && full.end > full.begin) {
-        softmax_step(w.keys.begin, std::false_type{}, alpha);
-      } else {
-        softmax_step(w.keys.begin, std::true_type{}, alpha);
-      }
-      tc::PackAFragments<T>(s[0], pa);
-      ring.Advance();
-      // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
-      // S_n runs while P·V is still on the tensor cores.
-      auto steady_step = [&](int nb, auto masked) {
-        const RingPosition<Tile::kStages> prev = ring.Previous();
+      // The key tiles this warpgroup's 64 rows see, within the work tile's
+      // (which the producer loads for every consumer); tiles the mask hides
+      // from all of them are passed over. Causal, a work tile of four
+      // warpgroups and 64-key tiles has four diagonal key tiles: the first
+      // warpgroup sees one of them, the last all four. Empty for rows past
+      // the batch element's queries.
+      const int own_r0 = r0 + consumer * 64, own_end = MinInt(own_r0 + 64, w.r_end);
+      const tc::KeyTiles own = tc::KeyTileRange<kN>(w.pol, own_r0, own_end);
+      const bool sees_keys = own.begin < own.end;
+      // A stage the rows do not see is still waited for before its release:
+      // arriving early would count towards the barrier's previous phase.
+      // Under ping-pong the pass takes a turn, so every consumer takes as
+      // many turns per work tile as the others.
+      auto pass_over = [&] {
         MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
-        MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+        release(sm.KEmpty(ring.stage));
+        MBarrier::Wait(sm.VFull(ring.stage), ring.parity);
+        release(sm.VEmpty(ring.stage));
+        await_turn();
+        pass_turn();
+        ring.Advance();
+      };
+      int nb = w.keys.begin;
+      if (sees_keys) {
+#pragma unroll 1
+        for (; nb < own.begin; ++nb) pass_over();
+        uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
+        float s[1][kNT][4];
+        // Masks (if kMasked) and folds S_n into the softmax state; returns the
+        // factor the output must be rescaled by. A positive scale rides in the
+        // exponent's FFMA (the usual case); any other is applied first.
+        auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
+          constexpr bool kMasked = decltype(masked)::value;
+          const int c0 = nb * kN;
+          if (scale_log2 > 0.f) {
+            if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
+            softmax.Scores(s, alpha, scale_log2);
+          } else {
+            tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+            softmax.Scores(s, alpha);
+          }
+        };
+        // Q's address is taken Unhoisted at each use, so the compiler rebuilds
+        // its kD / 16 descriptors per product instead of holding them (two
+        // registers each) across the loop.
+        // Every product is issued right after its wgmma.fence, in one basic
+        // block with no wait loop between: otherwise the compiler adds fences
+        // of its own on a path it cannot prove uniform and serialises the
+        // wgmma (ptxas C7520). So all waits come first.
+        // The first key tile: S only.
+        float alpha[2];
+        MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
         await_turn();
         WgmmaFence();
         ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
         WgmmaCommit();
+        pass_turn();
+        WgmmaWait<0>();
+        FenceAccumulator(s[0]);
+        release(sm.KEmpty(ring.stage));
+        // Tiles all of this warpgroup's rows see whole skip the mask (as in
+        // the loops below), the first one too: it has no P·V to hide its
+        // softmax under.
+        const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, own_r0, own_end, own);
+        if (Tile::kD <= 128 && full.begin == own.begin && full.end > full.begin) {
+          softmax_step(nb, std::false_type{}, alpha);
+        } else {
+          softmax_step(nb, std::true_type{}, alpha);
+        }
+        tc::PackAFragments<T>(s[0], pa);
+        ring.Advance();
+        // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
+        // S_n runs while P·V is still on the tensor cores.
+        auto steady_step = [&](int nb, auto masked) {
+          const RingPosition<Tile::kStages> prev = ring.Previous();
+          MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
+          MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+          await_turn();
+          WgmmaFence();
+          ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
+          WgmmaCommit();
+          ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+          WgmmaCommit();
+          pass_turn();
+          WgmmaWait<1>();  // S is done; P·V may still run
+          FenceAccumulator(s[0]);
+          release(sm.KEmpty(ring.stage));
+          softmax_step(nb, masked, alpha);
+          WgmmaWait<0>();
+          FenceAccumulator(o[0]);
+          release(sm.VEmpty(prev.stage));
+          softmax.Rescale(o, alpha);
+          tc::PackAFragments<T>(s[0], pa);
+          ring.Advance();
+        };
+        // Tiles every row sees whole skip the mask: three loops rather than a
+        // branch per tile, which the compiler would turn into selects. At
+        // kD = 256 the three copies' register demand spills; one masked loop
+        // costs little there (the products are long).
+        ++nb;
+        if constexpr (Tile::kD <= 128) {
+          for (; nb < MinInt(full.begin, own.end); ++nb) steady_step(nb, std::true_type{});
+          for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
+        }
+        for (; nb < own.end; ++nb) steady_step(nb, std::true_type{});
+        // Every Q·Kᵀ of this warp is done (waited above): with a separate O
+        // the producer may load the next Q now, under the last P·V.
+        if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
+        // The last tile's P·V.
+        const RingPosition<Tile::kStages> prev = ring.Previous();
+        MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+        await_turn();
+        WgmmaFence();
         ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
         WgmmaCommit();
         pass_turn();
-        WgmmaWait<1>();  // S is done; P·V may still run
-        FenceAccumulator(s[0]);
-        release(sm.KEmpty(ring.stage));
-        softmax_step(nb, masked, alpha);
+        more = NextWork<kM, kN>(p, sched, &index, &next);
+        softmax.Totals(inv, lse);
         WgmmaWait<0>();
         FenceAccumulator(o[0]);
         release(sm.VEmpty(prev.stage));
-        softmax.Rescale(o, alpha);
-        tc::PackAFragments<T>(s[0], pa);
-        ring.Advance();
-      };
-      // Tiles every row sees whole skip the mask: three loops rather than a
-      // branch per tile, which the compiler would turn into selects. At
-      // kD = 256 the three copies' register demand spills; one masked loop
-      // costs little there (the products are long).
-      int nb = w.keys.begin + 1;
-      if constexpr (Tile::kD <= 128) {
-        for (; nb < MinInt(full.begin, w.keys.end); ++nb) steady_step(nb, std::true_type{});
-        for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
+      } else {
+        // No row here sees a key (FinishRows zeroes them all): Q is not read,
+        // and the turn of the last P·V is taken all the same.
+        if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
+        await_turn();
+        pass_turn();
+        more = NextWork<kM, kN>(p, sched, &index, &next);
+        softmax.Totals(inv, lse);
       }
-      for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
-      // Every Q·Kᵀ of this warp is done (waited above): with a separate O
-      // the producer may load the next Q now, under the last P·V.
-      if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
-      // The last tile's P·V.
-      const RingPosition<Tile::kStages> prev = ring.Previous();
-      MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
-      await_turn();
-      WgmmaFence();
-      ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
-      WgmmaCommit();
-      pass_turn();
-      more = NextWork<kM, kN>(p, sched, &index, &next);
-      softmax.Totals(inv, lse);
-      WgmmaWait<0>();
-      FenceAccumulator(o[0]);
-      release(sm.VEmpty(prev.stage));
+#pragma unroll 1
+      for (; nb < w.keys.end; ++nb) pass_over();
     }
 
     // ---- epilogue
