@@ -5,7 +5,8 @@
     ncu --kernel-name "regex:WsBwdKernel|DkDvKernel" --launch-skip 1 --launch-count 1 ... \
         python tools/profile_call.py --backward --fused
 
-The call runs twice (the first launch compiles and warms up; skip it in ncu). `--backward`
+The call runs twice (the first launch compiles and warms up; skip it in ncu), or `--calls N`
+times (to average N - 1 launches). `--backward`
 runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper backward
 (JAXFLASH_FUSED_BACKWARD=1), and without it with the two-kernel one (=0). `--tile K` forces
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
@@ -38,6 +39,8 @@ def main():
   ap.add_argument("--backward", action="store_true")
   ap.add_argument("--fused", action="store_true")
   ap.add_argument("--tile", type=int, default=0)
+  ap.add_argument("--calls", type=int, default=2,
+                  help="calls after tracing (profile with --launch-skip 1 to leave the first out)")
   ap.add_argument("--heads", type=int, default=0, help="query heads (default 2048 / head dim)")
   ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (default: as many as query heads)")
   ap.add_argument("--decode", default="", help="B,KV_LEN,Q_HEADS,KV_HEADS: a decode step")
@@ -65,7 +68,7 @@ def main():
     f = jax.jit(attention)
   os.environ["JAXFLASH_FUSED_BACKWARD"] = "1" if args.fused else "0"
   with _native.forced_tile(args.tile):  # both read when the call is traced
-    for _ in range(2):
+    for _ in range(args.calls):
       jax.block_until_ready(f(q, k, v))
   print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
