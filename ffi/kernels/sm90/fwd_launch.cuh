@@ -62,7 +62,7 @@ struct FwdCandidates<256> {
 // to run).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
-    case 64: return q_len <= (causal ? 2048 : 1024) ? 6 : 5;
+    case 64: return q_len <= (causal ? 8192 : 1024) ? 6 : 5;
     case 128: return 2;
     case 256: return 2;
     default: return 0;
