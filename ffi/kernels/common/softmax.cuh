@@ -23,6 +23,31 @@ struct OnlineSoftmax {
   float m[kRows];
   float l[kRows];
 
+  // The max over the quad of row (mt, half)'s scores (raw, before scale).
+  template <int kNT>
+  __device__ __forceinline__ static float RowMax(const float (&s)[kMT][kNT][4], int mt, int half) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+    return QuadMax(mx);
+  }
+  // Turns row (mt, half)'s scores into exp2(scale * s - ref); returns their
+  // (lane-partial) sum.
+  template <int kNT>
+  __device__ __forceinline__ static float Exponents(float (&s)[kMT][kNT][4], int mt, int half, float scale,
+                                                    float ref) {
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
+      const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
+      s[mt][nt][2 * half] = p0;
+      s[mt][nt][2 * half + 1] = p1;
+      sum += p0 + p1;
+    }
+    return sum;
+  }
+
   __device__ __forceinline__ void Init() {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -45,30 +70,54 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-        }
-        mx = MaxNaN(m[r], QuadMax(mx) * scale);
+        const float mx = MaxNaN(m[r], RowMax(s, mt, half) * scale);
         // A row that has seen only masked (or -inf) scores keeps m = -inf;
         // subtracting 0 instead keeps exp2(-inf - ...) at 0 rather than NaN.
         // A NaN score makes m, and so the whole row, NaN.
         const float ref = mx == -INFINITY ? 0.f : mx;
         alpha[r] = Exp2(m[r] - ref);
         m[r] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
-          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
-          s[mt][nt][2 * half] = p0;
-          s[mt][nt][2 * half + 1] = p1;
-          sum += p0 + p1;
-        }
-        l[r] = l[r] * alpha[r] + sum;
+        l[r] = l[r] * alpha[r] + Exponents(s, mt, half, scale, ref);
       }
     }
+  }
+
+  // Scores with a reference that lags: a row's exponents are taken against
+  // its running max m only as m stood when some row of the warp last
+  // outgrew it by more than kLazyMargin (log2 units). Until then the
+  // probabilities stay below 2^kLazyMargin (exact in bf16 and fp16 as any
+  // others), the sum and the output keep accumulating against the same
+  // reference, and the normalisation and LSE (Totals) come out as with a
+  // current max. Returns whether the reference moved: when it did not,
+  // alpha is 1 and the caller skips Rescale, a multiply per output element
+  // per key tile (the warp decides together, so the skip is a branch all
+  // its lanes take). A NaN or +inf score always moves it, as in Scores.
+  static constexpr float kLazyMargin = 8.f;
+  template <int kNT>
+  __device__ __forceinline__ bool ScoresLazy(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale) {
+    float mx[kRows];
+    bool outgrown = false;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 2 + half;
+        mx[r] = MaxNaN(m[r], RowMax(s, mt, half) * scale);
+        outgrown |= !(mx[r] <= m[r] + kLazyMargin);
+      }
+    const bool moved = __any_sync(0xffffffffu, outgrown);
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 2 + half;
+        const float m_new = moved ? mx[r] : m[r];
+        const float ref = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = moved ? Exp2(m[r] - ref) : 1.f;
+        m[r] = m_new;
+        l[r] = l[r] * alpha[r] + Exponents(s, mt, half, scale, ref);
+      }
+    return moved;
   }
 
   template <int kDT>

@@ -336,19 +336,19 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         for (; nb < own.begin; ++nb) pass_over();
         uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
         float s[1][kNT][4];
-        // Masks (if kMasked) and folds S_n into the softmax state; returns the
-        // factor the output must be rescaled by. A positive scale rides in the
-        // exponent's FFMA (the usual case); any other is applied first.
+        // Masks (if kMasked) and folds S_n into the softmax state (its
+        // reference max lagging: OnlineSoftmax::ScoresLazy); returns whether
+        // the output must be rescaled, by alpha. A positive scale rides in
+        // the exponent's FFMA (the usual case); any other is applied first.
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
           if (scale_log2 > 0.f) {
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
-            softmax.Scores(s, alpha, scale_log2);
-          } else {
-            tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
-            softmax.Scores(s, alpha);
+            return softmax.ScoresLazy(s, alpha, scale_log2);
           }
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+          return softmax.ScoresLazy(s, alpha, 1.f);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds
         // its kD / 16 descriptors per product instead of holding them (two
@@ -395,11 +395,11 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           WgmmaWait<1>();  // S is done; P·V may still run
           FenceAccumulator(s[0]);
           release(sm.KEmpty(ring.stage));
-          softmax_step(nb, masked, alpha);
+          const bool moved = softmax_step(nb, masked, alpha);
           WgmmaWait<0>();
           FenceAccumulator(o[0]);
           release(sm.VEmpty(prev.stage));
-          softmax.Rescale(o, alpha);
+          if (moved) softmax.Rescale(o, alpha);
           tc::PackAFragments<T>(s[0], pa);
           ring.Advance();
         };
