@@ -152,6 +152,9 @@ def main():
   ap.add_argument("--gqa", action="store_true",
                   help="also the GQA training shape: B 2, S 8k, 32 query / 8 KV heads, D 128, causal "
                        "(forward+backward, reported in ms too)")
+  ap.add_argument("--matmul", action="store_true",
+                  help="also the bf16 matmul ceiling of this run: an 8192^3 jnp.dot with f32 accumulation "
+                       "(the D 128, S 16k forward target is a share of it)")
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()
@@ -179,6 +182,14 @@ def main():
       for B, H, S, D in shapes:
         rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats)
         report(results, rows, backward, causal, B, H, S, D)
+
+  if args.matmul:
+    n = 8192
+    a, b = (jnp.asarray(np.random.default_rng(i).standard_normal((n, n)), jnp.bfloat16) for i in (0, 1))
+    mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    tf = 2 * n ** 3 / time_fn(mm, (a, b), args.reps, args.repeats) / 1e12
+    print(f"matmul  bf16 {n}^3  TFLOP/s: {tf:6.1f}", flush=True)
+    results.append(dict(direction="matmul", B=1, H=1, S=n, D=n, causal=False, tflops_matmul=round(tf, 2)))
 
   if args.gqa and not args.no_backward:
     B, H, S, D, K = gqa

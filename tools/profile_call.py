@@ -42,6 +42,8 @@ def main():
   ap.add_argument("--calls", type=int, default=2,
                   help="calls after tracing (profile with --launch-skip 1 to leave the first out)")
   ap.add_argument("--heads", type=int, default=0, help="query heads (default 2048 / head dim)")
+  ap.add_argument("--batch", type=int, default=0, help="batch (default 16384 / seq; the latency shape: "
+                                                        "--batch 1 --heads 8 --seq 512 --head-dim 64)")
   ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (default: as many as query heads)")
   ap.add_argument("--decode", default="", help="B,KV_LEN,Q_HEADS,KV_HEADS: a decode step")
   ap.add_argument("--q-len", type=int, default=1)
@@ -53,7 +55,7 @@ def main():
   if args.decode:
     return decode_step(args)
   S, D = args.seq, args.head_dim
-  H, B = args.heads or 2048 // D, max(1, 16384 // S)
+  H, B = args.heads or 2048 // D, args.batch or max(1, 16384 // S)
   K = args.kv_heads or H
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
