@@ -83,37 +83,32 @@ struct OnlineSoftmax {
   }
 
   // Scores with a reference that lags: a row's exponents are taken against
-  // its running max m only as m stood when some row of the warp last
-  // outgrew it by more than kLazyMargin (log2 units). Until then the
-  // probabilities stay below 2^kLazyMargin (exact in bf16 and fp16 as any
-  // others), the sum and the output keep accumulating against the same
-  // reference, and the normalisation and LSE (Totals) come out as with a
-  // current max. Returns whether the reference moved: when it did not,
-  // alpha is 1 and the caller skips Rescale, a multiply per output element
-  // per key tile (the warp decides together, so the skip is a branch all
-  // its lanes take). A NaN or +inf score always moves it, as in Scores.
+  // its running max m only as m stood when the row last outgrew it by more
+  // than kLazyMargin (log2 units). Until then the row's probabilities stay
+  // below 2^kLazyMargin (exact in bf16 and fp16 as any others), its sum and
+  // output keep accumulating against the same reference, and Totals
+  // normalises them as with a current max. Returns whether the reference of
+  // either of the thread's rows moved: when neither did, alpha is 1 and the
+  // caller skips Rescale, a multiply per output element per key tile. Each
+  // row decides from its own scores alone (its quad agrees through
+  // QuadMax), so no row's rounding depends on another's values, padding
+  // rows' included; a warp runs the multiplies when any of its lanes needs
+  // them. A NaN or +inf score always moves it, as in Scores.
   static constexpr float kLazyMargin = 8.f;
   template <int kNT>
   __device__ __forceinline__ bool ScoresLazy(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale) {
-    float mx[kRows];
-    bool outgrown = false;
+    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
-        mx[r] = MaxNaN(m[r], RowMax(s, mt, half) * scale);
-        outgrown |= !(mx[r] <= m[r] + kLazyMargin);
-      }
-    const bool moved = __any_sync(0xffffffffu, outgrown);
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 2 + half;
-        const float m_new = moved ? mx[r] : m[r];
+        const float mx = MaxNaN(m[r], RowMax(s, mt, half) * scale);
+        const bool move = !(mx <= m[r] + kLazyMargin);
+        moved |= move;
+        const float m_new = move ? mx : m[r];
         const float ref = m_new == -INFINITY ? 0.f : m_new;
-        alpha[r] = moved ? Exp2(m[r] - ref) : 1.f;
+        alpha[r] = move ? Exp2(m[r] - ref) : 1.f;
         m[r] = m_new;
         l[r] = l[r] * alpha[r] + Exponents(s, mt, half, scale, ref);
       }
