@@ -57,9 +57,11 @@ struct FwdCandidates<256> {
 // registers each: more warps to hide the consumers' latency) are faster
 // kernel to kernel than the picks before them at causal S 1k (8%, over two
 // consumers, which had kept causal up to 1k rows: 192-row tiles pad 1024 rows
-// by 12%) and 2k (3%) and non-causal S 1k (5%), a tie at causal 4k, 6% slower
-// non-causal at S >= 2k (twenty-first session; its tune-sweep rates vary run
-// to run).
+// by 12%) and 2k (3%) and non-causal S 1k (5%), 6% slower non-causal at
+// S >= 2k (twenty-first session; its tune-sweep rates vary run to run). Since
+// each consumer walks only the key tiles its rows see (kOwnKeyTiles) it also
+// wins causal S 4k (4%) and 8k (2%), and loses 16k (2%) (twenty-second
+// session).
 inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
     case 64: return q_len <= (causal ? 8192 : 1024) ? 6 : 5;
