@@ -82,18 +82,18 @@ struct OnlineSoftmax {
     }
   }
 
-  // Scores with a reference that lags: a row's exponents are taken against
-  // its running max m only as m stood when the row last outgrew it by more
-  // than kLazyMargin (log2 units). Until then the row's probabilities stay
-  // below 2^kLazyMargin (exact in bf16 and fp16 as any others), its sum and
-  // output keep accumulating against the same reference, and Totals
+  // Scores with a reference that lags: a row's exponents are taken against its
+  // running max m only as m stood when the row last outgrew it by more than
+  // kLazyMargin (log2 units). Until then the row's probabilities stay below
+  // 2^kLazyMargin (bf16 and fp16 hold them as precisely as values below 1), its
+  // sum and output keep accumulating against the same reference, and Totals
   // normalises them as with a current max. Returns whether the reference of
   // either of the thread's rows moved: when neither did, alpha is 1 and the
-  // caller skips Rescale, a multiply per output element per key tile. Each
-  // row decides from its own scores alone (its quad agrees through
-  // QuadMax), so no row's rounding depends on another's values, padding
-  // rows' included; a warp runs the multiplies when any of its lanes needs
-  // them. A NaN or +inf score always moves it, as in Scores.
+  // caller skips Rescale, a multiply per output element per key tile. Each row
+  // decides from its own scores alone (its quad agrees through QuadMax), so no
+  // row's rounding depends on another's values, padding rows' included; a warp
+  // runs the multiplies when any of its lanes needs them. A NaN or +inf score
+  // always moves it, as in Scores.
   static constexpr float kLazyMargin = 8.f;
   template <int kNT>
   __device__ __forceinline__ bool ScoresLazy(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale) {
