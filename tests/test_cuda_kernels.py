@@ -110,6 +110,32 @@ def test_large_logits(rng, dtype, magnitude):
   check_gradients(rng, (1, 257, 257, 2, 2, 64), "causal", dtype, magnitude=magnitude)
 
 
+def _rising_scores(growth):
+  """Inputs whose scores rise along the keys by `growth` (log2 units) every
+  64 keys, on top of the usual random ones: q's first component is sqrt(D)
+  (so scale * q0 = 1) and k's grows with the key's index."""
+  def inputs(rng, shape, dtype):
+    B, T, S, N, K, D = shape
+    q = rng.standard_normal((B, T, N, D))
+    k = rng.standard_normal((B, S, K, D))
+    v = rng.standard_normal((B, S, K, D))
+    q[..., 0] = np.sqrt(D)
+    k[..., 0] = np.arange(S)[None, :, None] * (growth / np.log2(np.e) / 64)
+    return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
+  return inputs
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_rising_scores(rng, D, mask_name):
+  """The Hopper forward takes a row's exponents against a reference that
+  moves only when the row outgrows it by more than 2^8 (OnlineSoftmax::
+  ScoresLazy). Scores rising 3 (log2 units) a 64-key tile make it stay for
+  two tiles and move on the third, probabilities up to 2^8 accumulated
+  against a stale reference and rescaled later, in every row, every tile."""
+  check_forward(rng, (2, 300, 700, 4, 2, D), mask_name, jnp.bfloat16, inputs=_rising_scores(3.0))
+
+
 @pytest.mark.parametrize("D", tiered([64, 128, 256], [128]))
 @pytest.mark.parametrize("mask_name", ["causal", "lengths", "window"])
 def test_deterministic_gradients(rng, D, mask_name):

@@ -58,15 +58,18 @@ def max_logit(q, k, scale) -> float:
   return float(np.max(np.abs(np.einsum("btnd,bsnd->bnts", q, k) * scale), initial=0.0))
 
 
-def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", **extra):
+def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", inputs=None,
+                  **extra):
+  """`inputs(rng, shape, dtype)` replaces the random q, k, v (its scores may
+  be large: the budget then counts the largest one, as for magnitude > 1)."""
   B, T, S, N, K, D = shape
-  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
+  q, k, v = inputs(rng, shape, dtype) if inputs else random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = mask_kwargs(mask_name, rng, B, T, S)
   out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
   base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, compute_dtype=c, **kw), dtype)
-  budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 else {}
+  budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 or inputs else {}
   assert out.dtype == q.dtype and out.shape == q.shape
   assert np.all(np.isfinite(np.asarray(lse, np.float64)))
   assert_within_budget(out, truth_o, base_o, "output", **budget)
