@@ -130,7 +130,7 @@ def _rising_scores(growth):
 def test_rising_scores(rng, D, mask_name):
   """The Hopper forward takes a row's exponents against a reference that
   moves only when the row outgrows it by more than 2^8 (OnlineSoftmax::
-  ScoresLazy). Scores rising 3 (log2 units) a 64-key tile make it stay for
+  Scores<true>). Scores rising 3 (log2 units) a 64-key tile make it stay for
   two tiles and move on the third, probabilities up to 2^8 accumulated
   against a stale reference and rescaled later, in every row, every tile."""
   check_forward(rng, (2, 300, 700, 4, 2, D), mask_name, jnp.bfloat16, inputs=_rising_scores(3.0))

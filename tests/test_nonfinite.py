@@ -390,7 +390,7 @@ def test_padding_never_leaks_gpu(rng, impl, poison):
 # epilogue recomputes NaN entries per tile while the next tile's Q and the
 # previous tile's store are in flight. These shapes give each of an H100's 132
 # CTAs more than one tile at D 64: 3 x 32 heads x 2 row blocks of 256 rows
-# for the causal pick up to 2k rows (four consumers). Tiles of one key tile
+# for the causal pick up to 8k rows (four consumers). Tiles of one key tile
 # (the first row blocks), empty ones (lengths), and poison in every head at
 # keys that most tiles mask.
 @pytest.mark.gpu

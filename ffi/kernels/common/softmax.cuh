@@ -23,31 +23,6 @@ struct OnlineSoftmax {
   float m[kRows];
   float l[kRows];
 
-  // The max over the quad of row (mt, half)'s scores (raw, before scale).
-  template <int kNT>
-  __device__ __forceinline__ static float RowMax(const float (&s)[kMT][kNT][4], int mt, int half) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
-    return QuadMax(mx);
-  }
-  // Turns row (mt, half)'s scores into exp2(scale * s - ref); returns their
-  // (lane-partial) sum.
-  template <int kNT>
-  __device__ __forceinline__ static float Exponents(float (&s)[kMT][kNT][4], int mt, int half, float scale,
-                                                    float ref) {
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
-      const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
-      s[mt][nt][2 * half] = p0;
-      s[mt][nt][2 * half + 1] = p1;
-      sum += p0 + p1;
-    }
-    return sum;
-  }
-
   __device__ __forceinline__ void Init() {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -63,55 +38,55 @@ struct OnlineSoftmax {
   // with a product still accumulating into o. `scale` (> 0) lets a kernel
   // pass raw scores and fold the scale into the exponent's FFMA; the row max
   // is taken on the raw scores, which a positive scale does not reorder.
-  template <int kNT>
-  __device__ __forceinline__ void Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
+  //
+  // With kLazy the reference a row's exponents are taken against lags: it is
+  // the running max m as it stood when the row last outgrew it by more than
+  // kLazyMargin (log2 units). Until then the row's probabilities stay below
+  // 2^kLazyMargin (bf16 and fp16 hold them as precisely as values below 1),
+  // its sum and output keep accumulating against the same reference, and
+  // Totals normalises them as with a current max. Returns whether the
+  // reference of either of the thread's rows moved (always, without kLazy):
+  // when neither did, alpha is 1 and the caller may skip Rescale, a multiply
+  // per output element per key tile. Each row decides from its own scores
+  // alone (its quad agrees through QuadMax), so no row's rounding depends on
+  // another's values, padding rows' included; a warp runs the multiplies when
+  // any of its lanes needs them. A NaN or +inf score always moves it.
+  static constexpr float kLazyMargin = 8.f;
+  template <bool kLazy = false, int kNT>
+  __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
+    bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = mt * 2 + half;
-        const float mx = MaxNaN(m[r], RowMax(s, mt, half) * scale);
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
+        }
+        mx = MaxNaN(m[r], QuadMax(mx) * scale);
+        const bool move = !kLazy || !(mx <= m[r] + kLazyMargin);
+        moved |= move;
+        const float m_new = move ? mx : m[r];
         // A row that has seen only masked (or -inf) scores keeps m = -inf;
         // subtracting 0 instead keeps exp2(-inf - ...) at 0 rather than NaN.
         // A NaN score makes m, and so the whole row, NaN.
-        const float ref = mx == -INFINITY ? 0.f : mx;
-        alpha[r] = Exp2(m[r] - ref);
-        m[r] = mx;
-        l[r] = l[r] * alpha[r] + Exponents(s, mt, half, scale, ref);
-      }
-    }
-  }
-
-  // Scores with a reference that lags: a row's exponents are taken against its
-  // running max m only as m stood when the row last outgrew it by more than
-  // kLazyMargin (log2 units). Until then the row's probabilities stay below
-  // 2^kLazyMargin (bf16 and fp16 hold them as precisely as values below 1), its
-  // sum and output keep accumulating against the same reference, and Totals
-  // normalises them as with a current max. Returns whether the reference of
-  // either of the thread's rows moved: when neither did, alpha is 1 and the
-  // caller skips Rescale, a multiply per output element per key tile. Each row
-  // decides from its own scores alone (its quad agrees through QuadMax), so no
-  // row's rounding depends on another's values, padding rows' included; a warp
-  // runs the multiplies when any of its lanes needs them. A NaN or +inf score
-  // always moves it, as in Scores.
-  static constexpr float kLazyMargin = 8.f;
-  template <int kNT>
-  __device__ __forceinline__ bool ScoresLazy(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale) {
-    bool moved = false;
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 2 + half;
-        const float mx = MaxNaN(m[r], RowMax(s, mt, half) * scale);
-        const bool move = !(mx <= m[r] + kLazyMargin);
-        moved |= move;
-        const float m_new = move ? mx : m[r];
         const float ref = m_new == -INFINITY ? 0.f : m_new;
         alpha[r] = move ? Exp2(m[r] - ref) : 1.f;
         m[r] = m_new;
-        l[r] = l[r] * alpha[r] + Exponents(s, mt, half, scale, ref);
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
+          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
+          s[mt][nt][2 * half] = p0;
+          s[mt][nt][2 * half + 1] = p1;
+          sum += p0 + p1;
+        }
+        l[r] = l[r] * alpha[r] + sum;
       }
+    }
     return moved;
   }
 

@@ -337,7 +337,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         uint32_t pa[kN / 16][4];  // P of the previous key tile, the A operand of P·V
         float s[1][kNT][4];
         // Masks (if kMasked) and folds S_n into the softmax state (its
-        // reference max lagging: OnlineSoftmax::ScoresLazy); returns whether
+        // reference max lagging: OnlineSoftmax::Scores<true>); returns whether
         // the output must be rescaled, by alpha. A positive scale rides in
         // the exponent's FFMA (the usual case); any other is applied first.
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
@@ -345,10 +345,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           const int c0 = nb * kN;
           if (scale_log2 > 0.f) {
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
-            return softmax.ScoresLazy(s, alpha, scale_log2);
+            return softmax.Scores<true>(s, alpha, scale_log2);
           }
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
-          return softmax.ScoresLazy(s, alpha, 1.f);
+          return softmax.Scores<true>(s, alpha);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds
         // its kD / 16 descriptors per product instead of holding them (two
