@@ -4,7 +4,7 @@
     python benchmarks/bench_attention.py --quick          # one shape per head dim
     python benchmarks/bench_attention.py --csv out.csv --png out.png
 
-Grid: bf16, B*S = 16384 tokens, H*D = 2048, D in {64, 128, 256}, S in {1k..16k},
+Grid: bf16 (or --dtype float16), B*S = 16384 tokens, H*D = 2048, D in {64, 128, 256}, S in {1k..16k},
 causal on/off, plus the latency shape B=1, H=8, S=512, D=64. FLOPs:
 forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 
@@ -87,12 +87,12 @@ def torch_impl(backend_name, causal, backward):
   return run
 
 
-def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=None):
+def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=None, dtype="bfloat16"):
   """TFLOP/s per peer at one shape; kv_heads < H is grouped-query attention."""
   K = kv_heads or H
   rng = np.random.default_rng(0)
-  q, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16) for _ in range(2))
-  k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
+  q, do = (jnp.asarray(rng.standard_normal((B, S, H, D)), dtype) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), dtype) for _ in range(2))
   rows = {}
   for name in peers:
     try:
@@ -100,7 +100,7 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
         if K != H:
           continue  # the torch rows are the MHA grid's
         import torch
-        tq, tk, tv, tdo = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16,
+        tq, tk, tv, tdo = (torch.randn(B, H, S, D, device="cuda", dtype=getattr(torch, dtype),
                                        requires_grad=backward) for _ in range(4))
         t = time_torch(torch_impl(name[6:], causal, backward), (tq, tk, tv, tdo), reps, repeats)
       else:
@@ -119,7 +119,7 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
   return rows
 
 
-def report(results, rows, backward, causal, B, H, S, D, kv_heads=None):
+def report(results, rows, backward, causal, B, H, S, D, kv_heads=None, dtype="bfloat16"):
   """Prints one shape's rates (and, for a GQA shape, milliseconds) with the
   ratio to torch flash or cuDNN, and adds its CSV row to `results`."""
   ref_name = "torch_flash" if "torch_flash" in rows else "cudnn"
@@ -129,9 +129,10 @@ def report(results, rows, backward, causal, B, H, S, D, kv_heads=None):
   ratio = f"  native/{ref_name}={rows['native'] / rows[ref_name]:.2f}" \
       if rows.get(ref_name) and "native" in rows else ""
   heads = f"{H}/{kv_heads}" if kv_heads else f"{H:2d}"
+  kind = "" if dtype == "bfloat16" else f" {dtype}"
   print(f"{'fwd+bwd' if backward else 'fwd':7s} causal={int(causal)} B={B:2d} H={heads} S={S:5d} "
-        f"D={D:3d}  TFLOP/s: {line}{ratio}", flush=True)
-  results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H,
+        f"D={D:3d}{kind}  TFLOP/s: {line}{ratio}", flush=True)
+  results.append(dict(direction="fwd+bwd" if backward else "fwd", causal=causal, B=B, H=H, dtype=dtype,
                       **({"kv_heads": kv_heads} if kv_heads else {}), S=S, D=D,
                       **{f"tflops_{n}": round(tf, 2) for n, tf in rows.items()}))
 
@@ -155,6 +156,8 @@ def main():
   ap.add_argument("--matmul", action="store_true",
                   help="also the bf16 matmul ceiling of this run: an 8192^3 jnp.dot with f32 accumulation "
                        "(the D 128, S 16k forward target is a share of it)")
+  ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                  help="the attention inputs' dtype (the matmul ceiling stays bf16)")
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()
@@ -180,8 +183,8 @@ def main():
   for backward in directions:
     for causal in (False, True):
       for B, H, S, D in shapes:
-        rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats)
-        report(results, rows, backward, causal, B, H, S, D)
+        rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats, dtype=args.dtype)
+        report(results, rows, backward, causal, B, H, S, D, dtype=args.dtype)
 
   if args.matmul:
     n = 8192
@@ -193,8 +196,8 @@ def main():
 
   if args.gqa and not args.no_backward:
     B, H, S, D, K = gqa
-    rows = bench_shape(B, H, S, D, True, True, peers, args.reps, args.repeats, kv_heads=K)
-    report(results, rows, True, True, B, H, S, D, kv_heads=K)
+    rows = bench_shape(B, H, S, D, True, True, peers, args.reps, args.repeats, kv_heads=K, dtype=args.dtype)
+    report(results, rows, True, True, B, H, S, D, kv_heads=K, dtype=args.dtype)
 
   if args.csv:
     keys = sorted({k for r in results for k in r}, key=lambda k: (k.startswith("tflops"), k))
