@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
 #   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [fuzz] [long] [sanitize] [bench]
-#                      [decode] [main] [fused] [sharding]   (default: build tests sanitize bench decode main)
+#                      [decode] [main] [fused] [sharding] [ab]   (default: build tests sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
@@ -25,6 +25,10 @@
 #             pass (at D = 128 the warp-specialised one without dQ), D = 128, S = 16k
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
+# ab          a kernel A/B of this build against ab_base/ (tools/ab_base.sh REV here, and the
+#             device call carries ab_base): the base installed beside this build, then
+#             tools/ab_kernels.py times AB_KERNEL (an ncu regex) at each of AB_SHAPES
+#             (profile_call.py arguments, ';'-separated), base / this / this / base
 # sanitize    compute-sanitizer memcheck, racecheck and synccheck over tools/sanitizer_sweep.py; the
 #             whole sweep under the three tools ran past one call's 10 minutes on an H100 (sixteenth
 #             session: memcheck and racecheck ~9 min): split it with SANITIZE_TOOLS (a subset of the
@@ -137,6 +141,26 @@ fi
 
 if has long; then
   script_stage "long sequences" 560 long.log python3 "$repo/tools/long_sequences.py"
+fi
+
+if has ab; then
+  if [ ! -d ab_base ]; then
+    note "ab: no ab_base/ (run tools/ab_base.sh REV before the call, and carry ab_base)"
+  elif [ -z "${AB_KERNEL:-}" ] || [ -z "${AB_SHAPES:-}" ]; then
+    note "ab: set AB_KERNEL (an ncu kernel regex) and AB_SHAPES (profile_call.py arguments, ';'-separated)"
+  else
+    start=$SECONDS
+    base_path=/tmp/jaxflash_ab_base
+    rm -rf "$base_path"
+    if (cd ab_base && JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target "$base_path" . \
+          > "$OUT/ab_build.log" 2>&1); then
+      note "ab: base $(cat ab_base/.revision 2>/dev/null) built in $((SECONDS - start)) s"
+      script_stage "ab" 420 ab.log python3 "$repo/tools/ab_kernels.py" --base-path "$base_path" \
+          --kernel "$AB_KERNEL" --shapes "$AB_SHAPES" --launches "${AB_LAUNCHES:-2}"
+    else
+      tail -n 20 "$OUT/ab_build.log"; note "ab: base build FAILED"
+    fi
+  fi
 fi
 
 if has sanitize; then

@@ -1,0 +1,78 @@
+"""Kernel times of two builds on one GPU, interleaved: a base build against this one.
+
+    tools/ab_base.sh REV                                   # here: the base tree into ab_base/
+    AB_KERNEL=WsBwdKernel AB_SHAPES="--seq 16384 --backward --fused;--seq 8192 --heads 32 \
+        --kv-heads 8 --causal --backward --fused" tools/gpu_check.sh build ab   # on the GPU machine
+
+The `ab` stage installs ab_base/ beside the installed package (pip --target) and runs this
+script, which times every shape (tools/profile_call.py arguments) under
+`ncu --clock-control none` in the order base, this, this, base: a card that drifts over a call
+(clocks, heat) moves both builds alike, and the two runs of each build show how far it did. A
+kernel A/B of a few percent measured "base first, then this" cannot tell that apart from a
+change (docs/performance.md, twenty-third session). One line per shape: each build's mean over
+its launches and both runs, the change, and each build's two runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def kernel_times(shape, kernel, launches, pythonpath):
+  """Durations (µs) of `launches` launches of the kernels matching `kernel` in one call
+  of profile_call.py at `shape` (its first call, compiling, skipped)."""
+  cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", "1",
+         "--launch-count", str(launches), "--csv", "--metrics", "gpu__time_duration.sum",
+         sys.executable, os.path.join(HERE, "profile_call.py"), "--calls", str(launches + 1), *shape.split()]
+  env = dict(os.environ)
+  if pythonpath:
+    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+  # From outside the checkout, so the installed package (or the base's) is the one imported.
+  out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True).stdout
+  rows = list(csv.reader(io.StringIO("".join(l for l in out.splitlines(True) if not l.startswith("==")))))
+  if not rows:
+    raise RuntimeError(f"no ncu rows for {shape!r}: is the kernel name right?")
+  col = {name: i for i, name in enumerate(rows[0])}
+  unit = rows[1][col["Metric Unit"]] if len(rows) > 1 else "ns"
+  scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
+  times = [float(r[col["Metric Value"]].replace(",", "")) * scale for r in rows[1:]
+           if len(r) == len(rows[0]) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
+  if not times:
+    raise RuntimeError(f"no launch of {kernel!r} timed at {shape!r}")
+  return times
+
+
+def mean(xs):
+  return sum(xs) / len(xs)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--base-path", required=True, help="where the base build is installed (pip --target)")
+  ap.add_argument("--kernel", required=True, help="ncu kernel-name regex, e.g. WsFwdKernel")
+  ap.add_argument("--shapes", required=True, help="profile_call.py argument sets, separated by ';'")
+  ap.add_argument("--launches", type=int, default=2, help="launches timed per run")
+  args = ap.parse_args()
+  print(f"kernel {args.kernel}, {args.launches} launches a run, order base / this / this / base (µs)")
+  print("| shape | base | this | change | base runs | this runs |")
+  print("|---|---|---|---|---|---|")
+  for shape in (s.strip() for s in args.shapes.split(";") if s.strip()):
+    runs = {"base": [], "this": []}
+    for build in ("base", "this", "this", "base"):
+      runs[build].append(mean(kernel_times(shape, args.kernel, args.launches,
+                                           args.base_path if build == "base" else None)))
+    base, this = mean(runs["base"]), mean(runs["this"])
+    print(f"| {shape} | {base:.1f} | {this:.1f} | {100 * (this / base - 1):+.1f}% | "
+          f"{' / '.join(f'{t:.1f}' for t in runs['base'])} | {' / '.join(f'{t:.1f}' for t in runs['this'])} |",
+          flush=True)
+
+
+if __name__ == "__main__":
+  main()
