@@ -38,7 +38,7 @@ def kernel_times(shape, kernel, launches, pythonpath):
   out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True).stdout
   rows = list(csv.reader(io.StringIO("".join(l for l in out.splitlines(True) if not l.startswith("==")))))
   if not rows:
-    raise RuntimeError(f"no ncu rows for {shape!r}: is the kernel name right?")
+    raise RuntimeError(f"ncu timed no launch of {kernel!r} at {shape!r} (is the kernel name right?)")
   col = {name: i for i, name in enumerate(rows[0])}
   unit = rows[1][col["Metric Unit"]] if len(rows) > 1 else "ns"
   scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
