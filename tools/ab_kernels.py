@@ -37,16 +37,13 @@ def kernel_times(shape, kernel, launches, pythonpath):
   # From outside the checkout, so the installed package (or the base's) is the one imported.
   out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True).stdout
   rows = list(csv.reader(io.StringIO("".join(l for l in out.splitlines(True) if not l.startswith("==")))))
-  if not rows:
+  col = {name: i for i, name in enumerate(rows[0])} if rows else {}
+  timed = [r for r in rows[1:] if len(r) == len(rows[0]) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
+  if not timed:
     raise RuntimeError(f"ncu timed no launch of {kernel!r} at {shape!r} (is the kernel name right?)")
-  col = {name: i for i, name in enumerate(rows[0])}
-  unit = rows[1][col["Metric Unit"]] if len(rows) > 1 else "ns"
-  scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
-  times = [float(r[col["Metric Value"]].replace(",", "")) * scale for r in rows[1:]
-           if len(r) == len(rows[0]) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
-  if not times:
-    raise RuntimeError(f"no launch of {kernel!r} timed at {shape!r}")
-  return times
+  scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+  return [float(r[col["Metric Value"]].replace(",", "")) * scale.get(r[col["Metric Unit"]], 1e-3)
+          for r in timed]
 
 
 def mean(xs):

@@ -406,8 +406,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         // Tiles every row sees whole skip the mask: three loops rather than a
         // branch per tile, which the compiler would turn into selects. At
         // kD = 256 the three copies' register demand spills, so every tile
-        // is masked there: ~250 of the ~1000 instructions of an 80-key step
-        // (what D 256 non-causal still loses to cuDNN may be that).
+        // is masked there: ~250 of the ~1000 instructions of an 80-key step,
+        // issued while the products run (D 256 waits on its two-stage ring
+        // rather than on issue: twenty-third session in docs/performance.md).
         ++nb;
         if constexpr (Tile::kD <= 128) {
           for (; nb < MinInt(full.begin, own.end); ++nb) steady_step(nb, std::true_type{});
