@@ -56,3 +56,18 @@ def test_ab_kernels_names_a_kernel_it_did_not_find(tmp_path):
   r = subprocess.run([sys.executable, TOOL, "--base-path", "/nowhere", "--kernel", "NoSuchKernel",
                       "--shapes", "--seq 1024"], env=env, capture_output=True, text=True)
   assert r.returncode != 0 and "NoSuchKernel" in r.stderr
+
+
+def test_ab_call_time_runs_the_real_call_interleaved():
+  # Without --kernel: the whole call timed by profile_call.py --time (here on the CPU kernels;
+  # the base path names no build, so both sides import the installed package).
+  out = subprocess.run([sys.executable, TOOL, "--base-path", "/nowhere", "--shapes",
+                        "--batch 1 --heads 2 --seq 128 --head-dim 64"],
+                       capture_output=True, text=True, check=True).stdout
+  assert "call time" in out
+  row = [l for l in out.splitlines() if l.startswith("| --batch")]
+  assert len(row) == 1
+  cells = [c.strip() for c in row[0].strip("|").split("|")]
+  base, this = float(cells[1]), float(cells[2])
+  assert base > 0 and this > 0
+  assert len(cells[4].split(" / ")) == 2 and len(cells[5].split(" / ")) == 2

@@ -10,7 +10,10 @@ script, which times every shape (tools/profile_call.py arguments) under
 (clocks, heat) moves both builds alike, and the two runs of each build show how far it did. A
 kernel A/B of a few percent measured "base first, then this" cannot tell that apart from a
 change (docs/performance.md, twenty-third session). One line per shape: each build's mean over
-its launches and both runs, the change, and each build's two runs.
+its launches and both runs, the change, and each build's two runs. Without `--kernel` it
+times the whole call instead, as the benchmarks do (profile_call.py `--time`, no ncu): the
+A/B for a launch-bound shape such as the latency shape, `--batch 1 --heads 8 --seq 512
+--head-dim 64`, where dispatch and launch are most of the time.
 """
 
 from __future__ import annotations
@@ -25,17 +28,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def run_outside(cmd, pythonpath):
+  """Runs `cmd` from outside the checkout, so the installed package is the one imported, or
+  the base build's when `pythonpath` names it."""
+  env = dict(os.environ)
+  if pythonpath:
+    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+  return subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True)
+
+
 def kernel_times(shape, kernel, launches, pythonpath):
   """Durations (µs) of `launches` launches of the kernels matching `kernel` in one call
   of profile_call.py at `shape` (its first call, compiling, skipped)."""
   cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", "1",
          "--launch-count", str(launches), "--csv", "--metrics", "gpu__time_duration.sum",
          sys.executable, os.path.join(HERE, "profile_call.py"), "--calls", str(launches + 1), *shape.split()]
-  env = dict(os.environ)
-  if pythonpath:
-    env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-  # From outside the checkout, so the installed package (or the base's) is the one imported.
-  out = subprocess.run(cmd, env=env, cwd="/", capture_output=True, text=True).stdout
+  out = run_outside(cmd, pythonpath).stdout
   rows = list(csv.reader(io.StringIO("".join(l for l in out.splitlines(True) if not l.startswith("==")))))
   col = {name: i for i, name in enumerate(rows[0])} if rows else {}
   timed = [r for r in rows[1:] if len(r) == len(rows[0]) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
@@ -46,6 +54,16 @@ def kernel_times(shape, kernel, launches, pythonpath):
           for r in timed]
 
 
+def call_time(shape, pythonpath):
+  """Median µs a call at `shape` as the benchmarks time it (profile_call.py --time)."""
+  out = run_outside([sys.executable, os.path.join(HERE, "profile_call.py"), "--time", *shape.split()],
+                    pythonpath)
+  timed = [l for l in out.stdout.splitlines() if l.startswith("call_us=")]
+  if not timed:
+    raise RuntimeError(f"no call time at {shape!r}: {out.stderr.strip()[-400:]}")
+  return float(timed[0].split("=")[1])
+
+
 def mean(xs):
   return sum(xs) / len(xs)
 
@@ -53,18 +71,23 @@ def mean(xs):
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--base-path", required=True, help="where the base build is installed (pip --target)")
-  ap.add_argument("--kernel", required=True, help="ncu kernel-name regex, e.g. WsFwdKernel")
+  ap.add_argument("--kernel", default="",
+                  help="ncu kernel-name regex, e.g. WsFwdKernel (none: the harness's call time)")
   ap.add_argument("--shapes", required=True, help="profile_call.py argument sets, separated by ';'")
   ap.add_argument("--launches", type=int, default=2, help="launches timed per run")
   args = ap.parse_args()
-  print(f"kernel {args.kernel}, {args.launches} launches a run, order base / this / this / base (µs)")
+  if args.kernel:
+    print(f"kernel {args.kernel}, {args.launches} launches a run, order base / this / this / base (µs)")
+    measure = lambda shape, path: mean(kernel_times(shape, args.kernel, args.launches, path))
+  else:
+    print("the harness's call time (median of 5 x 10 calls), order base / this / this / base (µs)")
+    measure = call_time
   print("| shape | base | this | change | base runs | this runs |")
   print("|---|---|---|---|---|---|")
   for shape in (s.strip() for s in args.shapes.split(";") if s.strip()):
     runs = {"base": [], "this": []}
     for build in ("base", "this", "this", "base"):
-      runs[build].append(mean(kernel_times(shape, args.kernel, args.launches,
-                                           args.base_path if build == "base" else None)))
+      runs[build].append(measure(shape, args.base_path if build == "base" else None))
     base, this = mean(runs["base"]), mean(runs["this"])
     print(f"| {shape} | {base:.1f} | {this:.1f} | {100 * (this / base - 1):+.1f}% | "
           f"{' / '.join(f'{t:.1f}' for t in runs['base'])} | {' / '.join(f'{t:.1f}' for t in runs['this'])} |",

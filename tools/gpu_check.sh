@@ -27,8 +27,9 @@
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # ab          a kernel A/B of this build against ab_base/ (tools/ab_base.sh REV here, and the
 #             device call carries ab_base): the base installed beside this build, then
-#             tools/ab_kernels.py times AB_KERNEL (an ncu regex) at each of AB_SHAPES
-#             (profile_call.py arguments, ';'-separated), base / this / this / base
+#             tools/ab_kernels.py times AB_KERNEL (an ncu regex; unset: the harness's whole
+#             call) at each of AB_SHAPES (profile_call.py arguments, ';'-separated),
+#             base / this / this / base
 # sanitize    compute-sanitizer memcheck, racecheck and synccheck over tools/sanitizer_sweep.py; the
 #             whole sweep under the three tools ran past one call's 10 minutes on an H100 (sixteenth
 #             session: memcheck and racecheck ~9 min): split it with SANITIZE_TOOLS (a subset of the
@@ -146,8 +147,8 @@ fi
 if has ab; then
   if [ ! -d ab_base ]; then
     note "ab: no ab_base/ (run tools/ab_base.sh REV before the call, and carry ab_base)"
-  elif [ -z "${AB_KERNEL:-}" ] || [ -z "${AB_SHAPES:-}" ]; then
-    note "ab: set AB_KERNEL (an ncu kernel regex) and AB_SHAPES (profile_call.py arguments, ';'-separated)"
+  elif [ -z "${AB_SHAPES:-}" ]; then
+    note "ab: set AB_SHAPES (profile_call.py arguments, ';'-separated) and AB_KERNEL (an ncu kernel regex)"
   else
     start=$SECONDS
     base_path=/tmp/jaxflash_ab_base
@@ -156,7 +157,7 @@ if has ab; then
           > "$OUT/ab_build.log" 2>&1); then
       note "ab: base $(cat ab_base/.revision 2>/dev/null) built in $((SECONDS - start)) s"
       script_stage "ab" 420 ab.log python3 "$repo/tools/ab_kernels.py" --base-path "$base_path" \
-          --kernel "$AB_KERNEL" --shapes "$AB_SHAPES" --launches "${AB_LAUNCHES:-2}"
+          --kernel "${AB_KERNEL:-}" --shapes "$AB_SHAPES" --launches "${AB_LAUNCHES:-2}"
     else
       tail -n 20 "$OUT/ab_build.log"; note "ab: base build FAILED"
     fi

@@ -14,7 +14,9 @@ two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's trai
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
 runs a decode step instead. `--peer cudnn` (or `pallas`) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
-none --metrics gpu__time_duration.sum ...` lists every kernel of the call).
+none --metrics gpu__time_duration.sum ...` lists every kernel of the call). `--time` then
+prints the call's time as the benchmarks measure it (`_measure.time_jitted`: back-to-back
+calls, one block; for a small shape that is dispatch and launch more than the kernel).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
-from jaxflash import _native
+from jaxflash import _measure, _native
 
 
 def main():
@@ -51,6 +53,8 @@ def main():
   ap.add_argument("--splits", type=int, default=0)
   ap.add_argument("--peer", choices=("native", "pallas", "cudnn"), default="native",
                   help="implementation of the call (a decode step's: contiguous)")
+  ap.add_argument("--time", action="store_true",
+                  help="also print call_us=, the median µs a call as the benchmarks time it")
   args = ap.parse_args()
   if args.decode:
     return decode_step(args)
@@ -72,6 +76,8 @@ def main():
   with _native.forced_tile(args.tile):  # both read when the call is traced
     for _ in range(args.calls):
       jax.block_until_ready(f(q, k, v))
+    if args.time:
+      print(f"call_us={1e6 * _measure.time_jitted(f, (q, k, v)):.2f}")
   print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
 
