@@ -18,6 +18,7 @@ FAKE_NCU = textwrap.dedent("""\
     with open(os.environ["AB_TEST_LOG"], "a") as f:
       f.write(("base" if base else "this") + " " + " ".join(args[args.index("--calls") + 2:]) + "\\n")
     print("==PROF== Connected to process 1")
+    print("ran native B=8 S=2048 H=8/8 D=256 causal=False")  # the profiled program's own line
     print('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
     for i in range(int(args[args.index("--launch-count") + 1])):

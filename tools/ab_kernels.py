@@ -43,12 +43,17 @@ def kernel_times(shape, kernel, launches, pythonpath):
   cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:{kernel}", "--launch-skip", "1",
          "--launch-count", str(launches), "--csv", "--metrics", "gpu__time_duration.sum",
          sys.executable, os.path.join(HERE, "profile_call.py"), "--calls", str(launches + 1), *shape.split()]
-  out = run_outside(cmd, pythonpath).stdout
+  run = run_outside(cmd, pythonpath)
+  out = run.stdout
+  # The profiled program's own lines come before ncu's table; the table starts at its header.
   rows = list(csv.reader(io.StringIO("".join(l for l in out.splitlines(True) if not l.startswith("==")))))
-  col = {name: i for i, name in enumerate(rows[0])} if rows else {}
-  timed = [r for r in rows[1:] if len(r) == len(rows[0]) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
+  header = next((i for i, r in enumerate(rows) if "Metric Name" in r), len(rows))
+  col = {name: i for i, name in enumerate(rows[header])} if header < len(rows) else {}
+  timed = [r for r in rows[header + 1:]
+           if len(r) == len(col) and r[col["Metric Name"]] == "gpu__time_duration.sum"]
   if not timed:
-    raise RuntimeError(f"ncu timed no launch of {kernel!r} at {shape!r} (is the kernel name right?)")
+    tail = (run.stdout + run.stderr).strip()[-600:]
+    raise RuntimeError(f"ncu timed no launch of {kernel!r} at {shape!r} (is the kernel name right?):\n{tail}")
   scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
   return [float(r[col["Metric Value"]].replace(",", "")) * scale.get(r[col["Metric Unit"]], 1e-3)
           for r in timed]
