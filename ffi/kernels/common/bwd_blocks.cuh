@@ -222,14 +222,15 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
 // tiles run the mask loop, one uniform branch per tile. A test inside the
 // exponent loop made ptxas branch around every element: 28% of the fused
 // kernel's samples at D 128 (docs/performance.md, eleventh session).
-template <int kQT>
-__device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
-                                              int key0, const float* lse, int lane, float scale_log2) {
+// LseLog2(nt, j): this lane's query column nt * 8 + 2t + j's LSE in log2
+// units (read from `lse` as it goes, or from registers read earlier).
+template <int kQT, typename LseLog2>
+__device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
+                                                  int key0, LseLog2&& lse_at, int lane, float scale_log2) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt) {
-    // This lane's two query rows of the column block: nt * 8 + 2t + j.
-    const float lse_log2[2] = {lse[nt * 8 + 2 * t] * kLog2e, lse[nt * 8 + 2 * t + 1] * kLog2e};
+    const float lse_log2[2] = {lse_at(nt, 0), lse_at(nt, 1)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[nt][i] = Exp2(s[nt][i] * scale_log2 - lse_log2[i & 1]);
   }
@@ -243,6 +244,14 @@ __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPoli
     const int key = Unhoisted(key0 + g + half * 8);
     ZeroOutside(s, half, pol.RowBegin(key) - r0 - 2 * t, pol.RowEnd(key) - r0 - 2 * t);
   }
+}
+
+template <int kQT>
+__device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
+                                              int key0, const float* lse, int lane, float scale_log2) {
+  const int t = lane & 3;
+  KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return lse[nt * 8 + 2 * t + j] * kLog2e; }, lane,
+                    scale_log2);
 }
 
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta holds the tile's values.

@@ -12,11 +12,21 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <typename T, typename KVTile, typename QTile, int kD, int kM>
+// kLseFirst: the LSE of the step's queries read into registers before the
+// products are issued (16 at kM = 64), else as the exponents need them.
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int c0, int key0, int kN, const float* lse, int lane,
                                                float scale_log2) {
+  const int t = lane & 3;
+  float lse_log2[kLseFirst ? kM / 8 : 1][2];
+  if constexpr (kLseFirst) {
+#pragma unroll
+    for (int nt = 0; nt < kM / 8; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) lse_log2[nt][j] = lse[nt * 8 + 2 * t + j] * tc::kLog2e;
+  }
   WgmmaFence();
   ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
   WgmmaCommit();
@@ -25,7 +35,12 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaWait<1>();
   FenceAccumulator(st);
   const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-  tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2);
+  if constexpr (kLseFirst) {
+    tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
+                          scale_log2);
+  } else {
+    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2);
+  }
 }
 
 }  // namespace sm90

@@ -147,7 +147,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
     // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
     float st[kQT][4], dp[kQT][4];
-    KeyMajorScores<T, KVTile, QTile, kD, kM>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0(),
+    KeyMajorScores<T, KVTile, QTile, kD, kM, Tile::kConsumers == 2>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0(),
                                              w.C0() + key_w, kN, in.lse, lane, scale_log2);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
