@@ -91,6 +91,13 @@ struct TileList {
     (void)((i++ == index ? (st = launch(Tiles{}), true) : false) || ...);
     return st;
   }
+
+  // Query rows a work tile of candidate `index` (0-based) covers.
+  static int Rows(int index) {
+    int rows = 0, i = 0;
+    (void)((i++ == index ? (rows = Tiles::kM, true) : false) || ...);
+    return rows;
+  }
 };
 
 }  // namespace jaxflash
