@@ -23,7 +23,7 @@ namespace sm90 {
 template <int kD>
 struct FwdCandidates;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
-// (FwdPick), or -1 where none was measured to win there.
+// (SmallGrid), or -1 where none was measured to win there.
 template <>
 struct FwdCandidates<64> {
   using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 128, 4, 2, false>, WsFwdTile<64, 64, 6, 3>,
@@ -76,28 +76,35 @@ inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   }
 }
 
-// The table's pick, unless its work tiles would keep at most half the SMs
-// busy: the call then lasts one CTA's walk over its keys, and smaller tiles
-// (more CTAs, each with fewer rows) finish first. At D 64 on an H100
-// (twenty-fourth session) the cp.async kernel's 64-row tiles ran the latency
-// shape (B 1, H 8, S 512: 16 work tiles of the pick) in 10.2 µs against the
-// pick's 18.9 (cuDNN's kernel 9.5); with 32 and 64 work tiles they were 1.4-1.8x
-// faster, with 88 tied; with 128 the pick was 27% faster non-causal (2%
-// slower causal).
+// Whether the table's pick would leave the GPU half idle: at most half as
+// many work tiles as SMs. The call then lasts one CTA's walk over its keys,
+// and the bucket's small-grid candidate (more CTAs, fewer rows each) finishes
+// first. At D 64 on an H100 (twenty-fourth session) the cp.async kernel's
+// 64-row tiles ran the latency shape (B 1, H 8, S 512: 16 work tiles of the
+// pick) in 10.2 µs against the pick's 18.9 (cuDNN's kernel 9.5); with 32 and
+// 64 work tiles they were 1.4-1.8x faster, with 88 tied; with 128 the pick
+// was 27% faster non-causal (2% slower causal).
 template <int kD>
-int FwdPick(const FwdParams& p, const CudaDevice& device) {
-  using Candidates = FwdCandidates<kD>;
-  const int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len);
-  if constexpr (Candidates::kSmallGrid >= 0) {
-    const int64_t work_tiles = p.shape.batch * p.shape.q_heads * CeilDiv(p.shape.q_len, Candidates::type::Rows(pick));
-    if (2 * work_tiles <= device.sm_count) return Candidates::kSmallGrid;
+bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
+  if constexpr (FwdCandidates<kD>::kSmallGrid < 0) {
+    return false;
+  } else {
+    const int64_t work_tiles =
+        p.shape.batch * p.shape.q_heads * CeilDiv(p.shape.q_len, FwdCandidates<kD>::type::Rows(pick));
+    return 2 * work_tiles <= device.sm_count;
   }
-  return pick;
 }
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  return FwdCandidates<kD>::type::With(p.tile, FwdPick<kD>(p, device), [&](auto tile) {
+  int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len), requested = p.tile;
+  if (SmallGrid<kD>(p, device, pick)) {
+    pick = FwdCandidates<kD>::kSmallGrid;
+    // A cached preference (`python -m jaxflash.tune`) was measured on grids
+    // that fill the GPU, so it yields here; a forced tile does not.
+    if (requested & FwdParams::kTilePreferred) requested = 0;
+  }
+  return FwdCandidates<kD>::type::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);
     if constexpr (Tile::kWarpSpecialised) {
       return LaunchWsForward<T, Tile>(p, device, stream);
