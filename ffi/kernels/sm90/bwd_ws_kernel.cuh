@@ -147,9 +147,10 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
     // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
     float st[kQT][4], dp[kQT][4];
-    // Two-consumer tiles (D 128) read the step's LSE before the products are
-    // issued: 1.5% faster there (twenty-fourth session); the three-consumer
-    // D 64 tile, at 160 registers a thread, was not measured with it.
+    // Two-consumer tiles (the fused pass at D 128, the dK/dV pass of the two
+    // kernels at D 64 and 128) read the step's LSE before the products are
+    // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
+    // three-consumer D 64 tile, at 160 registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
