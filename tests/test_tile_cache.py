@@ -147,4 +147,3 @@ def test_a_missing_preferred_candidate_falls_back_to_the_table(monkeypatch, rng,
   preferred = run(tile_cache.TILE_PREFERRED + tile_cache.MAX_CANDIDATE)
   for a, b in zip(jax.tree.leaves(table), jax.tree.leaves(preferred)):
     np.testing.assert_array_equal(a, b)
-

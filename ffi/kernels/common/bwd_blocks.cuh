@@ -246,11 +246,16 @@ __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const Mask
   }
 }
 
+// This lane's LSE of query column nt * 8 + 2t + j in log2 units, from the
+// tile's natural-log values in `lse`.
+__device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int nt, int j) {
+  return lse[nt * 8 + 2 * (lane & 3) + j] * kLog2e;
+}
+
 template <int kQT>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2) {
-  const int t = lane & 3;
-  KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return lse[nt * 8 + 2 * t + j] * kLog2e; }, lane,
+  KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
                     scale_log2);
 }
 

@@ -19,13 +19,12 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int c0, int key0, int kN, const float* lse, int lane,
                                                float scale_log2) {
-  const int t = lane & 3;
   float lse_log2[kLseFirst ? kM / 8 : 1][2];
   if constexpr (kLseFirst) {
 #pragma unroll
     for (int nt = 0; nt < kM / 8; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) lse_log2[nt][j] = lse[nt * 8 + 2 * t + j] * tc::kLog2e;
+      for (int j = 0; j < 2; ++j) lse_log2[nt][j] = tc::KeyMajorLseLog2(lse, lane, nt, j);
   }
   WgmmaFence();
   ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
