@@ -147,3 +147,19 @@ def test_a_missing_preferred_candidate_falls_back_to_the_table(monkeypatch, rng,
   preferred = run(tile_cache.TILE_PREFERRED + tile_cache.MAX_CANDIDATE)
   for a, b in zip(jax.tree.leaves(table), jax.tree.leaves(preferred)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_small_grid_keeps_its_own_tile_over_a_preference(monkeypatch, rng, causal):
+  """A cached preference was measured on grids that fill the GPU: a grid of few work tiles
+  (here 8 at D 64) takes the small-grid tile the table would, bit for bit, not the preference."""
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 300, 4, 64)), jnp.bfloat16) for _ in range(3))
+
+  def run(tile):
+    monkeypatch.setattr(_native, "_forced_tile", tile)
+    f = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
+                                                                 implementation="native"))
+    return np.asarray(f(q, k, v))
+
+  np.testing.assert_array_equal(run(0), run(tile_cache.TILE_PREFERRED + 1))

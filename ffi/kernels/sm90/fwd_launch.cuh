@@ -97,9 +97,14 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len);
-  if (SmallGrid<kD>(p, device, pick)) pick = FwdCandidates<kD>::kSmallGrid;
-  return FwdCandidates<kD>::type::With(p.tile, pick, [&](auto tile) {
+  int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len), requested = p.tile;
+  if (SmallGrid<kD>(p, device, pick)) {
+    pick = FwdCandidates<kD>::kSmallGrid;
+    // A cached preference (`python -m jaxflash.tune`) was measured on grids
+    // that fill the GPU, so it yields here; a forced tile does not.
+    if (requested & FwdParams::kTilePreferred) requested = 0;
+  }
+  return FwdCandidates<kD>::type::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);
     if constexpr (Tile::kWarpSpecialised) {
       return LaunchWsForward<T, Tile>(p, device, stream);
