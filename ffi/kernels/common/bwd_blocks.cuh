@@ -259,25 +259,7 @@ __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPoli
                     scale_log2);
 }
 
-// This lane's delta values of the tile (query column nt * 8 + 2t + j), read
-// into registers ahead of KeyMajorDs.
-template <int kQT>
-__device__ __forceinline__ void KeyMajorDeltas(const float* delta, int lane, float (&d)[kQT][2]) {
-  const int t = lane & 3;
-#pragma unroll
-  for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) d[nt][j] = delta[nt * 8 + 2 * t + j];
-}
-
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta holds the tile's values.
-template <int kQT>
-__device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float (&d)[kQT][2]) {
-#pragma unroll
-  for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dp[nt][i] = p[nt][i] * (dp[nt][i] - d[nt][i & 1]);
-}
 template <int kQT>
 __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
                                            int lane) {

@@ -154,10 +154,6 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
-    // delta read while dPᵀ is still on the tensor cores, before dV is issued
-    // (loads between the HGMMAs cost 3-5%: twenty-third session).
-    float delta[kQT][2];
-    if constexpr (kLseFirst) tc::KeyMajorDeltas(in.delta, lane, delta);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -172,11 +168,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<0>();
     }
     FenceAccumulator(dp);
-    if constexpr (kLseFirst) {
-      tc::KeyMajorDs(st, dp, delta);
-    } else {
-      tc::KeyMajorDs(st, dp, in.delta, lane);
-    }
+    tc::KeyMajorDs(st, dp, in.delta, lane);
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)
