@@ -352,25 +352,20 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // on an H100 (twelfth session in docs/performance.md); at D = 128 dK and dV
 // leave room for two. At D = 256 dK and dV of 64 keys would fill a
 // warpgroup's registers, so two consumers share 64 keys and split the columns
-// (bwd_ws_columns.cuh). `unmasked`: the tile of calls without a causal or
-// window mask, where no step is cut by the diagonal: at D = 128 steps of 80
-// queries (bwd_ws_kernel.cuh, kDqTransposed).
+// (bwd_ws_columns.cuh).
 template <int kD>
 struct FusedBwdTile;
 template <>
 struct FusedBwdTile<64> {
   using type = WsBwdTile<64, 3>;
-  using unmasked = type;
 };
 template <>
 struct FusedBwdTile<128> {
   using type = WsBwdTile<128>;
-  using unmasked = WsBwdTile<128, 2, 80>;
 };
 template <>
 struct FusedBwdTile<256> {
   using type = WsBwdColumnTile<256>;
-  using unmasked = type;
 };
 
 // The backward without dQ sums (deterministic calls, or the fused pass
@@ -388,13 +383,8 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
+  if (tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
   const bool causal = p.mask.window_right >= 0;
-  if (tc::UseFusedBackward(p)) {
-    if (!causal && p.mask.window_left < 0) {
-      return LaunchWsBackward<T, typename FusedBwdTile<kD>::unmasked>(p, device, stream);
-    }
-    return LaunchWsBackward<T, Fused>(p, device, stream);
-  }
   return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal), [&](auto tile) {
     using Tile = decltype(tile);
     if (!tc::TileForced(p) && p.shape.q_len > 0) {

@@ -77,13 +77,6 @@ struct WsBwdTile {
   static constexpr bool kDqByColumns = kD / kConsumers >= 64;
   static constexpr int kDqCols = kDqByColumns ? kD / kConsumers : kD;  // dQ columns per computing consumer
   static constexpr int kDqWriters = kDqByColumns ? kConsumers : 1;     // consumers staging each step
-  // A step of 64 queries computes dQ = dS·K (M = the queries, one wgmma row
-  // block). Other step heights (80 at D 128 without a causal mask, as the
-  // reference FA3 tiles choose: a fifth more work a step for the same K and V
-  // operand reads of Sᵀ and dPᵀ) compute dQᵀ = Kᵀ·dSᵀ: M = the consumer's 64
-  // dQ columns, N = the step's queries.
-  static constexpr bool kDqTransposed = kM != 64;
-  static constexpr int kDqTiles = kDqTransposed ? kM / 8 : kDqCols / 8;  // dQ accumulator column tiles
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   using DsTile = SwizzledTile<kM, kN>;
@@ -98,7 +91,7 @@ struct WsBwdTile {
   // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
   // full and empty.
   static constexpr int kBarriers = 5 + 2 * kStages;
-  static_assert(kM % 16 == 0 && (kM == 64 || kDqByColumns), "a transposed dQ is split by columns");
+  static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over: all
   // but 24 a thread with two consumers (the producer and the dQ writer fit
@@ -110,11 +103,11 @@ struct WsBwdTile {
   // store: Pᵀ packed and in float32, dPᵀ, dK and dV are then live together,
   // which needs 240 registers (at 232 ptxas spilled 16 bytes and serialised
   // the products; with three consumers' 160 it spills).
-  static constexpr bool kEarlyDv = kConsumers == 2 && kM == 64;
+  static constexpr bool kEarlyDv = kConsumers == 2;
   // The dQ staging stores take one wavefront per half-warp when lanes t = 2,
   // 3 write their blocks in flipped order; the flip's selects need registers
   // that three consumers (160 each) do not have, so they take two.
-  static constexpr bool kFlipStaging = kConsumers == 2 && !kDqTransposed;
+  static constexpr bool kFlipStaging = kConsumers == 2;
   // Named: every consumer's dS of a step is in place. Consumers taking turns
   // alternate two, so one that only arrives and runs a step ahead cannot
   // complete its partner's wait on the same barrier (with two stages no
@@ -123,48 +116,6 @@ struct WsBwdTile {
   static constexpr int kDsBarrier = 1;
   static constexpr int kDsBarriers = kDqByColumns ? 1 : 2;
 };
-
-// ------------------------------------------------------------------ dQ staging
-// This warp's share of a step's dQ (the consumer's columns [col0, col0 +
-// kDqCols), before the scale) into the float32 staging tile, for the writer.
-template <typename Tile>
-__device__ __forceinline__ void StageQueryGrads(uint32_t stage, const float (&dq)[Tile::kDqTiles][4], int col0,
-                                                int warp, int lane) {
-  using DqStage = typename Tile::DqStage;
-  const int g = lane >> 2, t = lane & 3;
-  auto store = [&](int row, int col, float x) {  // float32 column; 16-byte chunks of 4
-    const uint32_t at = stage + DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
-    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(x) : "memory");
-  };
-  if constexpr (Tile::kDqTransposed) {
-    // dQᵀ: the lane holds columns warp * 16 + g (+ 8) of queries 8 nt + 2t
-    // (+ 1). For one register the warp's 32 lanes write 8 columns (two
-    // chunks) of 4 rows whose swizzle phases differ by 2: 8 chunk positions,
-    // 32 banks, one wavefront.
-#pragma unroll
-    for (int nt = 0; nt < Tile::kDqTiles; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) store(nt * 8 + 2 * t + (i & 1), col0 + warp * 16 + g + (i >> 1) * 8, dq[nt][i]);
-  } else {
-    // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
-    // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
-    // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
-    // where the same order for every lane takes two.
-    const int flip = Tile::kFlipStaging ? t & 2 : 0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp * 16 + g + half * 8;
-#pragma unroll
-      for (int k = 0; k < Tile::kDqCols / 8; ++k) {
-        const int col = col0 + (k ^ flip) * 8 + 2 * t;
-        const uint32_t at = stage + DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
-        const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
-        const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
-      }
-    }
-  }
-}
 
 // ------------------------------------------------------------------ consumer
 template <typename T, typename Tile>
@@ -177,6 +128,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   using DsTile = typename Tile::DsTile;
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
   const int key_w = consumer * 64 + warp * 16;  // this warp's first key within the CTA's tile
   // This warpgroup's 64 keys of K and V, as A operands.
   const uint32_t sK_rows = sm.k + consumer * 64 * 128;
@@ -199,7 +151,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // kernels at D 64 and 128) read the step's LSE before the products are
     // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
     // three-consumer D 64 tile, at 160 registers a thread, was not measured.
-    constexpr bool kLseFirst = Tile::kConsumers == 2 && kM == 64;
+    constexpr bool kLseFirst = Tile::kConsumers == 2;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
@@ -236,20 +188,32 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     if (Tile::kWithDq && (Tile::kDqByColumns || it % Tile::kConsumers == consumer)) {
       NamedBarrierSync(barrier, 128 * Tile::kConsumers);
       const int col0 = Tile::kDqByColumns ? consumer * kDqCols : 0;
-      float dq[Tile::kDqTiles][4];
+      float dq[kDqCols / 8][4];
       WgmmaFence();
-      if constexpr (Tile::kDqTransposed) {
-        ProductSS<T, KVTile, DsTile, kN, kM, Major::kMn>(dq, sm.k, sDs, col0);
-      } else {
-        ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
-      }
+      ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
       WgmmaCommit();
       ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
       WgmmaCommit();
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
       MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-      StageQueryGrads<Tile>(sm.dq, dq, col0, warp, lane);
+      // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
+      // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
+      // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
+      // where the same order for every lane takes two.
+      const int flip = Tile::kFlipStaging ? t & 2 : 0;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + g + half * 8;
+#pragma unroll
+        for (int k = 0; k < kDqCols / 8; ++k) {
+          const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
+          const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
+          const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
+          const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
+        }
+      }
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
       MBarrier::Arrive(sm.DqFull());
     } else {

@@ -236,10 +236,6 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
     float* stats = sm.StatsPointer(stats_base, s);
     const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + head) * sh.q_len + r0;
-    // Unrolled where every lane has kM / 32 rows; a partial last round (kM =
-    // 80) unrolled held more than the warp's 24 registers.
-    constexpr int kStatsUnroll = kM % 32 == 0 ? kM / 32 : 1;
-#pragma unroll kStatsUnroll
     for (int i = lane; i < kM; i += 32) {
       const bool ok = r0 + i < q_len;
       stats[i] = ok ? p.lse[row_off + i] : 0.f;

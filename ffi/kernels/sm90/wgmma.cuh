@@ -184,10 +184,10 @@ struct Wgmma;
 
 // One specialisation per (element type, N). The operands after the N/2
 // accumulators are numbered from N/2 on, and PTX wants those numbers as
-// literals: SS, SSMn, SSMnA and SSMnAB take desc A (A0), desc B (B0) and the
+// literals: SS, SSMn and SSMnAB take desc A (A0), desc B (B0) and the
 // accumulate flag (F0), the accumulators last (a list, hence variadic), SSMn
-// reading B MN-major, SSMnA A and SSMnAB both operands (the last two
-// immediates: the transpose bits of A and B); RS takes the four A registers (AREGS), desc B
+// reading B MN-major and SSMnAB both operands (the last two immediates: the
+// transpose bits of A and B); RS takes the four A registers (AREGS), desc B
 // (B1) and the flag (F1), and reads B MN-major.
 #define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_A, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                      \
   __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) {   \
@@ -203,7 +203,6 @@ struct Wgmma;
   struct Wgmma<CTYPE, N> {                                                                            \
     JAXFLASH_WGMMA_SS(SS, "0", "0", PTX, N, REGS, A0, B0, F0, ACC)                                    \
     JAXFLASH_WGMMA_SS(SSMn, "0", "1", PTX, N, REGS, A0, B0, F0, ACC)                                  \
-    JAXFLASH_WGMMA_SS(SSMnA, "1", "0", PTX, N, REGS, A0, B0, F0, ACC)                                 \
     JAXFLASH_WGMMA_SS(SSMnAB, "1", "1", PTX, N, REGS, A0, B0, F0, ACC)                                \
     __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
                                               bool accumulate) {                                      \
@@ -244,26 +243,16 @@ JAXFLASH_WGMMA(__half, "f16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89"
 
 // ------------------------------------------------------------ whole products
 // The loops every kernel issues (callers fence before and commit after).
-
-// How an operand's tile is stored: K-major (rows are M or N, columns the
-// reduction index) or MN-major (rows are the reduction index).
-enum class Major { kK, kMn };
-
+//
 // d = A·Bᵀ over a reduction of kK columns: A is the 64 rows at `a` of a
-// K-major ATile (a warpgroup's row block), or with kA = Major::kMn columns
-// [m0, m0 + 64) of an ATile that holds A transposed (e.g. Kᵀ from K stored
-// key by key); B the kN rows of the K-major BTile at `b`; d is this warp's
-// share of the 64 x kN accumulator.
-template <typename T, typename ATile, typename BTile, int kK, int kN, Major kA = Major::kK>
-__device__ __forceinline__ void ProductSS(float (&d)[kN / 8][4], uint32_t a, uint32_t b, int m0 = 0) {
+// K-major ATile (a warpgroup's row block), B the kN rows of the K-major BTile
+// at `b`; d is this warp's share of the 64 x kN accumulator.
+template <typename T, typename ATile, typename BTile, int kK, int kN>
+__device__ __forceinline__ void ProductSS(float (&d)[kN / 8][4], uint32_t a, uint32_t b) {
   auto& flat = reinterpret_cast<float(&)[kN / 2]>(d);
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    if constexpr (kA == Major::kMn) {
-      Wgmma<T, kN>::SSMnA(flat, MnMajorDescriptor<ATile>(a, kk, m0), KMajorDescriptor<BTile>(b, kk), kk > 0);
-    } else {
-      Wgmma<T, kN>::SS(flat, KMajorDescriptor<ATile>(a, kk), KMajorDescriptor<BTile>(b, kk), kk > 0);
-    }
+    Wgmma<T, kN>::SS(flat, KMajorDescriptor<ATile>(a, kk), KMajorDescriptor<BTile>(b, kk), kk > 0);
   }
 }
 
@@ -282,6 +271,9 @@ __device__ __forceinline__ void ForWgmmaSteps(Issue&& issue) {
     for (int c = 0; c < kCols; c += kChunk) issue(kk, c);
 }
 
+// How an operand's tile is stored: K-major (rows are M or N, columns the
+// reduction index) or MN-major (rows are the reduction index).
+enum class Major { kK, kMn };
 
 // d = A·B over a reduction of kK: A is the 64 rows at `a` of a K-major ATile,
 // or with kA = Major::kMn the 64 columns at `a` of an ATile that holds A
