@@ -127,6 +127,12 @@ def test_the_handlers_accept_a_preferred_tile(monkeypatch, rng):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
+def run_with_tile(monkeypatch, tile, fn, *args):
+  """fn(*args) jitted and traced with the FFI tile attribute `tile`, as NumPy arrays."""
+  monkeypatch.setattr(_native, "_forced_tile", tile)
+  return jax.tree.map(np.asarray, jax.jit(fn)(*args))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -137,14 +143,10 @@ def test_a_missing_preferred_candidate_falls_back_to_the_table(monkeypatch, rng,
   # fused pass's dQ atomics (added in a varying order) differ in the last bit.
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "0")
 
-  def run(tile):
-    monkeypatch.setattr(_native, "_forced_tile", tile)
-    f = jax.jit(jax.value_and_grad(lambda q, k, v: jaxflash.dot_product_attention(
-        q, k, v, is_causal=causal, implementation="native").astype(jnp.float32).sum(), argnums=(0, 1, 2)))
-    return jax.tree.map(np.asarray, f(q, k, v))
-
-  table = run(0)
-  preferred = run(tile_cache.TILE_PREFERRED + tile_cache.MAX_CANDIDATE)
+  loss = jax.value_and_grad(lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=causal, implementation="native").astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  table = run_with_tile(monkeypatch, 0, loss, q, k, v)
+  preferred = run_with_tile(monkeypatch, tile_cache.TILE_PREFERRED + tile_cache.MAX_CANDIDATE, loss, q, k, v)
   for a, b in zip(jax.tree.leaves(table), jax.tree.leaves(preferred)):
     np.testing.assert_array_equal(a, b)
 
@@ -158,10 +160,6 @@ def test_a_small_grid_keeps_its_own_tile_over_a_preference(monkeypatch, rng, cau
   online softmax rounds differently: were it run, the bits would differ."""
   q, k, v = (jnp.asarray(rng.standard_normal((1, 300, 4, 64)), jnp.bfloat16) for _ in range(3))
 
-  def run(tile):
-    monkeypatch.setattr(_native, "_forced_tile", tile)
-    f = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                                 implementation="native"))
-    return np.asarray(f(q, k, v))
-
-  np.testing.assert_array_equal(run(0), run(tile_cache.TILE_PREFERRED + 3))
+  attend = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal, implementation="native")
+  np.testing.assert_array_equal(run_with_tile(monkeypatch, 0, attend, q, k, v),
+                                run_with_tile(monkeypatch, tile_cache.TILE_PREFERRED + 3, attend, q, k, v))

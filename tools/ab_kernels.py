@@ -24,6 +24,7 @@ import io
 import os
 import subprocess
 import sys
+from statistics import fmean as mean
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,10 +68,6 @@ def call_time(shape, pythonpath):
   if not timed:
     raise RuntimeError(f"no call time at {shape!r}: {out.stderr.strip()[-400:]}")
   return float(timed[0].split("=")[1])
-
-
-def mean(xs):
-  return sum(xs) / len(xs)
 
 
 def main():
