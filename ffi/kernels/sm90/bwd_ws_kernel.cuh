@@ -126,13 +126,16 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
   using DsTile = typename Tile::DsTile;
+  using DqStage = typename Tile::DqStage;
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int key_w = consumer * 64 + warp * 16;  // this warp's first key within the CTA's tile
-  // This warpgroup's 64 keys of K and V, as A operands.
-  const uint32_t sK_rows = sm.k + consumer * 64 * 128;
-  const uint32_t sV_rows = sm.v + consumer * 64 * 128;
+  // This warpgroup's 64 keys of K and V, as A operands. (Every operand
+  // address is WarpUniform; the consumer index itself is not, since marked
+  // it moves more of the loop's values into registers and the pass spills.)
+  const uint32_t sK_rows = WarpUniform(sm.k + consumer * 64 * 128);
+  const uint32_t sV_rows = WarpUniform(sm.v + consumer * 64 * 128);
   const float scale_log2 = p.scale * tc::kLog2e;
 
   float dk[kDT][4], dv[kDT][4];
@@ -172,7 +175,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)
-    const uint32_t sDs = sm.Ds(it);
+    const uint32_t sDs = WarpUniform(sm.Ds(it));
     if constexpr (Tile::kWithDq) {
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
@@ -187,7 +190,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
     if (Tile::kWithDq && (Tile::kDqByColumns || it % Tile::kConsumers == consumer)) {
       NamedBarrierSync(barrier, 128 * Tile::kConsumers);
-      const int col0 = Tile::kDqByColumns ? consumer * kDqCols : 0;
+      const int col0 = Tile::kDqByColumns ? WarpUniform(consumer * kDqCols) : 0;
       float dq[kDqCols / 8][4];
       WgmmaFence();
       ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
@@ -202,16 +205,23 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
       // where the same order for every lane takes two.
       const int flip = Tile::kFlipStaging ? t & 2 : 0;
+      // Block k's float pair (columns col0 + 8k + 2t, +1) of row r = 16 warp
+      // + g + 8 half sits in chunk 2 (k & 3) + t / 2 of the row's 128 bytes in
+      // column block col0 / 32 + k / 4, at chunk position (2 (k & 3) + t / 2)
+      // ^ g (DqStage::ChunkOffset). Bit 0 of the chunk is t / 2 ^ g's, bits 1-2
+      // are (k & 3) ^ g / 2, so the address is one base XOR (k & 3) · 32 plus
+      // constants: one register and a logic op a block, where ChunkOffset per
+      // store is ~100 instructions a step (or, hoisted, 16 registers).
+      const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
+                                ((((t >> 1) ^ g) << 4) ^ (flip << 5));
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp * 16 + g + half * 8;
+      for (int k = 0; k < kDqCols / 8; ++k) {
+        const uint32_t at = (row_base ^ ((k & 3) << 5)) + (k >> 2) * DqStage::kBlockBytes;  // block k ^ flip
 #pragma unroll
-        for (int k = 0; k < kDqCols / 8; ++k) {
-          const int col = col0 + (k ^ flip) * 8 + 2 * t;  // float32 column; 16-byte chunks of 4
-          const uint32_t at = sm.dq + Tile::DqStage::ChunkOffset(row, col >> 2) + (col & 3) * 4;
+        for (int half = 0; half < 2; ++half) {
           const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
           const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
-          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(x), "f"(y) : "memory");
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + half * 8 * 128), "f"(x), "f"(y) : "memory");
         }
       }
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine

@@ -154,8 +154,8 @@ __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm, co
                                                    float* stats_base, const RingPosition<Tile::kStages>& ring, int it) {
   WsBwdStage st;
   st.r0 = w.Row0(it);
-  st.q = sm.Q(ring.stage);
-  st.d_o = sm.DO(ring.stage);
+  st.q = WarpUniform(sm.Q(ring.stage));
+  st.d_o = WarpUniform(sm.DO(ring.stage));
   st.lse = sm.StatsPointer(stats_base, ring.stage);
   st.delta = st.lse + Tile::kM;
   MBarrier::Wait(sm.Full(ring.stage), ring.parity);

@@ -252,11 +252,10 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 template <typename T, typename Tile>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
-  // The same in every lane of a warp, but derived from threadIdx the compiler
-  // cannot tell; read from lane 0 it can, and what follows from it (this
-  // warpgroup's key tiles, the loops' bounds) stays in uniform registers
-  // instead of taking the consumers' (it spilled without).
-  consumer = __shfl_sync(0xffffffffu, consumer, 0);
+  // Marked uniform, what follows from it (this warpgroup's key tiles, the
+  // loops' bounds) stays in uniform registers instead of taking the
+  // consumers' (it spilled without).
+  consumer = WarpUniform(consumer);
   constexpr int kM = Tile::kM, kN = Tile::kN, kD = Tile::kD;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
   using QTile = typename Tile::QTile;

@@ -109,6 +109,19 @@ __device__ __forceinline__ uint32_t DescriptorLo(uint32_t smem_addr, uint32_t le
   return ((smem_addr & 0x3FFFF) >> 4) | ((leading_bytes >> 4) << 16);
 }
 
+// A value the same in every lane of a warp, marked so for the compiler: read
+// from lane 0, it can live in a uniform register. The operands' tile
+// addresses (a warpgroup's rows, a stage, a dS buffer) are the same across a
+// warp, but derived from threadIdx or from a loop the compiler cannot tell;
+// marked, their descriptors are built by the uniform datapath next to each
+// wgmma. Unmarked, every descriptor took two moves into uniform registers,
+// and the fused backward's step issued 112 of them (docs/performance.md,
+// twenty-sixth session).
+template <typename V>
+__device__ __forceinline__ V WarpUniform(V v) {
+  return __shfl_sync(0xffffffffu, v, 0);
+}
+
 // K-major operand (rows are M or N, columns are the reduction index k), the
 // 16 columns [16 kk, 16 kk + 16): 8-row groups are 1024 bytes apart; inside a
 // swizzle atom the k step is a 32-byte move of the start address (the hardware
