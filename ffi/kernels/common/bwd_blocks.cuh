@@ -405,22 +405,37 @@ inline bool UseFusedBackward(const BwdParams& p) {
 // Adds this warp's share of a 64 x 8 kCT dQ block (the wgmma accumulator
 // layout, rows from `row0`, columns from `col0`, before the scale) into the
 // sums of (batch, head); rows past q_valid and columns past head_dim are left.
+// Each of a lane's two rows is one pointer and its kCT float pairs fixed
+// offsets from it: built per reduction, the 64-bit address took ~16
+// instructions and rewrote the registers the previous reduction was still to
+// read, so every reduction waited for the one before to leave (54% of the
+// D 256 pass's warp samples, docs/performance.md, twenty-sixth session). A
+// warp whose 16 rows and 8 kCT columns are all in place (every one but a
+// ragged tail's) issues its reductions without a condition.
 template <int kCT>
 __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], const BwdParams& p, int q_valid,
                                                  int batch, int head, int row0, int col0, int lane) {
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
-  float* sums = p.dq_accum + batch * sh.q_batch_stride() + head * sh.head_dim + col0 + 2 * t;
+  const int64_t stride = sh.q_row_stride();
+  float* const row_g = p.dq_accum + batch * sh.q_batch_stride() + head * sh.head_dim + col0 + 2 * t +
+                       (row0 + g) * stride;
+  auto add = [&](float* at, float x, float y) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
+  };
+  if (row0 + 16 <= q_valid && sh.head_dim - col0 >= 8 * kCT) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int ct = 0; ct < kCT; ++ct) add(row_g + half * 8 * stride + ct * 8, dq[ct][2 * half], dq[ct][2 * half + 1]);
+    return;
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = row0 + g + half * 8;
-    if (row >= q_valid) continue;
-    float* dst = sums + row * sh.q_row_stride();
+    if (row0 + g + half * 8 >= q_valid) continue;
 #pragma unroll
     for (int ct = 0; ct < kCT; ++ct) {
-      if (col0 + ct * 8 + 2 * t < sh.head_dim) {
-        atomicAdd(reinterpret_cast<float2*>(dst + ct * 8), float2{dq[ct][2 * half], dq[ct][2 * half + 1]});
-      }
+      if (col0 + ct * 8 + 2 * t < sh.head_dim) add(row_g + half * 8 * stride + ct * 8, dq[ct][2 * half], dq[ct][2 * half + 1]);
     }
   }
 }
