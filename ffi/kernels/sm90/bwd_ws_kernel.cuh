@@ -18,15 +18,14 @@
 //              dSᵀ goes transposed into a shared dS tile (two buffers, so no
 //              warpgroup waits for the other to finish reading one), and
 //              once every consumer's keys are in it (one named barrier),
-//              dQ = dS·K over all kN keys goes into a float32 staging tile
-//              (two, alternating by step):
+//              dQ = dS·K over all kN keys goes into a float32 staging tile:
 //              at D ≥ 128 consumer c computes columns [64c, 64c + 64); at
 //              D = 64 (one 64-column block) the consumers take whole steps in
 //              turn, and the other one only arrives at the barrier.
 //   dQ writer  lane 0 of warp 1 adds the staging tile into the sums with
 //              one bulk tensor reduction per 32-column block (the copy engine
 //              does the float32 adds; no atomic instruction on the consumers'
-//              path) and frees it for the step after next.
+//              path) and frees it for the next step.
 //
 // The two-kernel backward (bwd_kernel.cuh) had every thread load with
 // cp.async and meet at two __syncthreads per step, and the consumers issue
@@ -87,16 +86,11 @@ struct WsBwdTile {
   // kept the consumers waiting for the copy engine 16% of the time
   // (docs/performance.md, eleventh session).
   using DqStage = SwizzledTile<kM, 2 * kD>;
-  // Two staging tiles, alternating by step: a consumer stages step it + 1's
-  // dQ while the copy engine still reads step it's. With one, the consumers
-  // waited for the writer 2.2% of the D 128 pass's samples (docs/performance.md,
-  // twenty-sixth session).
-  static constexpr int kDqBuffers = kStagedDq ? 2 : 0;
-  static constexpr size_t kDqBytes = kDqBuffers * size_t(DqStage::kBytes);
+  static constexpr size_t kDqBytes = kWithDq ? DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
-  // Barriers: K/V full, K/V tail, Q tail, dQ full and empty per staging
-  // tile, then full and empty per stage.
-  static constexpr int kBarriers = 3 + 2 * kDqBuffers + 2 * kStages;
+  // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
+  // full and empty.
+  static constexpr int kBarriers = 5 + 2 * kStages;
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over: all
@@ -205,8 +199,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaCommit();
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
-      const int dq_buffer = it & 1;
-      MBarrier::Wait(sm.DqEmpty(dq_buffer), ((it >> 1) & 1) ^ 1);  // its last use has been read
+      MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
       // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
       // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
       // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
@@ -219,7 +212,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       // are (k & 3) ^ g / 2, so the address is one base XOR (k & 3) · 32 plus
       // constants: one register and a logic op a block, where ChunkOffset per
       // store is ~100 instructions a step (or, hoisted, 16 registers).
-      const uint32_t row_base = sm.Dq(dq_buffer) + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
+      const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
                                 ((((t >> 1) ^ g) << 4) ^ (flip << 5));
 #pragma unroll
       for (int k = 0; k < kDqCols / 8; ++k) {
@@ -232,7 +225,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
         }
       }
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
-      MBarrier::Arrive(sm.DqFull(dq_buffer));
+      MBarrier::Arrive(sm.DqFull());
     } else {
       if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
       WgmmaFence();

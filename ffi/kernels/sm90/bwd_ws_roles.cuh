@@ -58,16 +58,14 @@ struct WsBwdSmem {
   __device__ __forceinline__ static float* StatsPointer(float* first, int stage) {
     return first + stage * 2 * Tile::kM;
   }
-  // The dQ staging tile of step `it` % 2 (staged tiles only).
-  __device__ __forceinline__ uint32_t Dq(int b) const { return dq + b * uint32_t(Tile::DqStage::kBytes); }
   // The dS buffer of step `it` (two, alternating).
   __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * uint32_t(Tile::kDsBytes / 2); }
   __device__ __forceinline__ uint32_t KvFull() const { return bars; }
   __device__ __forceinline__ uint32_t KvTail() const { return bars + 8; }
   __device__ __forceinline__ uint32_t QTail() const { return bars + 16; }
-  __device__ __forceinline__ uint32_t DqFull(int b) const { return bars + 24 + 8 * b; }
-  __device__ __forceinline__ uint32_t DqEmpty(int b) const { return DqFull(Tile::kDqBuffers + b); }
-  __device__ __forceinline__ uint32_t Full(int s) const { return DqFull(2 * Tile::kDqBuffers + s); }
+  __device__ __forceinline__ uint32_t DqFull() const { return bars + 24; }
+  __device__ __forceinline__ uint32_t DqEmpty() const { return bars + 32; }
+  __device__ __forceinline__ uint32_t Full(int s) const { return bars + 40 + 8 * s; }
   __device__ __forceinline__ uint32_t Empty(int s) const { return Full(Tile::kStages + s); }
 
   // Every thread that wrote (or read) a buffer with ordinary instructions
@@ -79,10 +77,8 @@ struct WsBwdSmem {
     MBarrier::Init(KvTail(), 1);
     MBarrier::Init(QTail(), 1);
     if constexpr (Tile::kStagedDq) {
-      for (int b = 0; b < Tile::kDqBuffers; ++b) {
-        MBarrier::Init(DqFull(b), 128 * Tile::kDqWriters);  // every staging consumer thread has written its share
-        MBarrier::Init(DqEmpty(b), 1);                      // the writer's bulk reductions have read the tile
-      }
+      MBarrier::Init(DqFull(), 128 * Tile::kDqWriters);  // every staging consumer thread has written its share
+      MBarrier::Init(DqEmpty(), 1);                      // the writer's bulk reductions have read the tile
     }
     for (int s = 0; s < Tile::kStages; ++s) {
       MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
@@ -283,15 +279,14 @@ __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const W
   PrefetchTensorMap(dq_map);
   auto step = w.FirstStep();
   for (int it = 0; it < w.steps; ++it, step.Next()) {
-    const int buffer = it & 1;
-    MBarrier::Wait(sm.DqFull(buffer), (it >> 1) & 1);
+    MBarrier::Wait(sm.DqFull(), it & 1);
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
-      TmaReduceAdd4d(dq_map, sm.Dq(buffer) + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
     }
     TmaStoreCommit();
     TmaStoreWaitRead<0>();
-    MBarrier::Arrive(sm.DqEmpty(buffer));
+    MBarrier::Arrive(sm.DqEmpty());
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires
 }
