@@ -251,10 +251,9 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     tc::CpAsyncCommit();
   }
   const float scale_log2 = p.scale * tc::kLog2e;
-  // This warpgroup's 64 rows of Q and dO, as A operands (WarpUniform, as
-  // every operand address of the products: wgmma.cuh).
-  const uint32_t sQ_rows = WarpUniform(sQ + warpgroup * 64 * 128);
-  const uint32_t sdO_rows = WarpUniform(sdO + warpgroup * 64 * 128);
+  // This warpgroup's 64 rows of Q and dO, as A operands.
+  const uint32_t sQ_rows = sQ + warpgroup * 64 * 128;
+  const uint32_t sdO_rows = sdO + warpgroup * 64 * 128;
 
   for (int nb = tiles.begin; nb < tiles.end; ++nb) {
     const unsigned it = nb - tiles.begin;
@@ -263,7 +262,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     __syncthreads();  // K_n, V_n landed; iteration n - 1 is done everywhere
     if (nb + 1 < tiles.end) load_kv(it + 1, nb + 1);
     tc::CpAsyncCommit();
-    const uint32_t sK = WarpUniform(stage(sK0, it)), sV = WarpUniform(stage(sV0, it));
+    const uint32_t sK = stage(sK0, it), sV = stage(sV0, it);
     const int c0 = nb * kN;
 
     // ---- S = Q Kᵀ, then dP = dO Vᵀ

@@ -69,8 +69,8 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31, warp = tid >> 5;
   const int key_w = warp * 16;        // this warp's first key
-  const int q0 = WarpUniform(consumer * kQ);       // this consumer's first query column of a step
-  const int col0 = WarpUniform(consumer * kCols);  // and its first column of dK, dV, dQ
+  const int q0 = consumer * kQ;       // this consumer's first query column of a step
+  const int col0 = consumer * kCols;  // and its first column of dK, dV, dQ
   const float scale_log2 = p.scale * tc::kLog2e;
 
   float dk[kCols / 8][4], dv[kCols / 8][4];
@@ -91,7 +91,7 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     tc::PackAFragments<T>(st, pa);
     tc::KeyMajorDs(st, dp, in.delta + q0, lane);
     tc::PackAFragments<T>(dp, da);
-    const uint32_t sP = WarpUniform(sm.Ds(it)), sDs = sP + DsTile::kBytes;
+    const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
 #pragma unroll
     for (int kk = 0; kk < kQ / 16; ++kk) {
       StoreFragment<DsTile>(sP, pa[kk], key_w, q0 + kk * 16, lane);
