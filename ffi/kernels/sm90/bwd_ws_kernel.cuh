@@ -208,10 +208,11 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       // Block k's float pair (columns col0 + 8k + 2t, +1) of row r = 16 warp
       // + g + 8 half sits in chunk 2 (k & 3) + t / 2 of the row's 128 bytes in
       // column block col0 / 32 + k / 4, at chunk position (2 (k & 3) + t / 2)
-      // ^ g (DqStage::ChunkOffset). Bit 0 of the chunk is t / 2 ^ g's, bits 1-2
-      // are (k & 3) ^ g / 2, so the address is one base XOR (k & 3) · 32 plus
-      // constants: one register and a logic op a block, where ChunkOffset per
-      // store is ~100 instructions a step (or, hoisted, 16 registers).
+      // ^ g (DqStage::ChunkOffset): its bit 0 is (t / 2) ^ (g & 1) and its
+      // bits 1-2 are (k & 3) ^ (g / 2), so the address is one base XOR
+      // (k & 3) · 32 plus constants: one register and a logic op a block,
+      // where ChunkOffset per store took ~100 instructions a step (or,
+      // hoisted, 16 registers).
       const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
                                 ((((t >> 1) ^ g) << 4) ^ (flip << 5));
 #pragma unroll
