@@ -411,7 +411,9 @@ inline bool UseFusedBackward(const BwdParams& p) {
 // read, so every reduction waited for the one before to leave (54% of the
 // D 256 pass's warp samples, docs/performance.md, twenty-sixth session). A
 // warp whose 16 rows and 8 kCT columns are all in place (every one but a
-// ragged tail's) issues its reductions without a condition.
+// ragged tail's) issues its reductions without a condition. (The two loops
+// are written out: one loop body behind a compile-time `checked` flag spilled
+// 8 bytes in the D 256 fused pass.)
 template <int kCT>
 __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], const BwdParams& p, int q_valid,
                                                  int batch, int head, int row0, int col0, int lane) {
