@@ -139,28 +139,35 @@ struct BwdLaunch {
   size_t smem;
 };
 
-// The backward of either tensor-core family: delta, then a dK/dV pass (the
-// caller's) and the dQ kernel over (query blocks, heads, batch). q_len == 0
-// or kv_len == 0 leaves one grid empty; the other kernel still writes its
-// zeros (dK = dV = 0 with no queries, dQ = 0 with no keys).
+// The backward's passes in order: delta, then the caller's key pass (dK, dV)
+// and query pass (dQ). q_len == 0 or kv_len == 0 leaves one of them without
+// work; the other still writes its zeros (dK = dV = 0 with no queries, dQ = 0
+// with no keys).
+template <typename T, typename KeyPass, typename QueryPass>
+Status RunBackwardPasses(const BwdParams& p, cudaStream_t stream, KeyPass&& key_pass, QueryPass&& query_pass) {
+  const AttentionShape& sh = p.shape;
+  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
+  Status st = LaunchDelta<T>(p, stream);
+  if (!st.ok()) return st;
+  if (sh.kv_len > 0 && !(st = key_pass()).ok()) return st;
+  if (sh.q_len > 0) st = query_pass();
+  return st;
+}
+
+// The backward of either tensor-core family with the grid-shaped dQ kernel
+// over (query blocks, heads, batch) as its query pass.
 template <typename T, auto DqKernel, typename KeyPass>
 Status RunBackwardKernels(const BwdParams& p, BwdLaunch dq, const CudaDevice& device, cudaStream_t stream,
                           KeyPass&& key_pass) {
-  const AttentionShape& sh = p.shape;
   Status st = EnsureDynamicSmem<DqKernel>(dq.smem, device);
   if (!st.ok()) return st;
-  if (sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
-
-  st = LaunchDelta<T>(p, stream);
-  if (!st.ok()) return st;
-  if (sh.kv_len > 0 && !(st = key_pass()).ok()) return st;
-  if (sh.q_len > 0) {
+  return RunBackwardPasses<T>(p, stream, key_pass, [&] {
+    const AttentionShape& sh = p.shape;
     const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, dq.rows)), static_cast<unsigned>(sh.q_heads),
                     static_cast<unsigned>(sh.batch));
     DqKernel<<<grid, dq.threads, dq.smem, stream>>>(p);
-    st = CheckLaunch("attention backward (dQ)");
-  }
-  return st;
+    return CheckLaunch("attention backward (dQ)");
+  });
 }
 
 // The two-kernel backward: the dK/dV kernel over (key blocks, kv heads,

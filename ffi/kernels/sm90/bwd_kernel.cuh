@@ -30,6 +30,7 @@
 #include "common/mask.h"
 #include "jaxflash/params.h"
 #include "sm90/bwd_steps.cuh"
+#include "sm90/bwd_ws_dq.cuh"
 #include "sm90/bwd_ws_kernel.cuh"
 #include "sm90/launch_sm90.h"
 #include "sm90/wgmma.cuh"
@@ -371,27 +372,33 @@ struct FusedBwdTile<256> {
 // The backward without dQ sums (deterministic calls, or the fused pass
 // switched off) where the bucket has a warp-specialised tile: its pass without
 // dQ (bit-reproducible: each CTA owns its keys and sums the GQA group's heads
-// in a fixed order), then the table's dQ kernel. A forced tile, and
+// in a fixed order), then the warp-specialised dQ pass (bwd_ws_dq.cuh): 128
+// query rows a CTA, in 32-key steps at D = 256 (Q and dO take 128 KiB, three
+// stages of K and V the rest) and 64-key steps below. A forced tile, and
 // q_len == 0 (no map to encode; dK = dV = 0), take the two kernels.
-template <typename T, typename KeyTile, typename Tile>
+template <int kD>
+struct WsDqTileFor {
+  using type = WsDqTile<kD, kD == 256 ? 32 : 64>;
+};
+template <typename T, typename KeyTile, typename DqTile>
 Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using Dq = typename Tile::Dq;
-  return tc::RunBackwardKernels<T, DqKernel<T, Dq>>(p, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes}, device, stream,
-                                                    [&] { return RunWsPass<T, KeyTile>(p, device, stream); });
+  Status st = EnsureDynamicSmem<WsDqKernel<T, DqTile>>(DqTile::kSmemBytes, device);
+  if (!st.ok()) return st;
+  return tc::RunBackwardPasses<T>(
+      p, stream, [&] { return RunWsPass<T, KeyTile>(p, device, stream); },
+      [&] { return RunWsDqPass<T, DqTile>(p, stream); });
 }
 
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
   if (tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
+  if (!tc::TileForced(p) && p.shape.q_len > 0) {
+    return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, typename WsDqTileFor<kD>::type>(p, device, stream);
+  }
   const bool causal = p.mask.window_right >= 0;
-  return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal), [&](auto tile) {
-    using Tile = decltype(tile);
-    if (!tc::TileForced(p) && p.shape.q_len > 0) {
-      return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, Tile>(p, device, stream);
-    }
-    return LaunchBackwardTile<T, Tile>(p, device, stream);
-  });
+  return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal),
+                                       [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 
 }  // namespace sm90
