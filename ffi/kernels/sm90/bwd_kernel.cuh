@@ -12,8 +12,9 @@
 //                  S = Q·Kᵀ, dP = dO·Vᵀ, dQ += dS·K
 //
 // The fused backward (one pass, dQ added into float32 sums) is the
-// warp-specialised kernel of bwd_ws_kernel.cuh; deterministic calls and
-// forced tiles run the two kernels here.
+// warp-specialised kernel of bwd_ws_kernel.cuh; deterministic calls (and
+// D 256) run its pass without dQ and then the warp-specialised dQ pass of
+// bwd_ws_dq.cuh; forced tiles run the two kernels here.
 //
 // The next query (or key) tile streams into the second of two shared-memory
 // stages while the current one is used. Inside a warpgroup the products are
