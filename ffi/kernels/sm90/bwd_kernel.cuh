@@ -379,7 +379,7 @@ struct FusedBwdTile<256> {
 // q_len == 0 (no map to encode; dK = dV = 0), take the two kernels.
 template <int kD>
 struct WsDqTileFor {
-  using type = WsDqTile<kD, kD == 256 ? 32 : 64>;
+  using type = WsDqTile<kD, kD == 256 ? 32 : kD == 64 ? 128 : 64>;
 };
 template <typename T, typename KeyTile, typename DqTile>
 Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
