@@ -82,9 +82,13 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
 
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
+    // The previous step's dV and dK are still on the tensor cores when Sᵀ
+    // is issued, so the two run back to back; KeyMajorScores' wait for Sᵀ
+    // completes them too, and their stage goes back to the producer.
     float st[kQ / 8][4], dp[kQ / 8][4];
     KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
                                              in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
+    ReleasePrevious(sm, ring, dk, dv, it > 0);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
@@ -118,8 +122,10 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     } else {
       key_grads();
     }
-    FinishStep(sm, ring, dk, dv);
+    ring.Advance();  // dV and dK run on into the next step
   }
+  WgmmaWait<0>();
+  ReleasePrevious(sm, ring, dk, dv, w.steps > 0);
 
   tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
 }
