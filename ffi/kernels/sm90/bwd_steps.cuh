@@ -12,20 +12,13 @@
 namespace jaxflash {
 namespace sm90 {
 
-struct NothingMore {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // kLseFirst: the LSE of the step's queries read into registers before the
 // products are issued (16 at kM = 64), else as the exponents need them.
-// after_issue runs once both products are issued, before the wait for Sᵀ (a
-// caller whose previous products still run waits for them there).
-template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
-          typename AfterIssue = NothingMore>
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int c0, int key0, int kN, const float* lse, int lane,
-                                               float scale_log2, AfterIssue&& after_issue = {}) {
+                                               float scale_log2) {
   float lse_log2[kLseFirst ? kM / 8 : 1][2];
   if constexpr (kLseFirst) {
 #pragma unroll
@@ -38,7 +31,6 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaCommit();
   ProductSS<T, KVTile, QTile, kD, kM>(dp, v_rows, d_o);
   WgmmaCommit();
-  after_issue();
   WgmmaWait<1>();
   FenceAccumulator(st);
   const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);

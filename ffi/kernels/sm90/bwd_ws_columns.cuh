@@ -15,8 +15,7 @@
 //              while dV and dK run (no staging tile: at D 256 the stages,
 //              K, V and the two buffers leave no room for one);
 //   dV, dK     += Pᵀ·dO, dSᵀ·Q over the step's 64 queries, columns
-//              [128c, 128c + 128), both operands from shared memory; they
-//              run on while the next step's Sᵀ and dPᵀ are issued.
+//              [128c, 128c + 128), both operands from shared memory.
 //
 // The producer warp is the key-split kernel's (bwd_ws_roles.cuh); the writer
 // warp has nothing to do.
@@ -83,17 +82,9 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
 
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
-    // The previous step's dV and dK are still on the tensor cores when Sᵀ
-    // is issued, so the two run back to back; once they are done (before Sᵀ
-    // is) their stage goes back to the producer, as early as it did when
-    // they were waited for at the end of their step.
     float st[kQ / 8][4], dp[kQ / 8][4];
     KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
-                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2,
-                                             [&] {
-                                               WgmmaWait<2>();
-                                               ReleasePrevious(sm, ring, dk, dv, it > 0);
-                                             });
+                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
@@ -127,10 +118,8 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     } else {
       key_grads();
     }
-    ring.Advance();  // dV and dK run on into the next step
+    FinishStep(sm, ring, dk, dv);
   }
-  WgmmaWait<0>();
-  ReleasePrevious(sm, ring, dk, dv, w.steps > 0);
 
   tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
 }

@@ -184,19 +184,6 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
   ring.Advance();
 }
 
-// The same for a consumer whose dV and dK products run on into the next
-// step (bwd_ws_columns.cuh): once they are done (the caller has waited), the
-// previous step's stage goes back to the producer, if there was one. The
-// accumulators are fenced on every path: fenced only under the condition,
-// ptxas serialises every wgmma of the kernel (C7518).
-template <typename Tile, int kCT>
-__device__ __forceinline__ void ReleasePrevious(const WsBwdSmem<Tile>& sm, const RingPosition<Tile::kStages>& ring,
-                                                float (&dk)[kCT][4], float (&dv)[kCT][4], bool had_step) {
-  FenceAccumulator(dv);
-  FenceAccumulator(dk);
-  if (had_step) MBarrier::Arrive(sm.Empty(ring.Previous().stage));
-}
-
 // ------------------------------------------------------------------ producer
 template <typename Tile>
 __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
