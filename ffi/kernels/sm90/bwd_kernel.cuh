@@ -333,7 +333,9 @@ struct BwdCandidates<256> {
 // tools/tune_tiles.py --direction bwd (2026-11-21, docs/performance.md): the
 // one-warpgroup CTAs win at D = 64 (+7%) and 128 (+2-4%), causal or not. A
 // list is never longer than the forward's for its bucket, so the tile tests
-// (which force one index on both) reach every backward candidate.
+// (which force one index on both) reach every backward candidate. Unforced,
+// the two kernels run only where the warp-specialised passes cannot
+// (q_len == 0: dK = dV = 0).
 inline int BwdTilePick(int head_dim_bucket, bool /*causal*/) {
   return head_dim_bucket == 64 ? 2 : head_dim_bucket == 128 ? 1 : 0;
 }

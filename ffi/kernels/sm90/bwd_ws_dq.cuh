@@ -10,8 +10,8 @@
 //              TMA; it zeroes the padding keys of a ragged batch element
 //              (a NaN there would reach dQ through dS = 0 times it).
 //   consumers  kConsumers warpgroups of 64 query rows, each walking the key
-//              tiles its own rows see (bwd and fwd alike under a causal mask:
-//              the first warpgroup passes over the last tiles). Per step:
+//              tiles its own rows see (as the forward's consumers do: under a
+//              causal mask the first one passes over the last tiles). Per step:
 //                S = Q·Kᵀ, dP = dO·Vᵀ, and dQ += dS·K of the step before;
 //                P while dP runs, dS while that dQ runs;
 //              so the tensor cores have the previous step's dQ to run while a
