@@ -67,8 +67,8 @@ if has build; then
   fi
   if JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
     nonzero=$(grep "spill stores" "$OUT/build.log" | grep -vc " 0 bytes spill stores")
-    # ptxas reports wgmma it had to serialise (C7515..C7520) as info lines, which
-    # --warning-as-error does not catch.
+    # ptxas reports wgmma it had to serialise ("Potential Performance Loss: wgmma
+    # ... serialized", e.g. C7518) as info lines, which --warning-as-error does not catch.
     serial=$(grep -c "Potential Performance Loss: wgmma" "$OUT/build.log")
     mkdir -p build && echo "$src_sum" > build/.sources.sha1
     note "build ok in $((SECONDS - start)) s ($nonzero kernels with spills, $serial with serialised wgmma)"

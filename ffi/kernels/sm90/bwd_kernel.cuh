@@ -372,19 +372,32 @@ struct FusedBwdTile<256> {
   using type = WsBwdColumnTile<256>;
 };
 
-// The backward without dQ sums (deterministic calls, or the fused pass
-// switched off) where the bucket has a warp-specialised tile: its pass without
-// dQ (bit-reproducible: each CTA owns its keys and sums the GQA group's heads
-// in a fixed order), then the warp-specialised dQ pass (bwd_ws_dq.cuh): 128
-// query rows a CTA, in 32-key steps at D = 256 (Q and dO take 128 KiB, three
-// stages of K and V the rest), 64-key steps at D = 128 (128 would not fit)
-// and 128-key steps at D = 64 (9.5% faster than 64 there: its 64 x 64 steps
-// were as much waiting as products). A forced tile, and q_len == 0 (no map to
-// encode; dK = dV = 0), take the two kernels.
+// The warp-specialised dQ pass's tile per bucket (bwd_ws_dq.cuh): 128 query
+// rows a CTA, and as many keys a step as fit. At D = 256 Q and dO take 128 KiB
+// and three stages of 32 keys the rest; at D = 128 three stages of 64 (128
+// would not fit); at D = 64 128 keys, 9.5% faster than 64, whose 64 x 64
+// steps were as much waiting as products (docs/performance.md,
+// twenty-seventh session).
 template <int kD>
-struct WsDqTileFor {
-  using type = WsDqTile<kD, kD == 256 ? 32 : kD == 64 ? 128 : 64>;
+struct DqPassTile;
+template <>
+struct DqPassTile<64> {
+  using type = WsDqTile<64, 128>;
 };
+template <>
+struct DqPassTile<128> {
+  using type = WsDqTile<128, 64>;
+};
+template <>
+struct DqPassTile<256> {
+  using type = WsDqTile<256, 32>;
+};
+
+// The backward without dQ sums (deterministic calls, the fused pass switched
+// off, and D = 256, where two passes are the default): the fused tile's pass
+// without dQ (bit-reproducible: each CTA owns its keys and sums the GQA
+// group's heads in a fixed order), then the dQ pass. A forced tile, and
+// q_len == 0 (no map to encode; dK = dV = 0), take the two kernels.
 template <typename T, typename KeyTile, typename DqTile>
 Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsDqKernel<T, DqTile>>(DqTile::kSmemBytes, device);
@@ -399,7 +412,7 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   using Fused = typename FusedBwdTile<kD>::type;
   if (tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
   if (!tc::TileForced(p) && p.shape.q_len > 0) {
-    return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, typename WsDqTileFor<kD>::type>(p, device, stream);
+    return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, typename DqPassTile<kD>::type>(p, device, stream);
   }
   const bool causal = p.mask.window_right >= 0;
   return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal),
