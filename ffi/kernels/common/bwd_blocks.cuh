@@ -346,10 +346,7 @@ __device__ __forceinline__ void StoreKeyGrads(float (&dk)[kDT][4], float (&dv)[k
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key0 + g + half * 8;
-    // (break, not continue: the second half's key is the larger, and inside
-    // a persistent walk's loop a continue here kept the loop rolled, with dK
-    // and dV in local memory.)
-    if (key >= sh.kv_len) break;
+    if (key >= sh.kv_len) continue;
     if (LaneHasNan(dk, half) || LaneHasNan(dv, half)) {
       ExactKeyGradLane<T>(p, batch, kv_head, key, d_base, t, dk, dv, half);
     }

@@ -55,14 +55,6 @@ struct RingPosition {
       parity ^= 1;
     }
   }
-  // The position after `steps` advances from the start, computed: a walk
-  // that counts its steps anyway need not hold the position as well.
-  __device__ __forceinline__ static RingPosition After(uint32_t steps) {
-    RingPosition p;
-    p.stage = static_cast<int>(steps % kStages);
-    p.parity = (steps / kStages) & 1;
-    return p;
-  }
   // The position one step back, computed rather than kept in registers.
   __device__ __forceinline__ RingPosition Previous() const {
     RingPosition p;

@@ -52,7 +52,7 @@ struct WsBwdColumnTile {
   // partner's products may still read step it's.
   static constexpr size_t kDsBytes = 2 * 2 * size_t(DsTile::kBytes);
   static constexpr size_t kDqBytes = 0;
-  static constexpr int kBarriers = 6 + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
+  static constexpr int kBarriers = 5 + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);  // 232
   static_assert(kQueries == 32 && kCols % 64 == 0, "Sᵀ blocks of 32 queries; whole 64-column blocks of K");
@@ -60,8 +60,8 @@ struct WsBwdColumnTile {
 };
 
 template <typename T, typename Tile>
-__device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm, float* stats_base,
-                                                    int consumer) {
+__device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                                    const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kQ = Tile::kQueries, kCols = Tile::kCols;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
@@ -73,58 +73,55 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
   const int col0 = consumer * kCols;  // and its first column of dK, dV, dQ
   const float scale_log2 = p.scale * tc::kLog2e;
 
-  uint32_t it = 0;  // steps of every tile so far: the ring position and Pᵀ/dSᵀ buffers follow
-  WsBwdWork<Tile> w;
-  while (NextKeyTile(p, sm, ~0u, &w)) {
-    float dk[kCols / 8][4], dv[kCols / 8][4];
-    StartKeyGrads(sm, w, dk, dv);
-    for (int step = 0; step < w.steps; ++step, ++it) {
-      auto ring = RingPosition<Tile::kStages>::After(it);
-      const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, step);
+  float dk[kCols / 8][4], dv[kCols / 8][4];
+  StartKeyGrads(sm, w, dk, dv);
 
-      // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
-      // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
-      float st[kQ / 8][4], dp[kQ / 8][4];
-      KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
-                                               in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
-      WgmmaWait<0>();
-      FenceAccumulator(dp);
-      uint32_t pa[kQ / 16][4], da[kQ / 16][4];
-      tc::PackAFragments<T>(st, pa);
-      tc::KeyMajorDs(st, dp, in.delta + q0, lane);
-      tc::PackAFragments<T>(dp, da);
-      const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
-  #pragma unroll
-      for (int kk = 0; kk < kQ / 16; ++kk) {
-        StoreFragment<DsTile>(sP, pa[kk], key_w, q0 + kk * 16, lane);
-        StoreFragment<DsTile>(sDs, da[kk], key_w, q0 + kk * 16, lane);
-      }
-      FenceSharedForAsyncProxy();
-      NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
+  RingPosition<Tile::kStages> ring;
+  for (int it = 0; it < w.steps; ++it) {
+    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
 
-      // ---- dQ first (fused), so its sums are added while dV and dK run.
-      auto key_grads = [&] {
-        ProductSSMn<T, DsTile, QTile, kM, kCols>(dv, sP, in.d_o, col0, /*accumulate=*/true);
-        ProductSSMn<T, DsTile, QTile, kM, kCols>(dk, sDs, in.q, col0, /*accumulate=*/true);
-        WgmmaCommit();
-      };
-      WgmmaFence();
-      if constexpr (Tile::kWithDq) {
-        float dq[kCols / 8][4];
-        ProductSSMn<T, DsTile, KVTile, kN, kCols, Major::kMn>(dq, sDs, sm.k, col0);
-        WgmmaCommit();
-        key_grads();
-        WgmmaWait<1>();
-        FenceAccumulator(dq);
-        tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(step), in.r0 + warp * 16, col0, lane);
-      } else {
-        key_grads();
-      }
-      FinishStep(sm, ring, dk, dv);
+    // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
+    // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
+    float st[kQ / 8][4], dp[kQ / 8][4];
+    KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
+                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
+    WgmmaWait<0>();
+    FenceAccumulator(dp);
+    uint32_t pa[kQ / 16][4], da[kQ / 16][4];
+    tc::PackAFragments<T>(st, pa);
+    tc::KeyMajorDs(st, dp, in.delta + q0, lane);
+    tc::PackAFragments<T>(dp, da);
+    const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
+#pragma unroll
+    for (int kk = 0; kk < kQ / 16; ++kk) {
+      StoreFragment<DsTile>(sP, pa[kk], key_w, q0 + kk * 16, lane);
+      StoreFragment<DsTile>(sDs, da[kk], key_w, q0 + kk * 16, lane);
     }
-    FinishKeys(sm);
-    tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
+    FenceSharedForAsyncProxy();
+    NamedBarrierSync(Tile::kDsBarrier, 128 * Tile::kConsumers);
+
+    // ---- dQ first (fused), so its sums are added while dV and dK run.
+    auto key_grads = [&] {
+      ProductSSMn<T, DsTile, QTile, kM, kCols>(dv, sP, in.d_o, col0, /*accumulate=*/true);
+      ProductSSMn<T, DsTile, QTile, kM, kCols>(dk, sDs, in.q, col0, /*accumulate=*/true);
+      WgmmaCommit();
+    };
+    WgmmaFence();
+    if constexpr (Tile::kWithDq) {
+      float dq[kCols / 8][4];
+      ProductSSMn<T, DsTile, KVTile, kN, kCols, Major::kMn>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      key_grads();
+      WgmmaWait<1>();
+      FenceAccumulator(dq);
+      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), in.r0 + warp * 16, col0, lane);
+    } else {
+      key_grads();
+    }
+    FinishStep(sm, ring, dk, dv);
   }
+
+  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
 }
 
 }  // namespace sm90

@@ -1,19 +1,16 @@
 // The fused FlashAttention backward for Hopper (sm_90a), warp-specialised.
 //
-// A CTA takes key tiles of kN keys (of a kv head and batch element) one
-// after another (NextKeyTile, bwd_ws_roles.cuh): for each it keeps dK and dV of
+// One CTA per (key tile of kN keys, kv head, batch): it keeps dK and dV of
 // its keys in registers while it walks the query tiles of every head of the
 // GQA group that see them, and adds each step's dQ = dS·K into the float32
 // sums (BwdParams::dq_accum) that DqFromSumsKernel converts afterwards
 // (common/bwd_blocks.cuh). The roles, as in the forward (fwd_ws_kernel.cuh;
-// the producer, the statistics warp, the writer, the walk and the
-// shared-memory layout: bwd_ws_roles.cuh):
+// the producer, the writer and the shared-memory layout: bwd_ws_roles.cuh):
 //
-//   producer   warp 0 copies a tile's K and V (once the consumers have
-//              released the last tile's) and, per step, Q and dO of kM query
-//              rows through the TMA into a ring of kStages stages; it zeroes
-//              padding rows (of a ragged batch element) before the consumers
-//              see a stage. Warp 2 copies the rows' LSE and delta into it.
+//   producer   warp 0 copies K and V once and then, per step, Q and dO of kM
+//              query rows through the TMA into a ring of kStages stages, with
+//              the rows' LSE and delta; it zeroes padding rows (of a ragged
+//              batch element) before the consumers see a stage.
 //   consumers  kConsumers warpgroups of 64 keys each (at D = 256 two that
 //              share 64 keys and split the columns: bwd_ws_columns.cuh). Per step:
 //                Sᵀ = K·Qᵀ, dPᵀ = V·dOᵀ; Pᵀ while dPᵀ runs; dSᵀ;
@@ -91,9 +88,9 @@ struct WsBwdTile {
   using DqStage = SwizzledTile<kM, 2 * kD>;
   static constexpr size_t kDqBytes = kWithDq ? DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
-  // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, K/V empty, then
-  // per stage full and empty.
-  static constexpr int kBarriers = 6 + 2 * kStages;
+  // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
+  // full and empty.
+  static constexpr int kBarriers = 5 + 2 * kStages;
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over: all
@@ -122,8 +119,8 @@ struct WsBwdTile {
 
 // ------------------------------------------------------------------ consumer
 template <typename T, typename Tile>
-__device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm, float* stats_base,
-                                              int consumer) {
+__device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM;
   constexpr int kQT = kM / 8, kDT = kD / 8, kDqCols = Tile::kDqCols;
   using QTile = typename Tile::QTile;
@@ -141,110 +138,105 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   const uint32_t sV_rows = WarpUniform(sm.v + consumer * 64 * 128);
   const float scale_log2 = p.scale * tc::kLog2e;
 
-  // Steps of every tile so far: the ring position, the dS buffers, barriers
-  // and turns follow from it.
-  uint32_t it = 0;
-  WsBwdWork<Tile> w;
-  while (NextKeyTile(p, sm, ~0u, &w)) {
-    float dk[kDT][4], dv[kDT][4];
-    StartKeyGrads(sm, w, dk, dv);
-    for (int step = 0; step < w.steps; ++step, ++it) {
-      auto ring = RingPosition<Tile::kStages>::After(it);
-      const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, step);
+  float dk[kDT][4], dv[kDT][4];
+  StartKeyGrads(sm, w, dk, dv);
 
-      // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ, dV += Pᵀ dO issued before
-      // dSᵀ (kEarlyDv) or after its store. Without the early dV, Pᵀ is packed
-      // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
-      // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
-      float st[kQT][4], dp[kQT][4];
-      // Two-consumer tiles (the fused pass at D 128, the dK/dV pass of the two
-      // kernels at D 64 and 128) read the step's LSE before the products are
-      // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
-      // three-consumer D 64 tile, at 160 registers a thread, was not measured.
-      constexpr bool kLseFirst = Tile::kConsumers == 2;
-      KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
-                                                          w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
-      uint32_t pa[kM / 16][4], da[kM / 16][4];
-      auto issue_dv = [&] {
-        tc::PackAFragments<T>(st, pa);
-        WgmmaFence();
-        ProductRS<T, QTile, kM, kD>(dv, pa, in.d_o, 0);
-        WgmmaCommit();
-      };
-      if constexpr (Tile::kEarlyDv) {
-        issue_dv();
-        WgmmaWait<1>();  // dPᵀ; dV runs on
-      } else {
-        WgmmaWait<0>();
-      }
-      FenceAccumulator(dp);
-      tc::KeyMajorDs(st, dp, in.delta, lane);
-      tc::PackAFragments<T>(dp, da);
+  RingPosition<Tile::kStages> ring;
+  for (int it = 0; it < w.steps; ++it) {
+    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
 
-      // ---- dSᵀ into the shared tile (for dQ)
-      const uint32_t sDs = WarpUniform(sm.Ds(it));
-      if constexpr (Tile::kWithDq) {
-  #pragma unroll
-        for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
-        FenceSharedForAsyncProxy();
-      }
-      if constexpr (!Tile::kEarlyDv) issue_dv();
-
-      // ---- dQ = dS K over all kN keys, once every consumer's dS is in place,
-      // then dK += dSᵀ Q, which runs on while dQ is staged. (Running it on into
-      // the next step's scores as well needs more than 232 registers: ptxas
-      // spills and serialises the products.)
-      const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
-      if (Tile::kWithDq && (Tile::kDqByColumns || static_cast<int>(it % Tile::kConsumers) == consumer)) {
-        NamedBarrierSync(barrier, 128 * Tile::kConsumers);
-        const int col0 = Tile::kDqByColumns ? WarpUniform(consumer * kDqCols) : 0;
-        float dq[kDqCols / 8][4];
-        WgmmaFence();
-        ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
-        WgmmaCommit();
-        ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
-        WgmmaCommit();
-        WgmmaWait<1>();  // dV and dQ
-        FenceAccumulator(dq);
-        MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
-        // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
-        // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
-        // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
-        // where the same order for every lane takes two.
-        const int flip = Tile::kFlipStaging ? t & 2 : 0;
-        // Block k's float pair (columns col0 + 8k + 2t, +1) of row r = 16 warp
-        // + g + 8 half sits in chunk 2 (k & 3) + t / 2 of the row's 128 bytes in
-        // column block col0 / 32 + k / 4, at chunk position (2 (k & 3) + t / 2)
-        // ^ g (DqStage::ChunkOffset): its bit 0 is (t / 2) ^ (g & 1) and its
-        // bits 1-2 are (k & 3) ^ (g / 2), so the address is one base XOR
-        // (k & 3) · 32 plus constants: one register and a logic op a block,
-        // where ChunkOffset per store took ~100 instructions a step (or,
-        // hoisted, 16 registers).
-        const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
-                                  ((((t >> 1) ^ g) << 4) ^ (flip << 5));
-  #pragma unroll
-        for (int k = 0; k < kDqCols / 8; ++k) {
-          const uint32_t at = (row_base ^ ((k & 3) << 5)) + (k >> 2) * DqStage::kBlockBytes;  // block k ^ flip
-  #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
-            const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + half * 8 * 128), "f"(x), "f"(y) : "memory");
-          }
-        }
-        FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
-        MBarrier::Arrive(sm.DqFull());
-      } else {
-        if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
-        WgmmaFence();
-        ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
-        WgmmaCommit();
-      }
-      FinishStep(sm, ring, dk, dv);
+    // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ, dV += Pᵀ dO issued before
+    // dSᵀ (kEarlyDv) or after its store. Without the early dV, Pᵀ is packed
+    // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
+    // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
+    float st[kQT][4], dp[kQT][4];
+    // Two-consumer tiles (the fused pass at D 128, the dK/dV pass of the two
+    // kernels at D 64 and 128) read the step's LSE before the products are
+    // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
+    // three-consumer D 64 tile, at 160 registers a thread, was not measured.
+    constexpr bool kLseFirst = Tile::kConsumers == 2;
+    KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
+                                                        w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
+    uint32_t pa[kM / 16][4], da[kM / 16][4];
+    auto issue_dv = [&] {
+      tc::PackAFragments<T>(st, pa);
+      WgmmaFence();
+      ProductRS<T, QTile, kM, kD>(dv, pa, in.d_o, 0);
+      WgmmaCommit();
+    };
+    if constexpr (Tile::kEarlyDv) {
+      issue_dv();
+      WgmmaWait<1>();  // dPᵀ; dV runs on
+    } else {
+      WgmmaWait<0>();
     }
-    FinishKeys(sm);
-    tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, 0, lane);
+    FenceAccumulator(dp);
+    tc::KeyMajorDs(st, dp, in.delta, lane);
+    tc::PackAFragments<T>(dp, da);
+
+    // ---- dSᵀ into the shared tile (for dQ)
+    const uint32_t sDs = WarpUniform(sm.Ds(it));
+    if constexpr (Tile::kWithDq) {
+#pragma unroll
+      for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);
+      FenceSharedForAsyncProxy();
+    }
+    if constexpr (!Tile::kEarlyDv) issue_dv();
+
+    // ---- dQ = dS K over all kN keys, once every consumer's dS is in place,
+    // then dK += dSᵀ Q, which runs on while dQ is staged. (Running it on into
+    // the next step's scores as well needs more than 232 registers: ptxas
+    // spills and serialises the products.)
+    const int barrier = Tile::kDsBarrier + it % Tile::kDsBarriers;
+    if (Tile::kWithDq && (Tile::kDqByColumns || it % Tile::kConsumers == consumer)) {
+      NamedBarrierSync(barrier, 128 * Tile::kConsumers);
+      const int col0 = Tile::kDqByColumns ? WarpUniform(consumer * kDqCols) : 0;
+      float dq[kDqCols / 8][4];
+      WgmmaFence();
+      ProductSSMn<T, DsTile, KVTile, kN, kDqCols>(dq, sDs, sm.k, col0);
+      WgmmaCommit();
+      ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
+      WgmmaCommit();
+      WgmmaWait<1>();  // dV and dQ
+      FenceAccumulator(dq);
+      MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+      // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
+      // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
+      // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
+      // where the same order for every lane takes two.
+      const int flip = Tile::kFlipStaging ? t & 2 : 0;
+      // Block k's float pair (columns col0 + 8k + 2t, +1) of row r = 16 warp
+      // + g + 8 half sits in chunk 2 (k & 3) + t / 2 of the row's 128 bytes in
+      // column block col0 / 32 + k / 4, at chunk position (2 (k & 3) + t / 2)
+      // ^ g (DqStage::ChunkOffset): its bit 0 is (t / 2) ^ (g & 1) and its
+      // bits 1-2 are (k & 3) ^ (g / 2), so the address is one base XOR
+      // (k & 3) · 32 plus constants: one register and a logic op a block,
+      // where ChunkOffset per store took ~100 instructions a step (or,
+      // hoisted, 16 registers).
+      const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
+                                ((((t >> 1) ^ g) << 4) ^ (flip << 5));
+#pragma unroll
+      for (int k = 0; k < kDqCols / 8; ++k) {
+        const uint32_t at = (row_base ^ ((k & 3) << 5)) + (k >> 2) * DqStage::kBlockBytes;  // block k ^ flip
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float x = flip ? dq[k ^ 2][2 * half] : dq[k][2 * half];
+          const float y = flip ? dq[k ^ 2][2 * half + 1] : dq[k][2 * half + 1];
+          asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + half * 8 * 128), "f"(x), "f"(y) : "memory");
+        }
+      }
+      FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
+      MBarrier::Arrive(sm.DqFull());
+    } else {
+      if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
+      WgmmaFence();
+      ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
+      WgmmaCommit();
+    }
+    FinishStep(sm, ring, dk, dv);
   }
+
+  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, 0, lane);
 }
 
 template <typename T, typename Tile>
@@ -258,32 +250,33 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsBwdSmem<Tile>::At(base);
   // The first stage's statistics as a pointer (StatsPointer finds the others).
   float* stats_base = reinterpret_cast<float*>(smem_raw + (sm.stats - tc::SmemAddr(smem_raw)));
-  if (threadIdx.x == 0) sm.InitBarriers();
+  if (threadIdx.x == 0) {
+    sm.InitBarriers();
+    *reinterpret_cast<tc::GridTile*>(smem_raw + (sm.place - tc::SmemAddr(smem_raw))) =
+        tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  }
   __syncthreads();
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
         if (warp == 0) {
-          WsBwdProducer<Tile>(p, sm, q_map, do_map, k_map, v_map);
+          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
-          if constexpr (Tile::kStagedDq) WsBwdDqWriter<Tile>(p, sm, dq_map);
-        } else if (warp == 2) {
-          WsBwdStatsCopier<Tile>(p, sm);
+          if constexpr (Tile::kStagedDq) WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map);
         }
       },
       [&](int consumer) {
         if constexpr (Tile::kSharedKeys) {
-          WsBwdColumnConsumer<T, Tile>(p, sm, stats_base, consumer);
+          WsBwdColumnConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
         } else {
-          WsBwdConsumer<T, Tile>(p, sm, stats_base, consumer);
+          WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
         }
       });
 #endif  // JAXFLASH_SM90A
 }
 
 // The warp-specialised pass over (key tiles, kv heads, batch): checks the
-// launch limits, then encodes the tensor maps and launches a CTA per tile
-// under a diagonal mask, else one per SM (NextKeyTile). The caller runs it only
-// on non-empty extents, which a map needs. Without staged dQ the
+// launch limits, then encodes the tensor maps and launches. The caller runs
+// it only on non-empty extents, which a map needs. Without staged dQ the
 // sums' map is not encoded (deterministic calls have no sums; the column
 // consumers add their dQ themselves) and the kernel's slot for it takes Q's
 // map, which it never reads.
@@ -292,9 +285,7 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(WsBwdSmem<Tile>::kLaunchBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
-  // The walk's positions stay ints (OrderedGridTile: heads and batches below 2^16).
-  const int64_t positions = CeilDiv(sh.kv_len, Tile::kN) * sh.kv_heads * sh.batch;
-  if (positions > INT_MAX - device.sm_count || sh.kv_heads > 65535 || sh.batch > 65535) {
+  if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
     return Status::Unimplemented("backward grid beyond the launch limits");
   }
   CUtensorMap q_map, do_map, k_map, v_map, dq_map;
@@ -309,10 +300,10 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   } else if (!(st = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
     return st;
   }
-  const bool diagonal = p.mask.window_right >= 0;
-  const auto ctas = static_cast<unsigned>(diagonal || positions < device.sm_count ? positions : device.sm_count);
-  WsBwdKernel<T, Tile><<<ctas, Tile::kThreads, WsBwdSmem<Tile>::kLaunchBytes, stream>>>(p, q_map, do_map, k_map, v_map,
-                                                                                       dq_map);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
+                  static_cast<unsigned>(sh.batch));
+  WsBwdKernel<T, Tile><<<grid, Tile::kThreads, WsBwdSmem<Tile>::kLaunchBytes, stream>>>(p, q_map, do_map, k_map,
+                                                                                             v_map, dq_map);
   return CheckLaunch(Tile::kWithDq ? "attention backward (sm90, warp-specialised: dK, dV and dQ sums)"
                                    : "attention backward (sm90, warp-specialised: dK, dV)");
 }

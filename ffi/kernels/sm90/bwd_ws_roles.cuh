@@ -1,12 +1,10 @@
 // The roles of the warp-specialised fused backward (bwd_ws_kernel.cuh) that
 // do not depend on how its consumers split the work: the shared-memory
-// layout, the CTA's walk over key tiles and what each tile's place implies,
-// the producer warp (per key tile K and V, then Q and dO per step through the
-// TMA), the statistics warp (the rows' LSE and delta per step), the dQ writer
+// layout, the CTA's place and walk, the producer warp (K and V once, then Q,
+// dO and the rows' statistics per step through the TMA), the dQ writer
 // (staged dQ into the float32 sums by bulk tensor reductions) and the frame
-// of a consumer's walk (StartKeyGrads, WaitForStage, FinishStep, FinishKeys).
-// A Tile says what the consumers need: tiles, stages, dS buffers and dQ
-// staging.
+// of a consumer's walk (StartKeyGrads, WaitForStage, FinishStep). A Tile says
+// what the consumers need: tiles, stages, dS buffers and dQ staging.
 #pragma once
 
 #include <cuda.h>
@@ -33,19 +31,14 @@ struct WsBwdSmem {
   // out of the stages, so that at D 256 none is rounded up to 1024 bytes.
   static constexpr size_t kStageBytes = 2 * size_t(Tile::QTile::kBytes);
   static constexpr size_t kStatsBytes = Tile::kStages * 2 * Tile::kM * sizeof(float);
-  // Each warp keeps its walk's position and the place of its current key
-  // tile (NextKeyTile): 16 bytes.
-  static constexpr int kWarps = Tile::kThreads / 32;
-  static constexpr uint32_t kPlaceBytes = 16, kPositionOffset = 12;
-  static_assert(sizeof(tc::GridTile) <= kPositionOffset, "the place, then the position");
   static constexpr size_t kBytes = 2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes +
-                                   Tile::kDqBytes + kStatsBytes + 8 * Tile::kBarriers + kWarps * kPlaceBytes;
+                                   Tile::kDqBytes + kStatsBytes + 8 * Tile::kBarriers + sizeof(tc::GridTile);
   static_assert((2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes) % 1024 == 0,
                 "the dQ staging starts on a swizzle period");
   // What a launch asks for: the base is aligned up to a swizzle period.
   static constexpr size_t kLaunchBytes = kBytes + 1024;
   static_assert(kLaunchBytes <= 227 * 1024, "shared memory of one CTA");
-  uint32_t k, v, stages, ds, dq, stats, bars, places;
+  uint32_t k, v, stages, ds, dq, stats, bars, place;
 
   __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {
     WsBwdSmem s;
@@ -56,7 +49,7 @@ struct WsBwdSmem {
     s.dq = s.ds + uint32_t(Tile::kDsBytes);
     s.stats = s.dq + uint32_t(Tile::kDqBytes);
     s.bars = s.stats + uint32_t(kStatsBytes);
-    s.places = s.bars + 8 * Tile::kBarriers;
+    s.place = s.bars + 8 * Tile::kBarriers;
     return s;
   }
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(kStageBytes); }
@@ -72,13 +65,8 @@ struct WsBwdSmem {
   __device__ __forceinline__ uint32_t QTail() const { return bars + 16; }
   __device__ __forceinline__ uint32_t DqFull() const { return bars + 24; }
   __device__ __forceinline__ uint32_t DqEmpty() const { return bars + 32; }
-  __device__ __forceinline__ uint32_t KvEmpty() const { return bars + 40; }
-  __device__ __forceinline__ uint32_t Full(int s) const { return bars + 48 + 8 * s; }
+  __device__ __forceinline__ uint32_t Full(int s) const { return bars + 40 + 8 * s; }
   __device__ __forceinline__ uint32_t Empty(int s) const { return Full(Tile::kStages + s); }
-  // The calling warp's place (a tc::GridTile).
-  __device__ __forceinline__ uint32_t Place() const {
-    return places + (threadIdx.x / 32) * kPlaceBytes;
-  }
 
   // Every thread that wrote (or read) a buffer with ordinary instructions
   // arrives itself, so each access is ordered by its own thread's arrival
@@ -88,31 +76,24 @@ struct WsBwdSmem {
     MBarrier::Init(KvFull(), 32);  // the producer warp's lanes (plus the copied bytes)
     MBarrier::Init(KvTail(), 1);
     MBarrier::Init(QTail(), 1);
-    MBarrier::Init(KvEmpty(), kConsumerThreads);  // every consumer thread is done with the tile's K and V
     if constexpr (Tile::kStagedDq) {
       MBarrier::Init(DqFull(), 128 * Tile::kDqWriters);  // every staging consumer thread has written its share
       MBarrier::Init(DqEmpty(), 1);                      // the writer's bulk reductions have read the tile
     }
     for (int s = 0; s < Tile::kStages; ++s) {
-      MBarrier::Init(Full(s), 64);                // the producer's and the statistics warp's lanes
+      MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
       MBarrier::Init(Empty(s), kConsumerThreads);  // every consumer thread is done with the stage
     }
     MBarrier::FenceInit();
-    // Every warp's walk starts one grid stride before its CTA's first position.
-    const int start = static_cast<int>(blockIdx.x) - static_cast<int>(gridDim.x);
-    for (int w = 0; w < kWarps; ++w) {
-      const uint32_t at = places + w * kPlaceBytes + kPositionOffset;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(start) : "memory");
-    }
   }
 };
 
-// What every role derives from the place of a key tile: its keys, the query
-// tiles that see them (per head of the group) and step `it`'s head and first
-// row. The place itself (key tile, kv head, batch: grid_order.cuh) is read
-// from shared memory where it is used: places are computed values, and held
-// through the loop the consumers have no registers for them (ptxas spills at
-// D 64).
+// What every role derives from the CTA's place: its keys, the query tiles
+// that see them (per head of the group) and step `it`'s head and first row.
+// The place itself (key tile, kv head, batch: grid_order.cuh) is read from
+// shared memory where it is used: ordered places are computed values, and
+// held through the loop the consumers have no registers for them (ptxas
+// spills at D 64), where a grid-order place was an index read again for free.
 template <typename Tile>
 struct WsBwdWork {
   uint32_t place;  // shared-memory address of the tc::GridTile
@@ -134,13 +115,6 @@ struct WsBwdWork {
   __device__ __forceinline__ int KvHead() const { return Field(offsetof(tc::GridTile, y)); }
   __device__ __forceinline__ int Batch() const { return Field(offsetof(tc::GridTile, z)); }
   __device__ __forceinline__ int C0() const { return Field(offsetof(tc::GridTile, tile)) * Tile::kN; }  // first key
-  // The phase of the K/V barriers for this tile: every tile of the walk, with
-  // steps or not, takes one, so it is the tile's count in the walk, mod 2
-  // (computed, where a counter would be one more register in every role).
-  __device__ __forceinline__ uint32_t KvPhase() const {
-    const unsigned position = static_cast<unsigned>(Field(WsBwdSmem<Tile>::kPositionOffset));
-    return ((position - blockIdx.x) / gridDim.x) & 1;
-  }
   __device__ __forceinline__ int Field(uint32_t offset) const {
     int v;
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(place + offset));
@@ -165,48 +139,6 @@ struct WsBwdWork {
   }
 };
 
-// The CTA's walk: positions blockIdx.x, + gridDim.x, ... of the key tiles x
-// kv heads x batch, each placed by grid_order.cuh. Under a diagonal mask the
-// launch has a CTA per position (tiles differ in work, and the hardware
-// hands the next CTA to the SM that frees first); otherwise one per SM
-// (RunWsPass), and a CTA loads its next tile's K and V while its consumers
-// still store the last tile's dK and dV (one CTA a tile waited for both, one
-// after the other, ~10 µs a tile at D 128: docs/performance.md,
-// twenty-eighth session). Every role walks the same positions; each warp
-// keeps its position and its tile's place in a slot of its own
-// (WsBwdSmem::Place): no role waits for another, and the producer's 24
-// registers hold neither. `lanes`: the warp's lanes that walk (they take
-// the same steps). False once the walk is done.
-template <typename Tile>
-__device__ __forceinline__ bool NextKeyTile(const BwdParams& p, const WsBwdSmem<Tile>& sm, unsigned lanes,
-                                            WsBwdWork<Tile>* w) {
-  const AttentionShape& sh = p.shape;
-  const uint32_t slot = sm.Place();
-  int position;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(position) : "r"(slot + WsBwdSmem<Tile>::kPositionOffset));
-  // Unhoisted: read and computed anew each tile, not held in registers
-  // across the roles' loops (the producer's spilled).
-  int ctas;
-  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(ctas));  // gridDim.x, read here (volatile: not hoisted)
-  position += ctas;
-  const int kv_len = tc::Unhoisted(static_cast<int>(sh.kv_len));
-  const int tiles = kv_len / Tile::kN + (kv_len % Tile::kN != 0);
-  const int heads = tc::Unhoisted(static_cast<int>(sh.kv_heads));
-  const int batches = tc::Unhoisted(static_cast<int>(sh.batch));
-  if (position >= tiles * heads * batches) return false;  // RunWsPass: the product fits an int
-  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(
-      p.mask, position % tiles, position / tiles % heads, position / tiles / heads, tiles, heads, batches);
-  __syncwarp(lanes);  // every lane has read the position and is done with the last tile's place
-  if ((threadIdx.x & 31) == __ffs(lanes) - 1) {
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(slot), "r"(at.tile), "r"(at.y), "r"(at.z),
-                 "r"(position)
-                 : "memory");
-  }
-  __syncwarp(lanes);
-  *w = WsBwdWork<Tile>::At(p, slot);
-  return true;
-}
-
 // ------------------------------------------------------------------ a consumer's step
 // What every consumer kind reads in step `it`: its first query row and the
 // stage's Q, dO, LSE and delta, returned once the producer has filled the
@@ -230,21 +162,14 @@ __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm, co
   return st;
 }
 
-// A consumer's start of a key tile: dK and dV zeroed, and K and V of the
-// tile's keys landed (for a tile without steps: the producer's arrivals alone).
+// A consumer's start: dK and dV zeroed, and (when it has a step) K and V of
+// the CTA's keys landed.
 template <typename Tile, int kCT>
 __device__ __forceinline__ void StartKeyGrads(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
                                               float (&dk)[kCT][4], float (&dv)[kCT][4]) {
   tc::Zero(dk);
   tc::Zero(dv);
-  MBarrier::Wait(sm.KvFull(), w.KvPhase());
-}
-
-// A consumer's end of a key tile's steps (its last products waited for by
-// FinishStep): K and V go back to the producer, before dK and dV are stored.
-template <typename Tile>
-__device__ __forceinline__ void FinishKeys(const WsBwdSmem<Tile>& sm) {
-  MBarrier::Arrive(sm.KvEmpty());
+  if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
 }
 
 // A consumer's step end: its dV and dK products are done, so Q, dO and the
@@ -261,7 +186,8 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
 
 // ------------------------------------------------------------------ producer
 template <typename Tile>
-__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm, const CUtensorMap& q_map,
+__device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                              const WsBwdWork<Tile>& w, float* stats_base, const CUtensorMap& q_map,
                                               const CUtensorMap& do_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map) {
   constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
@@ -269,125 +195,72 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
   using KVTile = typename Tile::KVTile;
   const AttentionShape& sh = p.shape;
   const int lane = threadIdx.x & 31;
+  const int q_len = static_cast<int>(sh.q_len);
+  if (w.steps == 0) return;  // no query sees these keys: the consumers store zeros
   if (lane == 0) {
     PrefetchTensorMap(q_map);
     PrefetchTensorMap(do_map);
     PrefetchTensorMap(k_map);
     PrefetchTensorMap(v_map);
   }
-  RingPosition<Tile::kStages> ring;
-  // The phases of the two tail barriers, one bit each: the producer's 24
-  // registers hold no more across the walk.
-  constexpr uint32_t kKvTailPhase = 1, kQTailPhase = 2;
-  uint32_t phases = 0;
-  auto phase = [&](uint32_t bit) { return (phases & bit) ? 1u : 0u; };
-  WsBwdWork<Tile> w;
-  while (NextKeyTile(p, sm, ~0u, &w)) {
-    // Every lane waits for the consumers to release the last tile's K and V
-    // before it arrives on this tile's phase (an arrival must not count
-    // towards the last one).
-    auto release_wait = [&] { MBarrier::Wait(sm.KvEmpty(), w.KvPhase() ^ 1); };
-    if (w.steps == 0) {  // no query sees these keys: no copy, the consumers store zeros
-      release_wait();
-      MBarrier::Arrive(sm.KvFull());
-      continue;
+  // K and V of the CTA's keys, once. A full barrier of the producer's
+  // completes with its 32 lanes' arrivals and the copied bytes: lane 0 issues
+  // the copies onto it, or, for a ragged tail, onto the tail barrier, and
+  // every lane zeroes the padding rows once they land (a NaN there would
+  // reach dQ through dS = 0 times it; a visited key tile starts before
+  // kv_valid).
+  const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.C0() + kN > w.pol.kv_valid;
+  if (lane == 0) {
+    const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
+    MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
+    for (int b = 0; b < kBlocks; ++b) {
+      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
     }
-    // K and V of the tile's keys, once the consumers are done with the last
-    // tile's. A full barrier of the producer's completes with its 32 lanes'
-    // arrivals and the copied bytes: lane 0 issues the copies onto it, or,
-    // for a ragged tail, onto the tail barrier, and every lane zeroes the
-    // padding rows once they land (a NaN there would reach dQ through dS = 0
-    // times it; a visited key tile starts before kv_valid). Issued after the
-    // first step's Q and dO, whose stage frees a step before K and V do.
-    auto load_keys = [&] {
-      release_wait();
-      const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.C0() + kN > w.pol.kv_valid;
-      if (lane == 0) {
-        const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
-        MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
-        for (int b = 0; b < kBlocks; ++b) {
-          TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
-          TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
-        }
-      }
-      if (kv_tail) {
-        MBarrier::Wait(sm.KvTail(), phase(kKvTailPhase));
-        __syncwarp();  // every lane has seen this phase before lane 0 can start the next one
-        phases ^= kKvTailPhase;
-        ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
-        ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
-        FenceSharedForAsyncProxy();
-      }
-      if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
-    };
-
-    // Q and dO of a step into the next stage (its LSE and delta: WsBwdStatsCopier).
-    auto load_queries = [&](const typename WsBwdWork<Tile>::Steps& step) {
-      const int head = step.head, r0 = step.Row0();
-      const int s = ring.stage;
-      const int q_len = static_cast<int>(sh.q_len);
-      MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
-      const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
-      if (lane == 0) {
-        const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
-        MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
-        for (int b = 0; b < kBlocks; ++b) {
-          TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
-          TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
-        }
-      }
-      if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
-        MBarrier::Wait(sm.QTail(), phase(kQTailPhase));
-        __syncwarp();  // every lane has seen this phase before lane 0 can start the next one
-        phases ^= kQTailPhase;
-        const int first = MaxInt(w.pol.q_valid - r0, 0);
-        ZeroTileRows<QTile>(sm.Q(s), first, lane);
-        ZeroTileRows<QTile>(sm.DO(s), first, lane);
-        FenceSharedForAsyncProxy();
-      }
-      if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // (after the zeroed rows)
-      ring.Advance();
-    };
-
-    // The steps run over the group's heads, each over its query tiles
-    // (counted, without a step index: registers).
-    auto step = w.FirstStep();
-    const int head_end = step.head + w.group;
-    load_queries(step);
-    load_keys();
-    for (step.Next(); step.head < head_end; step.Next()) load_queries(step);
   }
-}
+  if (kv_tail) {
+    MBarrier::Wait(sm.KvTail(), 0);
+    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
+    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
+    FenceSharedForAsyncProxy();
+  }
+  if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
 
-// ------------------------------------------------------------------ statistics
-// A warp of its own copies each step's LSE and delta into the stage (zeros
-// past q_len, whose rows are masked), taking the steps the producer takes:
-// with the 64-bit addressing of these loads as well, the producer's path
-// needed more than its 24 registers once it walked several key tiles. The
-// stage's full barrier waits for both warps' lanes.
-template <typename Tile>
-__device__ __forceinline__ void WsBwdStatsCopier(const BwdParams& p, const WsBwdSmem<Tile>& sm) {
-  constexpr int kM = Tile::kM;
-  const AttentionShape& sh = p.shape;
-  const int lane = threadIdx.x & 31;
   RingPosition<Tile::kStages> ring;
-  WsBwdWork<Tile> w;
-  while (NextKeyTile(p, sm, ~0u, &w)) {
-    auto step = w.FirstStep();
-    for (int it = 0; it < w.steps; ++it, step.Next()) {
-      const int s = ring.stage, r0 = step.Row0(), q_len = static_cast<int>(sh.q_len);
-      MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);
-      const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + step.head) * sh.q_len + r0;
-      const uint32_t stats = sm.stats + s * uint32_t(2 * kM * sizeof(float));
-      for (int i = lane; i < kM; i += 32) {
-        const bool ok = r0 + i < q_len;
-        const float lse = ok ? p.lse[row_off + i] : 0.f, delta = ok ? p.delta[row_off + i] : 0.f;
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stats + 4 * i), "f"(lse) : "memory");
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(stats + 4 * (kM + i)), "f"(delta) : "memory");
-      }
-      MBarrier::Arrive(sm.Full(s));
-      ring.Advance();
+  uint32_t tail_parity = 0;
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    const int head = step.head, r0 = step.Row0();
+    const int s = ring.stage;
+    MBarrier::Wait(sm.Empty(s), ring.parity ^ 1);  // every lane: they all write the stage
+    // LSE and delta of the tile's rows (zeros past q_len, whose rows are masked).
+    float* stats = sm.StatsPointer(stats_base, s);
+    const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + head) * sh.q_len + r0;
+    for (int i = lane; i < kM; i += 32) {
+      const bool ok = r0 + i < q_len;
+      stats[i] = ok ? p.lse[row_off + i] : 0.f;
+      stats[kM + i] = ok ? p.delta[row_off + i] : 0.f;
     }
+    const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
+    if (lane == 0) {
+      const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
+      MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
+      for (int b = 0; b < kBlocks; ++b) {
+        TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
+        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
+      }
+    }
+    if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
+      MBarrier::Wait(sm.QTail(), tail_parity);
+      __syncwarp();  // every lane has seen this phase before lane 0 can start the next one
+      tail_parity ^= 1;
+      const int first = MaxInt(w.pol.q_valid - r0, 0);
+      ZeroTileRows<QTile>(sm.Q(s), first, lane);
+      ZeroTileRows<QTile>(sm.DO(s), first, lane);
+      FenceSharedForAsyncProxy();
+    }
+    if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written
+    ring.Advance();
   }
 }
 
@@ -398,28 +271,22 @@ __device__ __forceinline__ void WsBwdStatsCopier(const BwdParams& p, const WsBwd
 // rows in [q_valid, q_len) (padding queries) add into sums DqFromSumsKernel
 // never reads.
 template <typename Tile>
-__device__ __forceinline__ void WsBwdDqWriter(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+__device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
                                               const CUtensorMap& dq_map) {
   using DqStage = typename Tile::DqStage;
   static_assert(Tile::kStagedDq, "a tile with a dQ staging tile");
-  if ((threadIdx.x & 31) != 0) return;
+  if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
-  uint32_t parity = 0;  // of the dQ barriers' phase: one a step of every tile
-  WsBwdWork<Tile> w;
-  while (NextKeyTile(p, sm, 1u, &w)) {
-    if (w.steps == 0) continue;
-    auto step = w.FirstStep();
-    const int head_end = step.head + w.group;
-    for (; step.head < head_end; step.Next(), parity ^= 1) {
-      MBarrier::Wait(sm.DqFull(), parity);
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    MBarrier::Wait(sm.DqFull(), it & 1);
 #pragma unroll
-      for (int b = 0; b < DqStage::kBlocks; ++b) {
-        TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
-      }
-      TmaStoreCommit();
-      TmaStoreWaitRead<0>();
-      MBarrier::Arrive(sm.DqEmpty());
+    for (int b = 0; b < DqStage::kBlocks; ++b) {
+      TmaReduceAdd4d(dq_map, sm.dq + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
     }
+    TmaStoreCommit();
+    TmaStoreWaitRead<0>();
+    MBarrier::Arrive(sm.DqEmpty());
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires
 }
