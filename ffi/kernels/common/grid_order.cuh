@@ -43,30 +43,22 @@ enum class HeavyTiles {
 // Q and dO no longer share L2).
 inline constexpr int kChunkCtas = 256;
 
-// The tile at grid position (x, y, z) of a grid of tiles x heads x batches.
 template <HeavyTiles kHeavy>
-__device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask, unsigned x, unsigned y, unsigned z,
-                                                    unsigned tiles, unsigned heads, unsigned batches) {
-  if (mask.window_right < 0) return {int(x), int(y), int(z)};
+__device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask) {
+  if (mask.window_right < 0) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
   // Unsigned: y and z are below 2^16 each, so groups fit 32 bits.
-  const unsigned groups = heads * batches;
+  const unsigned tiles = gridDim.x, heads = gridDim.y, groups = heads * gridDim.z;
   const unsigned chunk = (kChunkCtas + tiles - 1) / tiles;  // groups per chunk
   // The grid's group g = y + heads * z lies in chunk g / chunk; its CTAs are
   // positions (g % chunk) * tiles + x of the chunk (< chunk * tiles < 2^31),
   // which go to the chunk's groups in turn, rank by rank.
-  const unsigned g = y + heads * z;
+  const unsigned g = blockIdx.y + heads * blockIdx.z;
   const unsigned first = g / chunk * chunk;
   const unsigned in_chunk = groups - first < chunk ? groups - first : chunk;  // the last chunk may be short
-  const unsigned at = (g - first) * tiles + x;
+  const unsigned at = (g - first) * tiles + blockIdx.x;
   const unsigned rank = at / in_chunk;  // 0: the heaviest tiles
   const unsigned group = first + at % in_chunk;
   return {int(kHeavy == HeavyTiles::kFirst ? rank : tiles - 1 - rank), int(group % heads), int(group / heads)};
-}
-
-// The tile of this CTA of a grid-shaped launch.
-template <HeavyTiles kHeavy>
-__device__ __forceinline__ GridTile OrderedGridTile(const MaskParams& mask) {
-  return OrderedGridTile<kHeavy>(mask, blockIdx.x, blockIdx.y, blockIdx.z, gridDim.x, gridDim.y, gridDim.z);
 }
 
 }  // namespace tc

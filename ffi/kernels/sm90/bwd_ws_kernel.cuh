@@ -262,8 +262,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
           if constexpr (Tile::kStagedDq) WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map);
-        } else if (warp == 2) {
-          PrefetchNextWaveKeys<Tile>(p.mask, sm, WsBwdWork<Tile>::At(p, sm.place), k_map, v_map);
         }
       },
       [&](int consumer) {

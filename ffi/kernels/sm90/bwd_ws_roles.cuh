@@ -184,34 +184,6 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
   ring.Advance();
 }
 
-// K and V of the key tile that a CTA of the next wave will take (the one
-// %nsmid positions on in the launch's order, at one CTA an SM) into L2. Every
-// CTA of a wave loads its K and V at about the same moment, a burst from HBM
-// before any product can start (~8 MiB at D 128); prefetched a wave ahead,
-// while the tensor cores are busy, they come from L2. A hint only: a wrong
-// guess costs bandwidth, not correctness.
-// Run by lane 0 of warp 2 (idle otherwise, so the producer's 24 registers
-// need not hold it), once this CTA's own K and V have landed.
-template <typename Tile>
-__device__ __forceinline__ void PrefetchNextWaveKeys(const MaskParams& mask, const WsBwdSmem<Tile>& sm,
-                                                     const WsBwdWork<Tile>& w, const CUtensorMap& k_map,
-                                                     const CUtensorMap& v_map) {
-  if ((threadIdx.x & 31) != 0 || w.steps == 0) return;  // without steps no K and V are loaded
-  MBarrier::Wait(sm.KvFull(), 0);
-  unsigned sms;
-  asm volatile("mov.u32 %0, %%nsmid;\n" : "=r"(sms));
-  const unsigned tiles = gridDim.x, heads = gridDim.y, batches = gridDim.z;
-  const uint64_t next = blockIdx.x + uint64_t(tiles) * (blockIdx.y + uint64_t(heads) * blockIdx.z) + sms;
-  if (next >= uint64_t(tiles) * heads * batches) return;
-  const unsigned x = static_cast<unsigned>(next % tiles), yz = static_cast<unsigned>(next / tiles);
-  const tc::GridTile at =
-      tc::OrderedGridTile<tc::HeavyTiles::kFirst>(mask, x, yz % heads, yz / heads, tiles, heads, batches);
-  for (int b = 0; b < Tile::kD / 64; ++b) {
-    TmaPrefetchL2_4d(k_map, 64 * b, at.y, at.tile * Tile::kN, at.z);
-    TmaPrefetchL2_4d(v_map, 64 * b, at.y, at.tile * Tile::kN, at.z);
-  }
-}
-
 // ------------------------------------------------------------------ producer
 template <typename Tile>
 __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,

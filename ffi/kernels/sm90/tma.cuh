@@ -32,14 +32,6 @@ __device__ __forceinline__ void TmaLoad4d(uint32_t smem, const CUtensorMap& map,
       : "memory");
 }
 
-// Fetches a box into L2 only (no shared memory, no barrier): a hint that a
-// later load will find it there.
-__device__ __forceinline__ void TmaPrefetchL2_4d(const CUtensorMap& map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(MapAddress(map)),
-               "r"(c0), "r"(c1), "r"(c2), "r"(c3)
-               : "memory");
-}
-
 __device__ __forceinline__ void TmaStore4d(const CUtensorMap& map, uint32_t smem, int c0, int c1, int c2, int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                    MapAddress(map)),
