@@ -21,7 +21,9 @@
 //              dQ = dS·K over all kN keys goes into a float32 staging tile:
 //              at D ≥ 128 consumer c computes columns [64c, 64c + 64); at
 //              D = 64 (one 64-column block) the consumers take whole steps in
-//              turn, and the other one only arrives at the barrier.
+//              turn, and the other one only arrives at the barrier. At the
+//              end each stages its dK and dV in its rows of the K and V tiles
+//              and stores them with the TMA (StoreKeyGradsByTma).
 //   dQ writer  lane 0 of warp 1 adds the staging tile into the sums with
 //              one bulk tensor reduction per 32-column block (the copy engine
 //              does the float32 adds; no atomic instruction on the consumers'
@@ -115,12 +117,18 @@ struct WsBwdTile {
   // consumer has released it).
   static constexpr int kDsBarrier = 1;
   static constexpr int kDsBarriers = kDqByColumns ? 1 : 2;
+  // Named, at the end (StoreKeyGradsByTma): every consumer is done with K and
+  // V; then each consumer's staged dK and dV are in place (one a consumer).
+  static constexpr int kKeysFreeBarrier = kDsBarrier + kDsBarriers;
+  static constexpr int kKeyGradsBarrier = kKeysFreeBarrier + 1;
+  static_assert(kKeyGradsBarrier + kConsumers <= 16, "named barriers 1-15");
 };
 
 // ------------------------------------------------------------------ consumer
 template <typename T, typename Tile>
 __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
-                                              const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
+                                              const WsBwdWork<Tile>& w, float* stats_base, int consumer,
+                                              const CUtensorMap& dk_map, const CUtensorMap& dv_map) {
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM;
   constexpr int kQT = kM / 8, kDT = kD / 8, kDqCols = Tile::kDqCols;
   using QTile = typename Tile::QTile;
@@ -236,14 +244,15 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     FinishStep(sm, ring, dk, dv);
   }
 
-  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, 0, lane);
+  StoreKeyGradsByTma<T>(p, sm, w, dk, dv, consumer, dk_map, dv_map);
 }
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsBwdKernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap do_map, const __grid_constant__ CUtensorMap k_map,
-                const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap dq_map) {
+                const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap dq_map,
+                const __grid_constant__ CUtensorMap dk_map, const __grid_constant__ CUtensorMap dv_map) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -268,7 +277,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (Tile::kSharedKeys) {
           WsBwdColumnConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
         } else {
-          WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
+          WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer, dk_map, dv_map);
         }
       });
 #endif  // JAXFLASH_SM90A
@@ -279,7 +288,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 // it only on non-empty extents, which a map needs. Without staged dQ the
 // sums' map is not encoded (deterministic calls have no sums; the column
 // consumers add their dQ themselves) and the kernel's slot for it takes Q's
-// map, which it never reads.
+// map, which it never reads; so do dK's and dV's for the column consumers.
 template <typename T, typename Tile>
 Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(WsBwdSmem<Tile>::kLaunchBytes, device);
@@ -288,11 +297,19 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   if (CeilDiv(sh.kv_len, Tile::kN) > INT_MAX || sh.kv_heads > 65535 || sh.batch > 65535) {
     return Status::Unimplemented("backward grid beyond the launch limits");
   }
-  CUtensorMap q_map, do_map, k_map, v_map, dq_map;
+  CUtensorMap q_map, do_map, k_map, v_map, dq_map, dk_map, dv_map;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
       !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
+    return st;
+  }
+  // dK and dV: stored by the key-split consumers, 64 keys (one consumer's)
+  // a box; the column consumers store theirs from registers.
+  if (Tile::kSharedKeys) {
+    dk_map = dv_map = q_map;
+  } else if (!(st = EncodeRowsMap(&dk_map, p.dk, p.dtype, sh, false, 64)).ok() ||
+             !(st = EncodeRowsMap(&dv_map, p.dv, p.dtype, sh, false, 64)).ok()) {
     return st;
   }
   if (!Tile::kStagedDq) {
@@ -303,7 +320,8 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
                   static_cast<unsigned>(sh.batch));
   WsBwdKernel<T, Tile><<<grid, Tile::kThreads, WsBwdSmem<Tile>::kLaunchBytes, stream>>>(p, q_map, do_map, k_map,
-                                                                                             v_map, dq_map);
+                                                                                             v_map, dq_map, dk_map,
+                                                                                             dv_map);
   return CheckLaunch(Tile::kWithDq ? "attention backward (sm90, warp-specialised: dK, dV and dQ sums)"
                                    : "attention backward (sm90, warp-specialised: dK, dV)");
 }

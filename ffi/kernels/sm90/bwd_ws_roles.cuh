@@ -184,6 +184,57 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
   ring.Advance();
 }
 
+// A key-split consumer's end (bwd_ws_kernel.cuh): dK (times the scale) and dV
+// of its 64 keys staged in its rows of the K and V tiles, in the swizzled
+// layout the K and V maps load, and stored with the TMA. Stored from
+// registers instead (64 four-byte stores a thread, every CTA of a wave at
+// once) they took 5-10 µs of a CTA's ~80 at D 128 S 2k, its largest fixed
+// cost (docs/performance.md, twenty-eighth session's timeline). Entries a
+// NaN reached are recomputed exactly first, as tc::StoreKeyGrads does.
+template <typename T, typename Tile, int kCT>
+__device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsBwdSmem<Tile>& sm,
+                                                   const WsBwdWork<Tile>& w, float (&dk)[kCT][4],
+                                                   float (&dv)[kCT][4], int consumer, const CUtensorMap& dk_map,
+                                                   const CUtensorMap& dv_map) {
+  using KVTile = typename Tile::KVTile;
+  static_assert(kCT * 8 == Tile::kD, "whole rows of dK and dV");
+  const AttentionShape& sh = p.shape;
+  const int tid = threadIdx.x - 128 * (consumer + 1), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  // Every consumer's products are done (dQ = dS·K reads all kN rows of K):
+  // the tiles are free to overwrite.
+  NamedBarrierSync(Tile::kKeysFreeBarrier, 128 * Tile::kConsumers);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = consumer * 64 + warp * 16 + g + half * 8;
+    const int key = w.C0() + row;
+    if (key < sh.kv_len && (tc::LaneHasNan(dk, half) || tc::LaneHasNan(dv, half))) {
+      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, 0, t, dk, dv, half);
+    }
+#pragma unroll
+    for (int dt = 0; dt < kCT; ++dt) {
+      const uint32_t at = KVTile::ChunkOffset(row, dt) + 4 * t;
+      const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+      const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.k + at), "r"(k_val) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.v + at), "r"(v_val) : "memory");
+    }
+  }
+  __syncwarp();
+  FenceSharedForAsyncProxy();  // the staged rows, for the copy engine
+  NamedBarrierSync(Tile::kKeyGradsBarrier + consumer, 128);
+  const int key0 = w.C0() + consumer * 64;
+  if (tid == 0 && key0 < sh.kv_len) {  // rows past kv_len are clipped by the maps
+    for (int b = 0; b < Tile::kD / 64; ++b) {
+      const uint32_t rows = b * KVTile::kBlockBytes + consumer * 64 * 128;
+      TmaStore4d(dk_map, sm.k + rows, 64 * b, w.KvHead(), key0, w.Batch());
+      TmaStore4d(dv_map, sm.v + rows, 64 * b, w.KvHead(), key0, w.Batch());
+    }
+    TmaStoreCommit();
+    TmaStoreWait<0>();  // complete (and the tiles read) before the CTA retires
+  }
+}
+
 // ------------------------------------------------------------------ producer
 template <typename Tile>
 __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
