@@ -17,6 +17,9 @@
 //   dV, dK     += Pᵀ·dO, dSᵀ·Q over the step's 64 queries, columns
 //              [128c, 128c + 128), both operands from shared memory.
 //
+// At the end each stages its columns of dK and dV in the K and V tiles and
+// stores them with the TMA (StoreKeyGradsByTma, bwd_ws_roles.cuh).
+//
 // The producer warp is the key-split kernel's (bwd_ws_roles.cuh); the writer
 // warp has nothing to do.
 #pragma once
@@ -57,11 +60,16 @@ struct WsBwdColumnTile {
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);  // 232
   static_assert(kQueries == 32 && kCols % 64 == 0, "Sᵀ blocks of 32 queries; whole 64-column blocks of K");
   static constexpr int kDsBarrier = 1;  // named: both halves of a step's Pᵀ and dSᵀ are in place
+  // Named, one a consumer, at the end (StoreKeyGradsByTma): its staged dK and
+  // dV are in place. (No "keys free" barrier: past the last dS barrier a
+  // consumer reads only its own columns of K and V.)
+  static constexpr int kKeyGradsBarrier = kDsBarrier + 1;
 };
 
 template <typename T, typename Tile>
 __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
-                                                    const WsBwdWork<Tile>& w, float* stats_base, int consumer) {
+                                                    const WsBwdWork<Tile>& w, float* stats_base, int consumer,
+                                                    const CUtensorMap& dk_map, const CUtensorMap& dv_map) {
   constexpr int kD = Tile::kD, kN = Tile::kN, kM = Tile::kM, kQ = Tile::kQueries, kCols = Tile::kCols;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
@@ -121,7 +129,7 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     FinishStep(sm, ring, dk, dv);
   }
 
-  tc::StoreKeyGrads<T>(dk, dv, p, w.Batch(), w.KvHead(), w.C0() + key_w, col0, lane);
+  StoreKeyGradsByTma<T>(p, sm, w, dk, dv, consumer, 0, col0, dk_map, dv_map);
 }
 
 }  // namespace sm90

@@ -19,9 +19,10 @@
 //              once the dQ product that reads its K is done, which is why the
 //              ring needs three stages: the one being read by S and dP, the
 //              one the previous dQ reads, and the one being filled.
-//   epilogue   dQ goes from registers to global memory (tc::StoreQueryGrad:
-//              the scale, zeros for padding rows, the exact recomputation of
-//              a lane that a masked pair's 0 · NaN reached).
+//   epilogue   each consumer stages its rows of dQ in its rows of the Q tile
+//              and stores them with the TMA (StoreQueryGradByTma: the scale,
+//              zeros for padding rows, the exact recomputation of a lane that
+//              a masked pair's 0 · NaN reached).
 //
 // Deterministic by construction: each CTA owns its rows' dQ and adds the key
 // tiles in order. The cp.async kernel it replaced (DqKernel, bwd_kernel.cuh,
@@ -65,6 +66,10 @@ struct WsDqTile {
   // Barriers: Q and dO full, the ragged tail, then per stage K full, V full
   // and empty.
   static constexpr int kBarriers = 2 + 3 * kStages;
+  // Named, one a consumer, at the end (StoreQueryGradByTma): its staged dQ is
+  // in place.
+  static constexpr int kQueryGradBarrier = 1;
+  static_assert(kQueryGradBarrier + kConsumers <= 16, "named barriers 1-15");
   // Q, dO, the K stages, the V stages, the barriers; +1024: the dynamic
   // shared-memory base is aligned up to a swizzle period.
   static constexpr size_t kSmemBytes =
@@ -175,10 +180,59 @@ __device__ __forceinline__ void WsDqProducer(const BwdParams& p, const WsDqSmem<
   }
 }
 
+// ------------------------------------------------------------------ epilogue
+// A consumer's end: dQ of its 64 rows (times the scale; zeros for padding
+// rows) staged in its rows of the Q tile, in the swizzled layout the Q map
+// loads, and stored with the TMA, as the key-split passes store dK and dV
+// (StoreKeyGradsByTma, bwd_ws_roles.cuh). Only this consumer's products read
+// those rows, and they are done; but the producer's copy into them must have
+// landed, which a consumer without a step of its own never waited for.
+// Entries a NaN reached are recomputed exactly first, as tc::StoreQueryGrad
+// does.
+template <typename T, typename Tile, int kDT>
+__device__ __forceinline__ void StoreQueryGradByTma(const BwdParams& p, const WsDqSmem<Tile>& sm,
+                                                    const tc::FwdBlock<T>& w, float (&dq)[kDT][4], int consumer,
+                                                    const CUtensorMap& dq_map) {
+  using QTile = typename Tile::QTile;
+  static_assert(kDT * 8 == Tile::kD, "whole rows of dQ");
+  const AttentionShape& sh = p.shape;
+  const int tid = threadIdx.x - 128 * (consumer + 1), lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  if (w.tiles.begin < w.tiles.end) MBarrier::Wait(sm.QFull(), 0);  // no key tile: Q was never loaded
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = consumer * 64 + warp * 16 + g + half * 8;
+    const int q_row = w.r0 + row;
+    const bool real = q_row < w.pol.q_valid;
+    if (real && q_row < sh.q_len && tc::LaneHasNan(dq, half)) {
+      tc::ExactQueryGradLane<T>(p, w.batch, w.head, q_row, t, dq, half);
+    }
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      const uint32_t val =
+          real ? tc::ElemTraits<T>::Pack(dq[dt][2 * half] * p.scale, dq[dt][2 * half + 1] * p.scale) : 0u;
+      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.q + QTile::ChunkOffset(row, dt) + 4 * t), "r"(val)
+                   : "memory");
+    }
+  }
+  __syncwarp();
+  FenceSharedForAsyncProxy();  // the staged rows, for the copy engine
+  NamedBarrierSync(Tile::kQueryGradBarrier + consumer, 128);
+  const int first_row = w.r0 + consumer * 64;
+  if (tid == 0 && first_row < sh.q_len) {  // rows past q_len (and columns past head_dim) are clipped by the map
+#pragma unroll
+    for (int b = 0; b < QTile::kBlocks; ++b) {
+      TmaStore4d(dq_map, sm.q + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.head, first_row, w.batch);
+    }
+    TmaStoreCommit();
+    TmaStoreWait<0>();  // complete (and the tile read) before the CTA retires
+  }
+}
+
 // ------------------------------------------------------------------ consumer
 template <typename T, typename Tile>
 __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<Tile>& sm, const tc::GridTile& at,
-                                             int consumer) {
+                                             int consumer, const CUtensorMap& dq_map) {
   consumer = WarpUniform(consumer);
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
   constexpr int kNT = kN / 8, kDT = kD / 8;
@@ -278,14 +332,14 @@ __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<
     for (; nb < w.tiles.end; ++nb) pass_over();
   }
 
-  tc::StoreQueryGrad<T>(dq, p, pol, w.batch, w.head, w.r0 + warp_row0, lane);
+  StoreQueryGradByTma<T, Tile>(p, sm, w, dq, consumer, dq_map);
 }
 
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsDqKernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap q_map,
                const __grid_constant__ CUtensorMap do_map, const __grid_constant__ CUtensorMap k_map,
-               const __grid_constant__ CUtensorMap v_map) {
+               const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap dq_map) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const auto sm = WsDqSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
@@ -296,7 +350,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       [&](int warp) {
         if (warp == 0) WsDqProducer<T, Tile>(p, sm, at, q_map, do_map, k_map, v_map);
       },
-      [&](int consumer) { WsDqConsumer<T, Tile>(p, sm, at, consumer); });
+      [&](int consumer) { WsDqConsumer<T, Tile>(p, sm, at, consumer, dq_map); });
 #endif  // JAXFLASH_SM90A
 }
 
@@ -310,9 +364,10 @@ Status RunWsDqPass(const BwdParams& p, cudaStream_t stream) {
   }
   AttentionShape maps_shape = sh;
   maps_shape.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
-  CUtensorMap q_map, do_map, k_map, v_map;
+  CUtensorMap q_map, do_map, k_map, v_map, dq_map;
   Status st;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, maps_shape, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&dq_map, p.dq, p.dtype, maps_shape, true, 64)).ok() ||  // a consumer's rows a box
       !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, maps_shape, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, maps_shape, false, Tile::kN)).ok() ||
       !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN)).ok()) {
@@ -320,7 +375,7 @@ Status RunWsDqPass(const BwdParams& p, cudaStream_t stream) {
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, Tile::kM)), static_cast<unsigned>(sh.q_heads),
                   static_cast<unsigned>(sh.batch));
-  WsDqKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map);
+  WsDqKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, do_map, k_map, v_map, dq_map);
   return CheckLaunch("attention backward (sm90, warp-specialised: dQ)");
 }
 

@@ -23,7 +23,8 @@
 //              D = 64 (one 64-column block) the consumers take whole steps in
 //              turn, and the other one only arrives at the barrier. At the
 //              end each stages its dK and dV in its rows of the K and V tiles
-//              and stores them with the TMA (StoreKeyGradsByTma).
+//              and stores them with the TMA (StoreKeyGradsByTma; the column
+//              consumers their columns of all 64 keys).
 //   dQ writer  lane 0 of warp 1 adds the staging tile into the sums with
 //              one bulk tensor reduction per 32-column block (the copy engine
 //              does the float32 adds; no atomic instruction on the consumers'
@@ -118,7 +119,8 @@ struct WsBwdTile {
   static constexpr int kDsBarrier = 1;
   static constexpr int kDsBarriers = kDqByColumns ? 1 : 2;
   // Named, at the end (StoreKeyGradsByTma): every consumer is done with K and
-  // V; then each consumer's staged dK and dV are in place (one a consumer).
+  // V (with dQ only: without it each reads only its own rows); then each
+  // consumer's staged dK and dV are in place (one a consumer).
   static constexpr int kKeysFreeBarrier = kDsBarrier + kDsBarriers;
   static constexpr int kKeyGradsBarrier = kKeysFreeBarrier + 1;
   static_assert(kKeyGradsBarrier + kConsumers <= 16, "named barriers 1-15");
@@ -244,7 +246,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     FinishStep(sm, ring, dk, dv);
   }
 
-  StoreKeyGradsByTma<T>(p, sm, w, dk, dv, consumer, dk_map, dv_map);
+  StoreKeyGradsByTma<T>(p, sm, w, dk, dv, consumer, consumer * 64, 0, dk_map, dv_map);
 }
 
 template <typename T, typename Tile>
@@ -275,7 +277,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       },
       [&](int consumer) {
         if constexpr (Tile::kSharedKeys) {
-          WsBwdColumnConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer);
+          WsBwdColumnConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer, dk_map,
+                                       dv_map);
         } else {
           WsBwdConsumer<T, Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, consumer, dk_map, dv_map);
         }
@@ -288,7 +291,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 // it only on non-empty extents, which a map needs. Without staged dQ the
 // sums' map is not encoded (deterministic calls have no sums; the column
 // consumers add their dQ themselves) and the kernel's slot for it takes Q's
-// map, which it never reads; so do dK's and dV's for the column consumers.
+// map, which it never reads.
 template <typename T, typename Tile>
 Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(WsBwdSmem<Tile>::kLaunchBytes, device);
@@ -304,12 +307,10 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
       !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
     return st;
   }
-  // dK and dV: stored by the key-split consumers, 64 keys (one consumer's)
-  // a box; the column consumers store theirs from registers.
-  if (Tile::kSharedKeys) {
-    dk_map = dv_map = q_map;
-  } else if (!(st = EncodeRowsMap(&dk_map, p.dk, p.dtype, sh, false, 64)).ok() ||
-             !(st = EncodeRowsMap(&dv_map, p.dv, p.dtype, sh, false, 64)).ok()) {
+  // dK and dV: 64 keys (a key-split consumer's, or a column consumer's
+  // whole tile) a box.
+  if (!(st = EncodeRowsMap(&dk_map, p.dk, p.dtype, sh, false, 64)).ok() ||
+      !(st = EncodeRowsMap(&dv_map, p.dv, p.dtype, sh, false, 64)).ok()) {
     return st;
   }
   if (!Tile::kStagedDq) {

@@ -184,36 +184,42 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
   ring.Advance();
 }
 
-// A key-split consumer's end (bwd_ws_kernel.cuh): dK (times the scale) and dV
-// of its 64 keys staged in its rows of the K and V tiles, in the swizzled
-// layout the K and V maps load, and stored with the TMA. Stored from
-// registers instead (64 four-byte stores a thread, every CTA of a wave at
-// once) they took 5-10 µs of a CTA's ~80 at D 128 S 2k, its largest fixed
-// cost (docs/performance.md, twenty-eighth session's timeline). Entries a
-// NaN reached are recomputed exactly first, as tc::StoreKeyGrads does.
+// A consumer's end: its dK (times the scale) and dV staged in its part of
+// the K and V tiles, in the swizzled layout the K and V maps load, and
+// stored with the TMA. A key-split consumer (bwd_ws_kernel.cuh) holds keys
+// [key0, key0 + 64) of the tile, all columns; a column consumer
+// (bwd_ws_columns.cuh) all 64 keys, columns [col0, col0 + 8 kCT). Stored from
+// registers instead (64 four-byte stores a thread at D 128, every CTA of a
+// wave at once) they took 5-10 µs of a CTA's ~80 at D 128 S 2k, its largest
+// fixed cost (docs/performance.md, twenty-eighth session's timeline).
+// Entries a NaN reached are recomputed exactly first, as tc::StoreKeyGrads
+// does.
 template <typename T, typename Tile, int kCT>
 __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsBwdSmem<Tile>& sm,
                                                    const WsBwdWork<Tile>& w, float (&dk)[kCT][4],
-                                                   float (&dv)[kCT][4], int consumer, const CUtensorMap& dk_map,
-                                                   const CUtensorMap& dv_map) {
+                                                   float (&dv)[kCT][4], int consumer, int key0, int col0,
+                                                   const CUtensorMap& dk_map, const CUtensorMap& dv_map) {
   using KVTile = typename Tile::KVTile;
-  static_assert(kCT * 8 == Tile::kD, "whole rows of dK and dV");
+  static_assert(kCT % 8 == 0, "whole 64-column blocks");
   const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x - 128 * (consumer + 1), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // Every consumer's products are done (dQ = dS·K reads all kN rows of K):
-  // the tiles are free to overwrite.
-  NamedBarrierSync(Tile::kKeysFreeBarrier, 128 * Tile::kConsumers);
+  // Key-split consumers with dQ read every consumer's rows of K up to their
+  // last step (dQ = dS·K over all kN keys): the tiles are free once all are
+  // done. Otherwise a consumer's products read only its own rows, or (the
+  // column consumers' Sᵀ and dPᵀ) its partner's columns before the step's dS
+  // barrier, which both have passed.
+  if constexpr (Tile::kWithDq && !Tile::kSharedKeys) NamedBarrierSync(Tile::kKeysFreeBarrier, 128 * Tile::kConsumers);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = consumer * 64 + warp * 16 + g + half * 8;
+    const int row = key0 + warp * 16 + g + half * 8;
     const int key = w.C0() + row;
     if (key < sh.kv_len && (tc::LaneHasNan(dk, half) || tc::LaneHasNan(dv, half))) {
-      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, 0, t, dk, dv, half);
+      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, col0, t, dk, dv, half);
     }
 #pragma unroll
     for (int dt = 0; dt < kCT; ++dt) {
-      const uint32_t at = KVTile::ChunkOffset(row, dt) + 4 * t;
+      const uint32_t at = KVTile::ChunkOffset(row, col0 / 8 + dt) + 4 * t;
       const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
       const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
       asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.k + at), "r"(k_val) : "memory");
@@ -223,12 +229,14 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
   __syncwarp();
   FenceSharedForAsyncProxy();  // the staged rows, for the copy engine
   NamedBarrierSync(Tile::kKeyGradsBarrier + consumer, 128);
-  const int key0 = w.C0() + consumer * 64;
-  if (tid == 0 && key0 < sh.kv_len) {  // rows past kv_len are clipped by the maps
-    for (int b = 0; b < Tile::kD / 64; ++b) {
-      const uint32_t rows = b * KVTile::kBlockBytes + consumer * 64 * 128;
-      TmaStore4d(dk_map, sm.k + rows, 64 * b, w.KvHead(), key0, w.Batch());
-      TmaStore4d(dv_map, sm.v + rows, 64 * b, w.KvHead(), key0, w.Batch());
+  const int first_key = w.C0() + key0;
+  if (tid == 0 && first_key < sh.kv_len) {  // rows past kv_len are clipped by the maps, and columns past head_dim
+    for (int i = 0; i < kCT / 8; ++i) {
+      const int b = col0 / 64 + i;
+      if (64 * b >= sh.head_dim) break;  // a block wholly past it (a column consumer's last) is not stored
+      const uint32_t rows = b * KVTile::kBlockBytes + key0 * 128;
+      TmaStore4d(dk_map, sm.k + rows, 64 * b, w.KvHead(), first_key, w.Batch());
+      TmaStore4d(dv_map, sm.v + rows, 64 * b, w.KvHead(), first_key, w.Batch());
     }
     TmaStoreCommit();
     TmaStoreWait<0>();  // complete (and the tiles read) before the CTA retires
