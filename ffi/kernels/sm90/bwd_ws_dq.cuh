@@ -209,10 +209,9 @@ __device__ __forceinline__ void StoreQueryGradByTma(const BwdParams& p, const Ws
     }
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      const uint32_t val =
+      const uint32_t value =
           real ? tc::ElemTraits<T>::Pack(dq[dt][2 * half] * p.scale, dq[dt][2 * half + 1] * p.scale) : 0u;
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.q + QTile::ChunkOffset(row, dt) + 4 * t), "r"(val)
-                   : "memory");
+      StoreShared32(sm.q + PairOffset<QTile>(row, dt, t), value);
     }
   }
   __syncwarp();

@@ -219,11 +219,11 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
     }
 #pragma unroll
     for (int dt = 0; dt < kCT; ++dt) {
-      const uint32_t at = KVTile::ChunkOffset(row, col0 / 8 + dt) + 4 * t;
+      const uint32_t at = PairOffset<KVTile>(row, col0 / 8 + dt, t);
       const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
       const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.k + at), "r"(k_val) : "memory");
-      asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(sm.v + at), "r"(v_val) : "memory");
+      StoreShared32(sm.k + at, k_val);
+      StoreShared32(sm.v + at, v_val);
     }
   }
   __syncwarp();

@@ -479,8 +479,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
-        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(value) : "memory");
+        StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), value);
       }
     }
     // Entries FinishRows flagged are recomputed into the staged tile, where
@@ -490,8 +489,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
       tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
-        const uint32_t at = sm.o + QTile::ChunkOffset(row, dt) + 4 * t;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(tc::ElemTraits<T>::Pack(x.x, x.y)) : "memory");
+        StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
       });
     }
     __syncwarp();

@@ -309,6 +309,18 @@ __device__ __forceinline__ void ProductSSMn(float (&d)[kCols / 8][4], uint32_t a
 }
 
 // ------------------------------------------------------------ fragment stores
+// Where a lane's pair of an accumulator row goes in a swizzled Tile (row
+// `row`, columns 8 chunk + 2t and + 1, packed into 32 bits), and the store:
+// how the epilogues stage O, dQ, dK and dV for a TMA store in the layout
+// its map reads.
+template <typename Tile>
+__device__ __forceinline__ uint32_t PairOffset(int row, int chunk, int t) {
+  return Tile::ChunkOffset(row, chunk) + 4 * t;
+}
+__device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
+}
+
 // Writes the transpose of a warp's 16 x 16 block held as an mma.sync A
 // fragment (PackAFragment: rows r of the block in a[0], a[2] for r < 8 and
 // a[1], a[3] for r >= 8; columns 0-7 in a[0], a[1], 8-15 in a[2], a[3]) into
