@@ -10,7 +10,8 @@ paged KV cache, `ring_attention` for a sequence sharded across devices, and
 """
 
 from jaxflash import reference
-from jaxflash.attention import MAX_FUSED_HEAD_DIM, MaskSpec, dot_product_attention
+from jaxflash._core import MAX_FUSED_HEAD_DIM, MaskSpec
+from jaxflash.attention import dot_product_attention
 from jaxflash.checks import checked
 from jaxflash.paged import paged_attention
 from jaxflash.ring import ring_attention, zigzag_order, zigzag_restore

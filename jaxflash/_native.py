@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -11,6 +12,8 @@ import sys
 
 import jax
 import numpy as np
+
+from jaxflash import tile_cache
 
 FORWARD_TARGET = "jaxflash_fwd"
 BACKWARD_TARGET = "jaxflash_bwd"
@@ -29,11 +32,10 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
   """The `tile` attribute of a native call being traced."""
   if _forced_tile is not None:
     return _forced_tile
-  from jaxflash import tile_cache
   device = jax.devices()[0]
   if device.platform != "gpu":
     return 0
-  return tile_cache.lookup(direction, head_dim, causal, device.device_kind)
+  return tile_cache.lookup(direction, head_dim, causal, device.device_kind, build_id())
 
 
 # Head-dim buckets where the fused Hopper backward runs unless
@@ -64,7 +66,6 @@ def dq_sums_room(dtype, head_dim: int, deterministic: bool) -> bool:
   run. Deterministic calls keep the two kernels (the atomics' order varies)."""
   if deterministic or _forced_tile:
     return False
-  from jaxflash import tile_cache
   buckets = fused_backward_buckets()
   if np.dtype(dtype).itemsize != 2 or head_dim % 8 or tile_cache.bucket(head_dim) not in buckets:
     return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
@@ -77,10 +78,19 @@ def forced_tile_attr() -> int:
   return _forced_tile or 0
 
 
-def library_path() -> str | None:
-  """The compiled extension's file (for the tile cache's build hash), or None."""
+@functools.cache
+def build_id() -> str:
+  """A short hash of the compiled extension's file ("" without one): tile cache
+  entries measured with another build are stale."""
   ext, _ = _load()
-  return getattr(ext, "__file__", None) if ext is not None else None
+  library = getattr(ext, "__file__", None) if ext is not None else None
+  if library is None:
+    return ""
+  digest = hashlib.sha256()
+  with open(library, "rb") as f:
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+      digest.update(chunk)
+  return digest.hexdigest()[:16]
 
 
 @contextlib.contextmanager

@@ -1,7 +1,7 @@
 """Run-time checks of values (not shapes): off unless asked for.
 
 Shapes, dtypes and static arguments are checked at trace time and raise
-right away (attention._validate). Sequence lengths are values, known only on
+right away (`_core.validate`). Sequence lengths are values, known only on
 the device: a length outside [0, sequence length] is clamped, as jax.nn's
 masks treat it (past the end means the whole sequence, below 0 none). Code
 that wants an error instead runs under `checked`, which plants the checks

@@ -7,7 +7,7 @@ derivative of the backward. Both are computed here in jnp, flash-style: a
 scan over blocks of keys that never holds more than a [T, block] slice of
 scores, so memory stays O(T · block), not O(T · S).
 
-How it fits (attention._fused is a `jax.custom_jvp`):
+How it fits (`_core.fused` is a `jax.custom_jvp`):
 
 * `tangent_p` gives (tO, tLSE) for tangents (tQ, tK, tV). It is linear in
   them, and its transpose is the kernels' backward, so reverse mode

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, _splits, attention as _attention, reference
+from jaxflash import _core, _native, _splits, reference
 
 PAGED_TARGET = "jaxflash_paged_fwd"
 _PAGED_IMPLEMENTATIONS = (None, "native", "xla")
@@ -28,11 +28,11 @@ def _is_concrete(x) -> bool:
 
 
 def _validate(query, key_pages, value_pages, page_table, kv_lengths):
-  q = _attention._as_array(query, "query")
-  kp = _attention._as_array(key_pages, "key_pages")
-  vp = _attention._as_array(value_pages, "value_pages")
-  table = _attention._as_array(page_table, "page_table")
-  lengths = _attention._as_array(kv_lengths, "kv_lengths")
+  q = _core.as_array(query, "query")
+  kp = _core.as_array(key_pages, "key_pages")
+  vp = _core.as_array(value_pages, "value_pages")
+  table = _core.as_array(page_table, "page_table")
+  lengths = _core.as_array(kv_lengths, "kv_lengths")
   if q.ndim != 4:
     raise ValueError(f"query must be [batch, q_len, q_heads, head_dim], got shape {q.shape}")
   if kp.ndim != 4:
@@ -44,7 +44,7 @@ def _validate(query, key_pages, value_pages, page_table, kv_lengths):
   P, page_size, K, Dk = kp.shape
   if Dk != D:
     raise ValueError(f"query and key_pages must have the same head_dim, got {D} and {Dk}")
-  _attention._check_heads_and_dtypes(N, K, {"query": q, "key_pages": kp, "value_pages": vp})
+  _core.check_heads_and_dtypes(N, K, {"query": q, "key_pages": kp, "value_pages": vp})
   if P < 1 or page_size < 1:
     raise ValueError(f"key_pages must hold at least one page of at least one row, got {kp.shape}")
   if not jnp.issubdtype(table.dtype, jnp.integer) or table.ndim != 2 or table.shape[0] != B:
@@ -82,12 +82,12 @@ def _choose(q, implementation) -> str:
     raise ValueError(f"paged_attention implementation must be one of {_PAGED_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   reason = None
-  if q.dtype not in _attention._FUSED_DTYPES:
+  if q.dtype not in _core.FUSED_DTYPES:
     reason = f"the native paged kernels take float32, float16 and bfloat16, got {q.dtype}"
-  elif q.shape[-1] > _attention.MAX_FUSED_HEAD_DIM:
-    reason = f"the native paged kernels take head_dim <= {_attention.MAX_FUSED_HEAD_DIM}"
+  elif q.shape[-1] > _core.MAX_FUSED_HEAD_DIM:
+    reason = f"the native paged kernels take head_dim <= {_core.MAX_FUSED_HEAD_DIM}"
   else:
-    reason = _native.unavailable_reason(_attention._platform())
+    reason = _native.unavailable_reason(_core.platform())
   if implementation == "native" and reason:
     raise ValueError(reason)
   if implementation is None:
@@ -99,10 +99,10 @@ def _choose(q, implementation) -> str:
 def _native_paged(q, kp, vp, table, lengths, spec):
   splits = _splits.native(spec.num_splits, q.shape,
                           (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3]),
-                          q.dtype, _attention._platform(), paged=True)
+                          q.dtype, _core.platform(), paged=True)
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
-  call = jax.ffi.ffi_call(PAGED_TARGET, _attention._NativeKernels.out_types(q, splits),
+  call = jax.ffi.ffi_call(PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
                           vmap_method="sequential")
   o, _, _, _ = call(q, kp, vp, table, lengths, scale=np.float32(spec.scale),
                     window_left=np.int64(spec.window_left),
@@ -172,9 +172,9 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
   q, kp, vp, table, lengths = _validate(query, key_pages, value_pages, page_table, kv_lengths)
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-  window = _attention._window(local_window_size)
+  window = _core.parse_window(local_window_size)
   left, right = reference.window_bounds(bool(is_causal), window)
-  spec = _attention.MaskSpec(scale=_attention._scale(scale, q.shape[-1]),
+  spec = _core.MaskSpec(scale=_core.resolve_scale(scale, q.shape[-1]),
                              window_left=-1 if left is None else left,
                              window_right=-1 if right is None else right, bottom_right=True,
                              num_splits=_splits.validate(num_splits))

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import derivatives, reference
+from jaxflash import _core, derivatives, reference
 
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
@@ -257,7 +257,7 @@ def _merge(acc, o, lse):
 
 @dataclasses.dataclass(frozen=True)
 class Ring:
-  """Fused kernels run around a ring, with the `kernels` interface of attention.py.
+  """Fused kernels run around a ring, with the `kernels` interface of _core.py.
 
   `forward` and `backward` take the local shards and must run where the mesh
   axes of `q_seq` and `kv_seq` are bound (inside `shard_map`, or a partition
@@ -427,36 +427,33 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   carries a gradient only with ``differentiable_residual=True``, as in
   `dot_product_attention`.
   """
-  from jaxflash import attention   # attention imports this module
-
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
   if implementation not in (None, "native", "pallas"):
     raise ValueError("ring_attention runs the fused kernels: implementation must be None, "
                      f"'native' or 'pallas', got {implementation!r}")
-  call = attention._validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
-                             key_value_seq_lengths, local_window_size, causal_alignment, False)
+  call = _core.validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
+                        key_value_seq_lengths, local_window_size, causal_alignment, False)
   shards = lax.axis_size(axis_name)
-  B, T, N, _ = call.q.shape
+  B, T = call.q.shape[:2]
   S = call.k.shape[1]
   if layout == "zigzag" and (T % 2 or S % 2):
     raise ValueError(f"layout='zigzag' holds two equal chunks per shard; the local query and key "
                      f"lengths must be even, got {T} and {S}")
   chosen = implementation
   if chosen is None:
-    chosen = "native" if attention._fused_unsupported(call, "native") is None else "pallas"
-  reason = attention._fused_unsupported(call, chosen)
+    chosen = "native" if _core.fused_unsupported(call, "native") is None else "pallas"
+  reason = _core.fused_unsupported(call, chosen)
   if reason:
     raise ValueError(f"ring_attention: {reason}")
   seq = Sharded(axis_name, shards, layout)
-  ring = Ring(attention._kernels(chosen, sharded=False), seq, seq, T * shards, S * shards)
-  if B * T * N == 0 or S == 0:
-    out = jnp.zeros_like(call.q)
-    lse = jnp.full((B, N, T), _EMPTY, jnp.float32)
+  ring = Ring(_core.KERNELS[chosen], seq, seq, T * shards, S * shards)
+  if call.empty:
+    out, lse = _core.empty_result(call)
   else:
     q_lengths = (call.q_lengths if call.q_lengths is not None
                  else jnp.full((B,), T * shards, jnp.int32))
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else jnp.full((B,), S * shards, jnp.int32))
-    out, lse = attention._fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
-  return attention._finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
+  return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

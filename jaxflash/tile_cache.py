@@ -3,7 +3,7 @@
 The CUDA kernels compile a few tile shapes per head-dim bucket and pick one
 from a table measured on an H100. `python -m jaxflash.tune` re-measures every
 candidate on the GPU at hand and writes the winners here; the native calls read
-them when they are traced (`_native.tile_attr`) and pass them to the kernels as
+them when they are traced (`_native.tile_attr`, which passes its build id) and pass them to the kernels as
 a *preference*: a candidate the running build lacks falls back to the table
 (FwdParams::kTilePreferred), so no cache content can make a call fail.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import os
 import pathlib
@@ -63,20 +62,6 @@ def path() -> pathlib.Path | None:
 def bucket(head_dim: int) -> int | None:
   """The compiled head-dim bucket a call with this head dim runs in (None: SIMT)."""
   return next((b for b in HEAD_DIM_BUCKETS if head_dim <= b), None)
-
-
-@functools.lru_cache(maxsize=None)
-def build_id() -> str:
-  """A short hash of the compiled extension: entries of another build are stale."""
-  from jaxflash import _native
-  library = _native.library_path()
-  if library is None:
-    return ""
-  digest = hashlib.sha256()
-  with open(library, "rb") as f:
-    for chunk in iter(lambda: f.read(1 << 20), b""):
-      digest.update(chunk)
-  return digest.hexdigest()[:16]
 
 
 _warned: set[str] = set()
@@ -133,14 +118,15 @@ def _read_cached(name: str, mtime_ns: int, size: int) -> list[Entry]:
     return []
 
 
-def lookup(direction: str, head_dim: int, causal: bool, device_kind: str) -> int:
-  """The tile attribute for a call: 0 (the table) or kTilePreferred + the cached candidate."""
+def lookup(direction: str, head_dim: int, causal: bool, device_kind: str, build: str) -> int:
+  """The tile attribute for a call: 0 (the table) or kTilePreferred + the cached candidate.
+
+  `build` is the running extension's id (`_native.build_id`): entries of another are stale."""
   b = bucket(head_dim)
   entries = [e for e in read() if e.device == device_kind] if b is not None else []
   if not entries:
     return 0
-  current = build_id()
-  fresh = [e for e in entries if e.build == current]
+  fresh = [e for e in entries if e.build == build]
   if not fresh:
     _warn_once(f"stale:{device_kind}", f"jaxflash: the tile cache {path()} was measured for "
                f"{device_kind!r} with another build of jaxflash; it is ignored until "

@@ -113,7 +113,7 @@ def main(argv=None):
           print(f"| {direction} | {'yes' if causal else 'no'} | {S} | {D} | {cells} | {best} |", flush=True)
         if direction in tile_cache.DIRECTIONS and not args.sm80 and tile_cache.bucket(D) == D:
           tile, rate = winner(per_seq)
-          entries.append(tile_cache.Entry(device=device.device_kind, build=tile_cache.build_id(),
+          entries.append(tile_cache.Entry(device=device.device_kind, build=_native.build_id(),
                                           direction=direction, head_dim=D, causal=causal, tile=tile,
                                           tflops=round(rate, 1), measured=today))
   if args.write and entries:

@@ -139,13 +139,13 @@ def test_native_is_the_default_and_really_runs():
 def test_automatic_order_follows_the_measured_table(monkeypatch):
   """implementation=None tries Pallas first only where it measured faster (Hopper, 16-bit,
   D <= 64 or decode steps of at most 4 query rows; native wins at 16)."""
-  from jaxflash import attention as attn
+  from jaxflash import _core
 
   def order(dtype, D, platform="gpu", kind="NVIDIA H100 80GB HBM3", T=64):
-    monkeypatch.setattr(attn, "_platform", lambda: platform)
-    monkeypatch.setattr(attn, "_device_kind", lambda: kind)
+    monkeypatch.setattr(_core, "platform", lambda: platform)
+    monkeypatch.setattr(_core, "device_kind", lambda: kind)
     call = types.SimpleNamespace(q=jnp.zeros((1, T, 2, D), dtype))  # the order reads only q
-    return attn._automatic_order(call)
+    return _core.automatic_order(call)
 
   for T in (1, 4):   # decode steps, any head dim
     assert order(jnp.bfloat16, 128, T=T) == ("pallas", "native")

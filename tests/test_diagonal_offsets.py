@@ -14,17 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxflash import _native, attention, reference
+from jaxflash import _core, _native, reference
 from cases import mask_kwargs, numpy_mask
 from conftest import assert_within_budget, numpy_reference, random_inputs, tiered
 
 MASK_NAMES = ["causal", "window", "window_causal_bottom_right", "lengths_causal_bottom_right",
               "lengths"]
-KERNELS = {"native": attention._NativeKernels, "pallas": attention._PallasKernels}
+KERNELS = _core.KERNELS
 
 
 def _spec(q, k, v, kw):
-  return attention._validate(
+  return _core.validate(
       q, k, v, None, None, None, kw.get("is_causal", False), kw.get("query_seq_lengths"),
       kw.get("key_value_seq_lengths"), kw.get("local_window_size"),
       kw.get("causal_alignment", "top_left"), False).spec
@@ -98,4 +98,4 @@ def test_offsets_cuda_families(rng, mask_name, family, dtype, sm80, D):
   # worker whose first test this is would find no handler (seen on the GPU, twenty-fourth session).
   _native.require("gpu")
   with _native.forced_tile(0, sm80=sm80):
-    check_offsets(rng, attention._NativeKernels, (2, 200, 333, 4, 2, D), mask_name, dtype)
+    check_offsets(rng, _core.NativeKernels, (2, 200, 333, 4, 2, D), mask_name, dtype)

@@ -1,0 +1,413 @@
+"""What a call is: its description and validation, the kernels, the fused rule, the choice.
+
+The layer under the public entry points (attention.py, ring.py, paged.py):
+
+* `validate` turns the arguments of a call into a `Call` in [B, T, N, H] form,
+  raising every error about a bad input at trace time, before any kernel can
+  see it; `MaskSpec` is its static part (scale, mask rule, backward mode).
+* `NativeKernels` and `PallasKernels` (`KERNELS`) bind the two fused
+  implementations: forward, backward and, where there is one, the tangent.
+* `fused` runs a kernel table inside one `custom_jvp`: its value comes from
+  the forward kernels, its tangent from a primitive that is linear in the
+  input tangents and whose transpose is the backward kernels (derivatives.py).
+  Reverse mode therefore saves (q, k, v, o, lse) and runs the backward
+  kernels, as a custom_vjp would; forward mode and Hessian-vector products
+  work too. Ring attention and the partition rules hand it their own tables.
+* `fused_unsupported` and `choose` say which implementation serves a call;
+  `finish` puts a result back into the caller's layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxflash import _native, _splits, derivatives, pallas as _pallas, reference
+
+Implementation = Literal["native", "pallas", "xla", "cudnn"]
+IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
+FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+MAX_FUSED_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of a call: scale and the mask rule (see reference.py).
+
+  window_left / window_right are -1 for an unbounded side; num_splits is 0
+  for the automatic split-KV choice (jaxflash/_splits.py) or the forced count.
+  """
+  scale: float
+  window_left: int = -1
+  window_right: int = -1
+  bottom_right: bool = False
+  deterministic: bool = False
+  num_splits: int = 0
+
+
+# ------------------------------------------------------------------ validation
+
+def as_array(x, name: str) -> jax.Array:
+  try:
+    return jnp.asarray(x)
+  except TypeError as e:
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+
+
+def _ensure_4d(x: jax.Array, name: str) -> jax.Array:
+  if x.ndim not in (3, 4):
+    raise ValueError(
+        f"{name} must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
+        f"head_dim]; got shape {x.shape}")
+  return x if x.ndim == 4 else x[None]
+
+
+def _lengths(x, name: str, batch: int) -> jax.Array | None:
+  if x is None:
+    return None
+  x = as_array(x, name)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
+  if x.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def check_heads_and_dtypes(q_heads: int, kv_heads: int, arrays: dict[str, jax.Array]) -> None:
+  """The GQA rule, and one floating dtype for query, keys and values."""
+  if kv_heads < 1 or q_heads % kv_heads != 0:
+    raise ValueError(f"the number of query heads ({q_heads}) must be a positive multiple of the "
+                     f"number of key/value heads ({kv_heads})")
+  for name, x in arrays.items():
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array, got dtype {x.dtype}")
+  names, dtypes = list(arrays), [x.dtype for x in arrays.values()]
+  if any(t != dtypes[0] for t in dtypes):
+    raise TypeError(f"{', '.join(names[:-1])} and {names[-1]} must share one dtype, got "
+                    f"{', '.join(str(t) for t in dtypes)}")
+
+
+# Window sides are capped here (and as kMaxWindow in the FFI handlers): past
+# every sequence a side bounds nothing, and 2^29 keeps the kernels' 32-bit
+# position arithmetic exact.
+MAX_WINDOW = 1 << 29
+
+
+def parse_window(local_window_size) -> tuple[int, int] | None:
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, numbers.Integral) and not isinstance(local_window_size, bool):
+    local_window_size = (local_window_size, local_window_size)
+  if (not isinstance(local_window_size, (tuple, list)) or len(local_window_size) != 2 or
+      not all(isinstance(w, numbers.Integral) and not isinstance(w, bool)
+              for w in local_window_size)):
+    raise TypeError("local_window_size must be an int or a (left, right) pair of ints, got "
+                    f"{local_window_size!r}")
+  left, right = (int(w) for w in local_window_size)
+  if left < 0 or right < 0:
+    raise ValueError(f"local_window_size must be non-negative, got {(left, right)}")
+  # (A window of 2**32 once reached the native kernels as 0.)
+  return min(left, MAX_WINDOW), min(right, MAX_WINDOW)
+
+
+def resolve_scale(scale, head_dim: int) -> float:
+  if scale is None:
+    return 1.0 / math.sqrt(head_dim)
+  if isinstance(scale, jax.core.Tracer):
+    raise TypeError("scale must be a static Python number, not a traced value")
+  try:
+    value = float(scale)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"scale must be a number, got {scale!r}") from e
+  if not math.isfinite(value):
+    raise ValueError(f"scale must be finite, got {value}")
+  return value
+
+
+def _dense_term(x, name: str, shape4: tuple[int, ...]) -> jax.Array | None:
+  """bias or mask: rank <= 4, broadcastable to [B, N, T, S]."""
+  if x is None:
+    return None
+  x = as_array(x, name)
+  if x.ndim > 4:
+    raise ValueError(f"{name} must have rank <= 4 (broadcastable to [B, N, T, S]), got {x.shape}")
+  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  try:
+    np.broadcast_shapes(x.shape, shape4)
+  except ValueError:
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {shape4}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
+                    "masks as bias")
+  return x
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """A validated call, in [B, T, N, H] form."""
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  bias: jax.Array | None
+  mask: jax.Array | None
+  q_lengths: jax.Array | None
+  kv_lengths: jax.Array | None
+  is_causal: bool
+  window: tuple[int, int] | None
+  spec: MaskSpec
+  output_shape: tuple[int, ...]
+
+  @property
+  def empty(self) -> bool:
+    """Nothing to attend to, or nothing asks: no kernel runs (`empty_result`)."""
+    B, T, N, _ = self.q.shape
+    return B * T * N == 0 or self.k.shape[1] == 0
+
+
+def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
+              num_splits=None) -> Call:
+  q = as_array(query, "query")
+  k = as_array(key, "key")
+  v = as_array(value, "value")
+  output_shape = q.shape
+  q, k, v = _ensure_4d(q, "query"), _ensure_4d(k, "key"), _ensure_4d(v, "value")
+  if k.shape != v.shape:
+    raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
+  B, T, N, H = q.shape
+  _, S, K, Hk = k.shape
+  if k.shape[0] != B:
+    raise ValueError(f"query and key must have the same batch size, got {B} and {k.shape[0]}")
+  if Hk != H:
+    raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
+  if H < 1:
+    raise ValueError("head_dim must be at least 1")
+  check_heads_and_dtypes(N, K, {"query": q, "key": k, "value": v})
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+  if causal_alignment not in ("top_left", "bottom_right"):
+    raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got "
+                     f"{causal_alignment!r}")
+  window = parse_window(local_window_size)
+  left, right = reference.window_bounds(bool(is_causal), window)
+  spec = MaskSpec(scale=resolve_scale(scale, H), window_left=-1 if left is None else left,
+                  window_right=-1 if right is None else right,
+                  bottom_right=causal_alignment == "bottom_right",
+                  deterministic=bool(deterministic), num_splits=_splits.validate(num_splits))
+  return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", (B, N, T, S)),
+               mask=_dense_term(mask, "mask", (B, N, T, S)),
+               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", B),
+               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", B),
+               is_causal=bool(is_causal), window=window, spec=spec,
+               output_shape=output_shape)
+
+
+# ------------------------------------------------------------------ kernels
+
+def _diagonal_offsets(offsets) -> jax.Array:
+  """The kernels' per-batch diagonal shift (params.h); outside ring attention
+  none, which the handlers read as 0 (an empty array, as for lengths)."""
+  return reference.no_lengths() if offsets is None else offsets
+
+
+class NativeKernels:
+  """The XLA FFI targets: CUDA on GPU, C++ on CPU.
+
+  `offsets` ([batch] int32, default 0) moves the mask's diagonal; ring
+  attention uses it to place one (query shard, key shard) block.
+  """
+
+  name = "native"
+
+  @staticmethod
+  def _attrs(spec: MaskSpec) -> dict[str, Any]:
+    return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
+
+  @staticmethod
+  def out_types(q, splits: int):
+    """o, lse, and the split-KV partials (empty unless split), as the FFI returns them."""
+    B, T, N, D = q.shape
+    s = splits if splits > 1 else 0
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+            jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
+            jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
+
+  @classmethod
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
+    splits = _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform())
+    # broadcast_all: under vmap every operand gains the same leading axes, which
+    # the handlers fold into the batch.
+    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
+                            vmap_method="broadcast_all")
+    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
+                        **cls._attrs(spec),
+                        tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
+                        num_splits=np.int64(splits))
+    return o, lse
+
+  @classmethod
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
+    # The last two results are the kernels' workspaces: delta (O(B * N * T))
+    # and room for the fused backward's float32 dQ sums (like q, or with a
+    # last dimension of 0); as outputs they keep the handlers free of run-time
+    # allocation.
+    sums = _native.dq_sums_room(q.dtype, q.shape[-1], bool(spec.deterministic))
+    out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
+    call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                         _diagonal_offsets(offsets), **cls._attrs(spec),
+                         deterministic=bool(spec.deterministic),
+                         tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
+    return dq, dk, dv
+
+
+class PallasKernels:
+  """The project's Pallas kernels (Triton on GPU, the interpreter on CPU)."""
+
+  name = "pallas"
+
+  @staticmethod
+  def _kw(spec: MaskSpec) -> dict[str, Any]:
+    return dict(scale=float(spec.scale), window_left=int(spec.window_left),
+                window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right))
+
+  @classmethod
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
+    return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
+                                  diagonal_offsets=offsets, num_splits=spec.num_splits or None)
+
+  @classmethod
+  def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
+               offsets=None):
+    # No atomics: always deterministic, so spec.deterministic needs nothing.
+    return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                                   **cls._kw(spec), diagonal_offsets=offsets)
+
+  @classmethod
+  def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
+              offsets=None):
+    """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
+    return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                                  **cls._kw(spec), diagonal_offsets=offsets)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
+def fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+
+
+@fused.defjvp
+def _fused_jvp(kernels, spec, primals, tangents):
+  q, k, v, q_lengths, kv_lengths = primals
+  tq, tk, tv = tangents[:3]  # the lengths' tangents are float0
+  # The value through fused itself, so that an outer jvp (a Hessian-vector
+  # product) differentiates it by this rule rather than the FFI call.
+  o, lse = fused(q, k, v, q_lengths, kv_lengths, kernels, spec)
+  return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+                                               kernels=kernels, spec=spec)
+
+
+KERNELS = {"native": NativeKernels, "pallas": PallasKernels}
+
+
+# ------------------------------------------------------------------ choice
+
+def platform() -> str:
+  return jax.default_backend()
+
+
+def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | None:
+  """Why implementation `name` cannot serve `call` here, or None.
+
+  `explicit` is False when choosing automatically: Pallas on the CPU runs in
+  the (slow) interpreter, fine when asked for, never picked unasked.
+  """
+  if call.bias is not None or call.mask is not None:
+    return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
+  if call.q.dtype not in FUSED_DTYPES:
+    return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
+            f"{call.q.dtype}")
+  if call.q.shape[-1] > MAX_FUSED_HEAD_DIM:
+    return (f"implementation={name!r} supports head_dim <= {MAX_FUSED_HEAD_DIM}, got "
+            f"{call.q.shape[-1]}")
+  if name == "native":
+    return _native.unavailable_reason(platform())
+  if name == "pallas":
+    return _pallas.pallas_supported(call.q.shape, call.k.shape, call.v.shape, call.q.dtype,
+                                    platform(), k_dtype=call.k.dtype, v_dtype=call.v.dtype,
+                                    interpret_ok=explicit)
+  return None
+
+
+# The automatic order (implementation=None) follows same-run measurements
+# (docs/performance.md, fourth session, bf16, S = 4k and 16k): on Hopper the
+# Pallas kernels beat the native ones at head_dim <= 64 in 16-bit types, in the
+# forward (+11-14%) and forward+backward (+29-33%); at 128 and 256 the native
+# kernels win forward+backward (+6-10%, 2x). Decode steps (H100, D = 128, three
+# cache shapes; ninth session, after the native decode kernel took 128 packed
+# rows on two CTAs per SM): the Pallas decode kernel is faster at q_len 1 and 4
+# (+2-11%), the native one at q_len 16 (0 to +13%). Elsewhere native comes first.
+_PALLAS_FIRST_DEVICES = ("H100", "H200")
+_PALLAS_FIRST_MAX_HEAD_DIM = 64
+_PALLAS_FIRST_MAX_QUERY_LEN = 4
+_PALLAS_FIRST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+def device_kind() -> str:
+  return jax.devices()[0].device_kind
+
+
+def automatic_order(call: Call) -> tuple[str, str]:
+  """The fused implementations in the order `implementation=None` tries them."""
+  if (platform() == "gpu" and call.q.dtype in _PALLAS_FIRST_DTYPES
+      and (call.q.shape[-1] <= _PALLAS_FIRST_MAX_HEAD_DIM
+           or call.q.shape[-3] <= _PALLAS_FIRST_MAX_QUERY_LEN)
+      and any(kind in device_kind() for kind in _PALLAS_FIRST_DEVICES)):
+    return ("pallas", "native")
+  return ("native", "pallas")
+
+
+def choose(call: Call, implementation) -> str:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation in ("native", "pallas"):
+    reason = fused_unsupported(call, implementation)
+    if reason:
+      raise ValueError(reason)
+    return implementation
+  if implementation is not None:
+    return implementation
+  for name in automatic_order(call):
+    if fused_unsupported(call, name, explicit=False) is None:
+      return name
+  return "xla"
+
+
+# ------------------------------------------------------------------ result
+
+def empty_result(call: Call):
+  """(o, lse) of an empty call: zeros, and the statistics of rows that see no key."""
+  B, T, N, _ = call.q.shape
+  return jnp.zeros_like(call.q), jnp.full((B, N, T), reference.empty_lse(jnp.float32))
+
+
+def finish(call: Call, out, lse, return_residual: bool, residual_dtype,
+           differentiable_residual: bool = False):
+  """The caller's layout: the output shaped like the query, the residual [B, T, N]."""
+  out = out.reshape(call.output_shape)
+  if not return_residual:
+    return out
+  lse = jnp.transpose(lse, (0, 2, 1)).reshape(call.output_shape[:-1])
+  lse = reference.cast_lse(lse, residual_dtype if residual_dtype is not None else call.q.dtype)
+  return out, (lse if differentiable_residual else jax.lax.stop_gradient(lse))
