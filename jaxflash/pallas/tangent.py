@@ -20,7 +20,7 @@ jax.nn's own tangent.
 
 The grid, the walk over key blocks (masked head, unmasked interior, masked
 tail), the masks, the diagonal offsets and the padding are the forward
-kernel's (attention.py). The non-finite rules are too: padding rows and keys
+kernel's (forward.py). The non-finite rules are too: padding rows and keys
 are zeroed where a masked tile loads them, P and tS are zeroed on masked
 pairs, and a block whose result shows a NaN (a masked pair's 0 * NaN in a
 tile product) is recomputed pair by pair over the visible pairs only. Rows
@@ -38,10 +38,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxflash.pallas.attention import (
-    _EMPTY_LSE, _LOG2E, PallasConfig, _block_sizes, _check_static_args, _clamped_lengths,
-    _compiler_params, _dot, _exact_where_nan, _fit_smem, _length_spec, _lse_log2,
-    _offsets, _query_block, _pad_to, _padded_head_dim, _resolve_config, _zero_padding)
+from jaxflash.pallas.blocks import dot, exact_where_nan, lse_log2, query_block, zero_padding
+from jaxflash.pallas.config import (
+    EMPTY_LSE, LOG2E, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
+from jaxflash.pallas.host import (
+    batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to)
 
 __all__ = ["pallas_tangent"]
 
@@ -50,13 +51,13 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
                     tk_ref, tv_ref, to_ref, tlse_ref, *, scale: float, qk_scale: float, left: int,
                     right: int, bottom_right: bool, block_q: int, block_k: int,
                     num_q_blocks: int):
-  mask, r0, rows, (lo, a, bb, hi) = _query_block(
+  mask, r0, rows, (lo, a, bb, hi) = query_block(
       q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
       block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
-  q = _zero_padding(q_ref[...], rows, mask.q_valid)
-  tq = _zero_padding(tq_ref[...], rows, mask.q_valid)
+  q = zero_padding(q_ref[...], rows, mask.q_valid)
+  tq = zero_padding(tq_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
-  lse2 = _lse_log2(lse)
+  lse2 = lse_log2(lse)
   dp = q.shape[-1]
 
   def step(masked, kb, carry):
@@ -64,11 +65,11 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
     start = pl.multiple_of(kb * block_k, block_k)
     k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
     tk, tv = tk_ref[pl.ds(start, block_k), :], tv_ref[pl.ds(start, block_k), :]
-    p = jnp.exp2(_dot(q, k, 1, 1) * qk_scale - lse2[:, None])
-    ts = (_dot(tq, k, 1, 1) + _dot(q, tk, 1, 1)) * scale
+    p = jnp.exp2(dot(q, k, 1, 1) * qk_scale - lse2[:, None])
+    ts = (dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scale
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-      v, tv = (_zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
+      v, tv = (zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
       visible = mask.visible(rows, cols)
       p = jnp.where(visible, p, 0.0)
       ts = jnp.where(visible, ts, 0.0)
@@ -77,9 +78,9 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
     moved = jnp.where(p_sum > 0, t_lse / jnp.where(p_sum > 0, p_sum, 1.0), centre)
     acc = acc - (moved - centre)[:, None] * o_sum
     p_half = p.astype(v.dtype)
-    acc = (acc + _dot((p * (ts - moved[:, None])).astype(v.dtype), v, 1, 0)
-           + _dot(p_half, tv, 1, 0))
-    return acc, o_sum + _dot(p_half, v, 1, 0), t_lse, p_sum, moved
+    acc = (acc + dot((p * (ts - moved[:, None])).astype(v.dtype), v, 1, 0)
+           + dot(p_half, tv, 1, 0))
+    return acc, o_sum + dot(p_half, v, 1, 0), t_lse, p_sum, moved
 
   rows_zero = jnp.zeros((block_q,), jnp.float32)
   carry = (jnp.zeros((block_q, dp), jnp.float32), jnp.zeros((block_q, dp), jnp.float32),
@@ -112,7 +113,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
             jnp.where(ok, 0.0, xs[4]))
 
   # Rows whose LSE is not finite are NaN throughout anyway.
-  acc, o_sum, t_lse, _, centre = _exact_where_nan(carry, jnp.isfinite(lse), exact)
+  acc, o_sum, t_lse, _, centre = exact_where_nan(carry, jnp.isfinite(lse), exact)
   # Emptiness is structural, as in the forward: such rows output zeros.
   has_keys = mask.has_keys(rows[:, 0])
   t_o = acc - (t_lse - centre)[:, None] * o_sum
@@ -134,27 +135,27 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   ``num_warps``, ``num_stages``), shrunk on the GPU until the twice as many
   tiles fit in shared memory.
   """
-  _check_static_args(q, k, v, scale, window_left, window_right)
+  check_static_args(q, k, v, scale, window_left, window_right)
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
   if batch * t * hq * s == 0:
     return jnp.zeros(o.shape, o.dtype), jnp.zeros(lse.shape, jnp.float32)
-  cfg = _resolve_config(config, d, q.dtype)
-  dp = _padded_head_dim(d)
+  cfg = resolve_config(config, d, q.dtype)
+  dp = padded_head_dim(d)
   block_q, block_k, stages = cfg.block_q, cfg.block_k, cfg.num_stages
   if not cfg.interpret:
     # Q and tQ stay for the program; K, V, tK, tV stream: twice the forward's tiles.
-    block_q, block_k, stages = _fit_smem(jnp.dtype(q.dtype).itemsize, dp, block_q, block_k,
-                                         stages or 1, resident=2, streamed=4)
-  bq, t_pad = _block_sizes(t, block_q)
-  bk, s_pad = _block_sizes(s, block_k)
+    block_q, block_k, stages = fit_smem(jnp.dtype(q.dtype).itemsize, dp, block_q, block_k,
+                                        stages or 1, resident=2, streamed=4)
+  bq, t_pad = block_sizes(t, block_q)
+  bk, s_pad = block_sizes(s, block_k)
   nq = t_pad // bq
-  pad_rows = lambda x: _pad_to(x.astype(q.dtype), {1: t_pad, 3: dp})
-  pad_keys = lambda x: _pad_to(x.astype(k.dtype), {1: s_pad, 3: dp})
+  pad_rows = lambda x: pad_to(x.astype(q.dtype), {1: t_pad, 3: dp})
+  pad_keys = lambda x: pad_to(x.astype(k.dtype), {1: s_pad, 3: dp})
 
   kernel = functools.partial(
-      _tangent_kernel, scale=float(scale), qk_scale=float(scale) * _LOG2E,
+      _tangent_kernel, scale=float(scale), qk_scale=float(scale) * LOG2E,
       left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
       block_q=bq, block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
@@ -163,17 +164,17 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   t_o, t_lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[_length_spec(batch), _length_spec(batch), _length_spec(batch), q_spec, kv_spec,
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), q_spec, kv_spec,
                 kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), o.dtype),
                  jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
-                       _compiler_params(cfg.num_warps, stages, bq, bk)),
+                       compiler_params(cfg.num_warps, stages, bq, bk)),
       name="jaxflash_pallas_tangent",
-  )(_clamped_lengths(q_lengths, batch, t), _clamped_lengths(kv_lengths, batch, s),
-    _offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
-    _pad_to(lse.astype(jnp.float32), {2: t_pad}, value=_EMPTY_LSE),
+  )(clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
+    batch_offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
+    pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
     pad_rows(tq), pad_keys(tk), pad_keys(tv))
   return t_o[:, :t, :, :d], t_lse[:, :, :t]

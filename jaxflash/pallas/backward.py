@@ -1,0 +1,289 @@
+"""The Pallas attention backward: the dQ and dK/dV kernels and `pallas_backward`.
+
+dK/dV     grid (kv blocks, B, Hkv). For one K/V block, walks the query heads
+          of its group and the query blocks that can see it, recomputing P
+          from the LSE; the group sum of dK/dV happens in the fp32 accumulator.
+dQ        grid (q blocks, B, Hq). Same walk as the forward, accumulates dS K.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxflash.pallas.blocks import (
+    Mask, dot, exact_where_nan, lse_log2, query_block, three_ranges, zero_padding)
+from jaxflash.pallas.config import (
+    EMPTY_LSE, LOG2E, PallasConfig, compiler_params, padded_head_dim, resolve_config)
+from jaxflash.pallas.host import (
+    batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
+    round_up)
+
+__all__ = ["pallas_backward"]
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------
+
+
+def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, *, scale: float, qk_scale: float, left: int,
+               right: int, bottom_right: bool, block_q: int, block_k: int,
+               num_q_blocks: int):
+  mask, r0, rows, (lo, a, bb, hi) = query_block(
+      q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
+      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+  q = zero_padding(q_ref[...], rows, mask.q_valid)
+  do = zero_padding(do_ref[...], rows, mask.q_valid)
+  lse = lse_ref[...]
+  lse2 = lse_log2(lse)
+  delta = delta_ref[...]
+  dp = q.shape[-1]
+
+  def step(masked, kb, dq):
+    start = pl.multiple_of(kb * block_k, block_k)
+    k = k_ref[pl.ds(start, block_k), :]
+    v = v_ref[pl.ds(start, block_k), :]
+    s = dot(q, k, 1, 1) * qk_scale
+    p = jnp.exp2(s - lse2[:, None])
+    if masked:
+      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+      p = jnp.where(mask.visible(rows, cols), p, 0.0)
+      k = zero_padding(k, cols.T, mask.kv_valid)
+      v = zero_padding(v, cols.T, mask.kv_valid)
+    dpv = dot(do, v, 1, 1)
+    ds = p * (dpv - delta[:, None])
+    return dq + dot(ds.astype(k.dtype), k, 1, 0)
+
+  dq = jnp.zeros((block_q, dp), jnp.float32)
+  dq = lax.fori_loop(lo, a, functools.partial(step, True), dq)
+  dq = lax.fori_loop(a, bb, functools.partial(step, False), dq)
+  dq = lax.fori_loop(bb, hi, functools.partial(step, True), dq)
+
+  # Rows whose LSE or delta is not finite are NaN throughout anyway.
+  rows_ok = jnp.isfinite(lse) & jnp.isfinite(delta)
+
+  def exact(xs):
+    dq, = xs
+    qf, dof = q.astype(jnp.float32), do.astype(jnp.float32)
+
+    def key(j, acc):
+      kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
+      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
+      ds = p * (jnp.sum(dof * vj, axis=1) - delta)
+      return acc + jnp.where(mask.visible(rows, j), ds[:, None] * kj, 0.0)
+
+    acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
+    return (jnp.where(rows_ok[:, None], acc, dq),)
+
+  dq, = exact_where_nan((dq,), rows_ok, exact)
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                 delta_ref, dk_ref, dv_ref, *, scale: float, qk_scale: float,
+                 left: int, right: int, bottom_right: bool, block_q: int,
+                 block_k: int, group: int):
+  kj = pl.program_id(0)
+  b = pl.program_id(1)
+  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  c0 = kj * block_k
+  last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
+  cols_exist = last_col >= c0
+  lo_elem = jnp.where(cols_exist, mask.row_begin(c0), 0)
+  hi_elem = jnp.where(cols_exist, mask.row_end(jnp.maximum(last_col, 0)), 0)
+  all_cols = c0 + block_k <= mask.kv_valid
+  lo, a, bb, hi = three_ranges(
+      lo_elem, hi_elem, mask.row_begin(c0 + block_k - 1), mask.row_end(c0),
+      all_cols, block_q)
+
+  cols = c0 + jnp.arange(block_k, dtype=jnp.int32)[:, None]  # [bk, 1]
+  k = zero_padding(k_ref[...], cols, mask.kv_valid)
+  v = zero_padding(v_ref[...], cols, mask.kv_valid)
+  dp = k.shape[-1]
+
+  def step(g, masked, qb, carry):
+    dk, dv = carry
+    start = pl.multiple_of(qb * block_q, block_q)
+    q = q_ref[pl.ds(start, block_q), g, :]
+    do = do_ref[pl.ds(start, block_q), g, :]
+    lse = lse_ref[g, pl.ds(start, block_q)]
+    delta = delta_ref[g, pl.ds(start, block_q)]
+    lse2 = lse_log2(lse)
+    # Transposed tiles [bk, bq], so that no P^T is ever formed.
+    st = dot(k, q, 1, 1) * qk_scale
+    pt = jnp.exp2(st - lse2[None, :])
+    if masked:
+      rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+      pt = jnp.where(mask.visible(rows, cols), pt, 0.0)
+      q = zero_padding(q, rows.T, mask.q_valid)
+      do = zero_padding(do, rows.T, mask.q_valid)
+    dv = dv + dot(pt.astype(do.dtype), do, 1, 0)
+    dpt = dot(v, do, 1, 1)
+    dst = pt * (dpt - delta[None, :])
+    dk = dk + dot(dst.astype(q.dtype), q, 1, 0)
+    return dk, dv
+
+  def head(g, carry):
+    carry = lax.fori_loop(lo, a, functools.partial(step, g, True), carry)
+    carry = lax.fori_loop(a, bb, functools.partial(step, g, False), carry)
+    return lax.fori_loop(bb, hi, functools.partial(step, g, True), carry)
+
+  carry = (jnp.zeros((block_k, dp), jnp.float32),
+           jnp.zeros((block_k, dp), jnp.float32))
+  if group == 1:
+    dk, dv = head(0, carry)
+  else:
+    dk, dv = lax.fori_loop(0, group, head, carry)
+
+  def exact(both):
+    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+
+    def row(g, i, carry):
+      dk, dv = carry
+      qi = q_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
+      doi = do_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
+      lse2 = lse_log2(lse_ref[g, pl.ds(i, 1)])
+      pt = jnp.exp2(jnp.sum(kf * qi, axis=1) * qk_scale - lse2)
+      dst = pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)])
+      vis = mask.visible(i, cols)
+      return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
+              dv + jnp.where(vis, pt[:, None] * doi, 0.0))
+
+    def head(g, carry):
+      return lax.fori_loop(lo_elem, hi_elem, functools.partial(row, g), carry)
+
+    return lax.fori_loop(0, group, head, tuple(jnp.zeros_like(x) for x in both))
+
+  dk, dv = exact_where_nan((dk, dv), jnp.ones((block_k,), jnp.bool_), exact)
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------
+
+
+def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
+                    scale: float, window_left: int, window_right: int,
+                    bottom_right: bool, config: PallasConfig | None = None,
+                    diagonal_offsets=None):
+  """Attention backward with the Pallas kernels.
+
+  Args:
+    q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
+    bottom_right, config, diagonal_offsets: as for :func:`pallas_forward`.
+    o, lse: the outputs of :func:`pallas_forward` (or of any implementation
+      of the same contract).
+    do: cotangent of ``o``, ``[B, T, Hq, D]``.
+    dlse: cotangent of ``lse``, float32 ``[B, Hq, T]``, or ``None`` for zero.
+
+  Returns:
+    ``(dq, dk, dv)`` in the dtypes of ``q``, ``k``, ``v``; the dK/dV of a
+    key/value head is summed over its group of query heads.
+  """
+  check_static_args(q, k, v, scale, window_left, window_right)
+  batch, t, hq, d = q.shape
+  _, s, hkv, _ = k.shape
+  group = hq // hkv
+  if batch * t * hq * s == 0:
+    return (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+            jnp.zeros(v.shape, v.dtype))
+  cfg = resolve_config(config, d, q.dtype)
+  dp = padded_head_dim(d)
+  q_len = clamped_lengths(q_lengths, batch, t)
+  kv_len = clamped_lengths(kv_lengths, batch, s)
+  offsets = batch_offsets(diagonal_offsets, batch)
+
+  # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T]; 0 on rows that see
+  # no key, whose dO (padding, say) must not reach any key.
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
+                     o.astype(jnp.float32),
+                     precision=lax.Precision.HIGHEST)
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  mask = Mask.make(q_len[:, None], kv_len[:, None], offsets[:, None], int(window_left),
+                   int(window_right), bool(bottom_right))
+  has_keys = mask.has_keys(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t)))
+  delta = jnp.where(has_keys[:, None, :], delta, 0.0)
+  lse = lse.astype(jnp.float32)
+
+  common = dict(scale=float(scale), qk_scale=float(scale) * LOG2E,
+                left=int(window_left), right=int(window_right),
+                bottom_right=bool(bottom_right))
+  def params(tile_m, tile_n):
+    if cfg.interpret:
+      return None
+    return compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, tile_m,
+                           tile_n)
+
+  bq_dq, _ = block_sizes(t, cfg.block_q_dq)
+  bk_dq, _ = block_sizes(s, cfg.block_k_dq)
+  bq_dkv, _ = block_sizes(t, cfg.block_q_dkv)
+  bk_dkv, _ = block_sizes(s, cfg.block_k_dkv)
+  # Blocks are powers of two, so padding to the larger serves both kernels.
+  t_all = round_up(t, max(bq_dq, bq_dkv))
+  s_all = round_up(s, max(bk_dq, bk_dkv))
+
+  qp = pad_to(q, {1: t_all, 3: dp})
+  dop = pad_to(do, {1: t_all, 3: dp})
+  kp = pad_to(k, {1: s_all, 3: dp})
+  vp = pad_to(v, {1: s_all, 3: dp})
+  lsep = pad_to(lse, {2: t_all}, value=EMPTY_LSE)
+  deltap = pad_to(delta, {2: t_all})
+
+  nq = t_all // bq_dq
+  q_spec = pl.BlockSpec((None, bq_dq, None, dp),
+                        lambda i, b, h: (b, nq - 1 - i, h, 0))
+  kv_spec = pl.BlockSpec((None, s_all, None, dp),
+                         lambda i, b, h: (b, 0, h // group, 0))
+  row_spec = pl.BlockSpec((None, None, bq_dq),
+                          lambda i, b, h: (b, h, nq - 1 - i))
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
+                        num_q_blocks=nq,
+                        **common),
+      grid=(nq, batch, hq),
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
+                q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+      out_specs=q_spec,
+      out_shape=jax.ShapeDtypeStruct((batch, t_all, hq, dp), q.dtype),
+      interpret=cfg.interpret,
+      compiler_params=params(bq_dq, bk_dq),
+      name="jaxflash_pallas_bwd_dq",
+  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
+
+  nk = s_all // bk_dkv
+  qg_spec = pl.BlockSpec((None, t_all, group, dp),
+                         lambda j, b, h: (b, 0, h, 0))
+  rowg_spec = pl.BlockSpec((None, group, t_all), lambda j, b, h: (b, h, 0))
+  kblk_spec = pl.BlockSpec((None, bk_dkv, None, dp),
+                           lambda j, b, h: (b, j, h, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkdv_kernel, block_q=bq_dkv, block_k=bk_dkv,
+                        group=group,
+                        **common),
+      grid=(nk, batch, hkv),
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
+                qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
+      out_specs=[kblk_spec, kblk_spec],
+      out_shape=[jax.ShapeDtypeStruct((batch, s_all, hkv, dp), k.dtype),
+                 jax.ShapeDtypeStruct((batch, s_all, hkv, dp), v.dtype)],
+      interpret=cfg.interpret,
+      compiler_params=params(bk_dkv, bq_dkv),
+      name="jaxflash_pallas_bwd_dkdv",
+  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
+
+  if t_all != t or dp != d:
+    dq = dq[:, :t, :, :d]
+  if s_all != s or dp != d:
+    dk = dk[:, :s, :, :d]
+    dv = dv[:, :s, :, :d]
+  return dq, dk, dv

@@ -1,0 +1,181 @@
+"""What the Pallas attention kernels share inside a program.
+
+The mask rule of one batch element (`Mask`), the ranges of blocks a program
+walks, and the tile helpers every kernel uses: the float32 tile product, the
+zeroing of padding rows and keys, the pair-by-pair recomputation of a block
+that shows a NaN, and the base-2 LSE.
+
+Every kernel splits its walk into three ranges of blocks: a masked range at
+each end and an unmasked interior of tiles that are entirely visible, so the
+per-element mask is evaluated only on boundary tiles. Blocks the mask
+excludes entirely are never visited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxflash.pallas.config import EMPTY_LSE, LOG2E
+
+
+# ---------------------------------------------------------------------------
+# Mask arithmetic (scalars and vectors of int32; left/right are static ints)
+# ---------------------------------------------------------------------------
+
+
+_MAX_OFFSET = 1 << 30  # bound of the diagonal offsets (sequences are shorter)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """The mask rule for one batch element, evaluated inside a kernel."""
+
+  q_valid: jax.Array    # rows [0, q_valid) are real queries
+  kv_valid: jax.Array   # keys [0, kv_valid) exist
+  offset: jax.Array     # diagonal position of row 0
+  left: int             # static; < 0 unbounded
+  right: int            # static; < 0 unbounded
+
+  @classmethod
+  def make(cls, q_valid, kv_valid, extra, left, right, bottom_right):
+    # Saturated at +-2^30 like the native kernels' MaskPolicy.
+    extra = jnp.clip(extra, -_MAX_OFFSET, _MAX_OFFSET)
+    offset = (kv_valid - q_valid if bottom_right else jnp.int32(0)) + extra
+    return cls(q_valid, kv_valid, jnp.clip(offset, -_MAX_OFFSET, _MAX_OFFSET), left, right)
+
+  # Keys visible to row r: [key_begin(r), key_end(r)); both non-decreasing.
+  def key_begin(self, row):
+    if self.left < 0:
+      return jnp.zeros_like(row)
+    return jnp.maximum(row + self.offset - self.left, 0)
+
+  def key_end(self, row):
+    if self.right < 0:
+      return jnp.broadcast_to(self.kv_valid, jnp.shape(row))
+    return jnp.clip(row + self.offset + (self.right + 1), 0, self.kv_valid)
+
+  # Rows that see key c: [row_begin(c), row_end(c)) for c < kv_valid.
+  def row_begin(self, col):
+    if self.right < 0:
+      return jnp.zeros_like(col)
+    return jnp.clip(col - self.offset - self.right, 0, self.q_valid)
+
+  def row_end(self, col):
+    if self.left < 0:
+      return jnp.broadcast_to(self.q_valid, jnp.shape(col))
+    return jnp.clip(col - self.offset + (self.left + 1), 0, self.q_valid)
+
+  def visible(self, rows, cols):
+    """Element mask for rows [bq, 1] x cols [1, bk]."""
+    vis = (rows < self.q_valid) & (cols < self.kv_valid)
+    if self.left >= 0:
+      vis &= cols >= rows + self.offset - self.left
+    if self.right >= 0:
+      vis &= cols <= rows + self.offset + self.right
+    return vis
+
+  def has_keys(self, rows):
+    """Rows that see at least one key (the others output zeros)."""
+    return (rows < self.q_valid) & (self.key_begin(rows) < self.key_end(rows))
+
+
+# ---------------------------------------------------------------------------
+# Block ranges
+# ---------------------------------------------------------------------------
+
+
+def _cdiv(a, b: int):
+  return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def three_ranges(lo_elem, hi_elem, full_lo_elem, full_hi_elem, all_full,
+                 block: int):
+  """Splits the element range [lo_elem, hi_elem) into block ranges.
+
+  Returns (lo, a, b, hi): blocks [lo, a) and [b, hi) need the element mask,
+  blocks [a, b) are entirely visible. ``full_lo_elem``/``full_hi_elem`` bound
+  the elements that every row/column of the tile sees; ``all_full`` is a
+  scalar bool saying whether full tiles can exist at all.
+  """
+  nonempty = hi_elem > lo_elem
+  lo = lax.div(lo_elem, jnp.int32(block))
+  hi = jnp.where(nonempty, _cdiv(hi_elem, block), lo)
+  a = jnp.clip(_cdiv(full_lo_elem, block), lo, hi)
+  b = jnp.clip(lax.div(full_hi_elem, jnp.int32(block)), a, hi)
+  b = jnp.where(all_full, b, a)
+  return lo, a, b, hi
+
+
+def key_blocks(mask, r0, block_q: int, block_k: int):
+  """Key blocks the query rows [r0, r0 + block_q) visit, as three_ranges
+  splits them (masked head, unmasked interior, masked tail). Shared by the
+  forward and dQ kernels, which walk keys for a fixed block of rows."""
+  last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
+  rows_exist = last_row >= r0
+  lo_elem = mask.key_begin(r0)
+  hi_elem = jnp.where(rows_exist, mask.key_end(jnp.maximum(last_row, 0)), 0)
+  all_rows = r0 + block_q <= mask.q_valid
+  return three_ranges(lo_elem, hi_elem, mask.key_begin(r0 + block_q - 1), mask.key_end(r0),
+                      all_rows, block_k)
+
+
+def query_block(q_len_ref, kv_len_ref, off_ref, *, left: int, right: int, bottom_right: bool,
+                block_q: int, block_k: int, num_q_blocks: int):
+  """The query block of this program (grid axis 0, heaviest causal blocks
+  first; axis 1 the batch element): its mask, first row, rows [bq, 1] and the
+  key-block ranges (lo, a, b, hi) of `key_blocks`."""
+  qi = num_q_blocks - 1 - pl.program_id(0)
+  b = pl.program_id(1)
+  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  r0 = qi * block_q
+  rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
+  return mask, r0, rows, key_blocks(mask, r0, block_q, block_k)
+
+
+# ---------------------------------------------------------------------------
+# Tile helpers
+# ---------------------------------------------------------------------------
+
+
+def dot(a, b, contract_a: int, contract_b: int):
+  # HIGHEST: float32 operands get IEEE products on GPU (Triton's default for
+  # them is TF32, whose 1e-3 error is amplified in dS = P * (dP - delta)).
+  # Half-precision operands are unaffected.
+  return lax.dot_general(
+      a, b, (((contract_a,), (contract_b,)), ((), ())),
+      precision=(lax.Precision.HIGHEST, lax.Precision.HIGHEST),
+      preferred_element_type=jnp.float32)
+
+
+def zero_padding(x, index, valid):
+  """Rows of a loaded tile at or past `valid` (padding) set to 0, so that a
+  masked pair's zero weight never meets a NaN there."""
+  return jnp.where(index < valid, x, jnp.zeros_like(x))
+
+
+def exact_where_nan(xs, rows_ok, exact):
+  """`xs` (a tuple of [rows, cols] or [rows] results), or `exact(xs)` when a
+  NaN shows in a row that `rows_ok` flags.
+
+  A product over a partly masked tile multiplies masked pairs by an exact
+  zero weight, and 0 * NaN (or Inf) of a key the row cannot see would be NaN.
+  Any such leak leaves a NaN in the result, so a block that has one is
+  recomputed pair by pair over the visible pairs only: exact, and slow, but
+  run only when an input is not finite.
+  """
+  # A max over int32 flags: Triton has no lowering for jnp.any.
+  bad = functools.reduce(jnp.maximum, [
+      jnp.max((jnp.isnan(x) & (rows_ok if x.ndim == 1 else rows_ok[:, None])).astype(jnp.int32))
+      for x in xs]) > 0
+  return lax.cond(bad, exact, lambda xs: xs, xs)
+
+
+def lse_log2(lse):
+  """Base-2 LSE; rows that saw nothing get +inf, so that P underflows to 0."""
+  return jnp.where(lse == EMPTY_LSE, jnp.inf, lse * LOG2E)

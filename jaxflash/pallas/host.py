@@ -1,0 +1,71 @@
+"""Host-side helpers shared by the wrappers around the Pallas calls.
+
+Argument checks, block sizes and padding, the clamped lengths and the
+diagonal offsets. T, S are padded to the block size and the head dim to a
+power of two (at least 16) in the wrapper; the padding is masked (rows/keys)
+or zero (head dim) and sliced off again.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from jaxflash import reference
+from jaxflash.pallas.config import MIN_BLOCK, next_pow2, pallas_supported
+
+
+def check_static_args(q, k, v, scale, window_left, window_right):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError("q, k, v must have rank 4")
+  reason = pallas_supported(q.shape, k.shape, v.shape, q.dtype, platform="cpu",
+                            k_dtype=k.dtype, v_dtype=v.dtype)
+  if reason is not None:
+    raise ValueError(reason)
+  if not isinstance(window_left, (int, np.integer)) or not isinstance(
+      window_right, (int, np.integer)):
+    raise TypeError("window_left and window_right must be Python ints")
+  if not np.isfinite(float(scale)):
+    raise ValueError(f"scale must be finite, got {scale!r}")
+
+
+def round_up(n: int, block: int) -> int:
+  return max(block, -(-n // block) * block)
+
+
+def block_sizes(length: int, block: int) -> tuple[int, int]:
+  """(block, padded length): the block shrinks for short sequences."""
+  block = min(block, max(MIN_BLOCK, next_pow2(length)))
+  return block, round_up(length, block)
+
+
+def pad_to(x, axis_sizes: dict[int, int], value=0):
+  pads = [(0, 0)] * x.ndim
+  need = False
+  for axis, size in axis_sizes.items():
+    if x.shape[axis] != size:
+      pads[axis] = (0, size - x.shape[axis])
+      need = True
+  return jnp.pad(x, pads, constant_values=value) if need else x
+
+
+def clamped_lengths(lengths, batch: int, limit: int):
+  if reference.given_lengths(lengths) is not None and jnp.shape(lengths) != (batch,):
+    raise ValueError(
+        f"sequence lengths must have shape ({batch},), got {jnp.shape(lengths)}")
+  return reference.clamped_lengths(lengths, batch, limit)
+
+
+def batch_offsets(offsets, batch: int):
+  if offsets is None:
+    return jnp.zeros((batch,), jnp.int32)
+  offsets = jnp.asarray(offsets)
+  if offsets.shape != (batch,):
+    raise ValueError(
+        f"diagonal offsets must have shape ({batch},), got {offsets.shape}")
+  return offsets.astype(jnp.int32)
+
+
+def length_spec(batch: int):
+  return pl.BlockSpec((batch,), lambda *_: (0,))
