@@ -12,9 +12,13 @@ forward 4*B*H*T*S*D (halved for causal), backward 2.5x forward.
 `native_two_kernel` force its Hopper backward to the fused pass or to two
 kernels, dK/dV then dQ (JAXFLASH_FUSED_BACKWARD=1 / 0 while it is compiled);
 `native_deterministic` is a `deterministic=True` call (bit-reproducible, the
-same two kernels). Peers in the same
-process and harness: jax.nn.dot_product_attention with implementation="cudnn" and "xla", and torch SDPA's flash and cuDNN backends
-when torch is importable. Device time is measured by timing `reps` back-to-back
+same two kernels); `default` is jaxflash as a user gets it (`implementation=None`).
+Peers in the same process and harness: jax.nn.dot_product_attention with
+implementation="cudnn" and "xla", FlashAttention-3 (`fa3`: flash_attn3_jax.flash_mha),
+tokamax (`tokamax`: tokamax.dot_product_attention with implementation="mosaic"), and
+torch SDPA's flash and cuDNN backends; a peer whose package does not import is skipped.
+`--check-default` adds native, pallas and default and prints, per cell, the default's
+rate over the fastest jaxflash implementation's. Device time is measured by timing `reps` back-to-back
 calls of a jitted function and blocking once; the median of `repeats` such
 runs is reported.
 """
@@ -55,10 +59,24 @@ def compiled_with_backward(mode, fn, args):
       os.environ["JAXFLASH_FUSED_BACKWARD"] = before
 
 
+# jaxflash's own implementations (what --check-default compares the default with).
+JAXFLASH_IMPLEMENTATIONS = ("native", "pallas")
+# Peers whose package may be missing: name -> module.
+OPTIONAL_PEERS = {"fa3": "flash_attn3_jax", "tokamax": "tokamax"}
+
+
 def jax_impl(name, causal, backward):
-  if name in ("native", "pallas"):
+  if name in JAXFLASH_IMPLEMENTATIONS or name == "default":
+    impl = None if name == "default" else name
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                           implementation=name)
+                                                           implementation=impl)
+  elif name == "fa3":
+    import flash_attn3_jax
+    attn = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=causal)
+  elif name == "tokamax":
+    import tokamax
+    attn = lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                         implementation="mosaic")
   elif name == "native_deterministic":  # bit-reproducible: dK/dV, then a dQ kernel
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
                                                            implementation="native", deterministic=True)
@@ -119,15 +137,35 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
   return rows
 
 
-def report(results, rows, backward, causal, B, H, S, D, kv_heads=None, dtype="bfloat16"):
+def is_peer(name) -> bool:
+  """A library other than jaxflash (the ratios' denominators)."""
+  return not (name.startswith("native") or name in JAXFLASH_IMPLEMENTATIONS or name == "default")
+
+
+def ratios(rows, check_default: bool) -> str:
+  """native and default over the best peer of the cell; with check_default the default
+  over the fastest jaxflash implementation."""
+  peers = {n: tf for n, tf in rows.items() if is_peer(n)}
+  out = ""
+  if peers:
+    best = max(peers, key=peers.get)
+    out += "".join(f"  {n}/best={rows[n] / peers[best]:.2f}" for n in ("native", "default")
+                   if n in rows) + f" (best peer {best})"
+  own = {n: rows[n] for n in JAXFLASH_IMPLEMENTATIONS if n in rows}
+  if check_default and own and "default" in rows:
+    fastest = max(own, key=own.get)
+    out += f"  default/fastest={rows['default'] / own[fastest]:.3f} ({fastest})"
+  return out
+
+
+def report(results, rows, backward, causal, B, H, S, D, kv_heads=None, dtype="bfloat16",
+           check_default=False):
   """Prints one shape's rates (and, for a GQA shape, milliseconds) with the
-  ratio to torch flash or cuDNN, and adds its CSV row to `results`."""
-  ref_name = "torch_flash" if "torch_flash" in rows else "cudnn"
+  ratios to the best peer, and adds its CSV row to `results`."""
   work = flops(B, H, S, S, D, causal, backward)
   ms = (lambda tf: f" ({work / tf / 1e9:.2f} ms)") if kv_heads else (lambda tf: "")
   line = "  ".join(f"{n}={tf:6.1f}{ms(tf)}" for n, tf in rows.items())
-  ratio = f"  native/{ref_name}={rows['native'] / rows[ref_name]:.2f}" \
-      if rows.get(ref_name) and "native" in rows else ""
+  ratio = ratios(rows, check_default)
   heads = f"{H}/{kv_heads}" if kv_heads else f"{H:2d}"
   kind = "" if dtype == "bfloat16" else f" {dtype}"
   print(f"{'fwd+bwd' if backward else 'fwd':7s} causal={int(causal)} B={B:2d} H={heads} S={S:5d} "
@@ -146,10 +184,14 @@ def main():
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--no-backward", action="store_true")
   ap.add_argument("--no-forward", action="store_true", help="forward+backward rows only")
-  ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch_flash,torch_cudnn",
-                  help="comma-separated, of native, native_fused, native_two_kernel, "
-                       "native_deterministic, pallas, cudnn, xla, torch_flash, torch_cudnn; torch_* "
-                       "are skipped when torch has no GPU")
+  ap.add_argument("--peers", default="default,native,pallas,cudnn,fa3,tokamax,xla,torch_flash,torch_cudnn",
+                  help="comma-separated, of default, native, native_fused, native_two_kernel, "
+                       "native_deterministic, pallas, cudnn, fa3, tokamax, xla, torch_flash, "
+                       "torch_cudnn; torch_* are skipped when torch has no GPU, fa3 and tokamax "
+                       "when their package does not import")
+  ap.add_argument("--check-default", action="store_true",
+                  help="add default, native and pallas, and print the default's rate over the "
+                       "fastest of native and pallas per cell")
   ap.add_argument("--gqa", action="store_true",
                   help="also the GQA training shape: B 2, S 8k, 32 query / 8 KV heads, D 128, causal "
                        "(forward+backward, reported in ms too)")
@@ -170,6 +212,15 @@ def main():
     has_torch_gpu = False
   if not has_torch_gpu:
     peers = [p for p in peers if not p.startswith("torch_")]
+  for name, module in OPTIONAL_PEERS.items():
+    if name in peers:
+      try:
+        __import__(module)
+      except Exception as e:  # not installed, or not for this jax
+        print(f"{name}: skipped ({module} does not import: {type(e).__name__}: {str(e)[:100]})")
+        peers.remove(name)
+  if args.check_default:
+    peers += [p for p in ("default", *JAXFLASH_IMPLEMENTATIONS) if p not in peers]
 
   dims = [int(x) for x in args.heads_dims.split(",")]
   seqs = [16384] if args.quick else [int(x) for x in args.seqs.split(",")]
@@ -184,7 +235,8 @@ def main():
     for causal in (False, True):
       for B, H, S, D in shapes:
         rows = bench_shape(B, H, S, D, causal, backward, peers, args.reps, args.repeats, dtype=args.dtype)
-        report(results, rows, backward, causal, B, H, S, D, dtype=args.dtype)
+        report(results, rows, backward, causal, B, H, S, D, dtype=args.dtype,
+               check_default=args.check_default)
 
   if args.matmul:
     n = 8192
@@ -197,7 +249,8 @@ def main():
   if args.gqa and not args.no_backward:
     B, H, S, D, K = gqa
     rows = bench_shape(B, H, S, D, True, True, peers, args.reps, args.repeats, kv_heads=K, dtype=args.dtype)
-    report(results, rows, True, True, B, H, S, D, kv_heads=K, dtype=args.dtype)
+    report(results, rows, True, True, B, H, S, D, kv_heads=K, dtype=args.dtype,
+           check_default=args.check_default)
 
   if args.csv:
     keys = sorted({k for r in results for k in r}, key=lambda k: (k.startswith("tflops"), k))

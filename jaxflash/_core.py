@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, _splits, derivatives, pallas as _pallas, reference
+from jaxflash import _native, _splits, choice, derivatives, pallas as _pallas, reference
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
@@ -350,32 +350,14 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   return None
 
 
-# The automatic order (implementation=None) follows same-run measurements
-# (docs/performance.md, fourth session, bf16, S = 4k and 16k): on Hopper the
-# Pallas kernels beat the native ones at head_dim <= 64 in 16-bit types, in the
-# forward (+11-14%) and forward+backward (+29-33%); at 128 and 256 the native
-# kernels win forward+backward (+6-10%, 2x). Decode steps (H100, D = 128, three
-# cache shapes; ninth session, after the native decode kernel took 128 packed
-# rows on two CTAs per SM): the Pallas decode kernel is faster at q_len 1 and 4
-# (+2-11%), the native one at q_len 16 (0 to +13%). Elsewhere native comes first.
-_PALLAS_FIRST_DEVICES = ("H100", "H200")
-_PALLAS_FIRST_MAX_HEAD_DIM = 64
-_PALLAS_FIRST_MAX_QUERY_LEN = 4
-_PALLAS_FIRST_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-
-
 def device_kind() -> str:
   return jax.devices()[0].device_kind
 
 
-def automatic_order(call: Call) -> tuple[str, str]:
-  """The fused implementations in the order `implementation=None` tries them."""
-  if (platform() == "gpu" and call.q.dtype in _PALLAS_FIRST_DTYPES
-      and (call.q.shape[-1] <= _PALLAS_FIRST_MAX_HEAD_DIM
-           or call.q.shape[-3] <= _PALLAS_FIRST_MAX_QUERY_LEN)
-      and any(kind in device_kind() for kind in _PALLAS_FIRST_DEVICES)):
-    return ("pallas", "native")
-  return ("native", "pallas")
+def automatic_order(call: Call) -> tuple[str, ...]:
+  """The fused implementations in the order `implementation=None` tries them (choice.py)."""
+  return choice.order(device_kind(), _native.build_id(), call.q.dtype, call.q.shape[-1],
+                      call.spec.window_right >= 0, call.q.shape[-3])
 
 
 def choose(call: Call, implementation) -> str:
@@ -389,7 +371,7 @@ def choose(call: Call, implementation) -> str:
   if implementation is not None:
     return implementation
   for name in automatic_order(call):
-    if fused_unsupported(call, name, explicit=False) is None:
+    if name == "xla" or fused_unsupported(call, name, explicit=False) is None:
       return name
   return "xla"
 

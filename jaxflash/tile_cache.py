@@ -1,4 +1,4 @@
-"""The per-device tile cache: tile choices measured on the user's own GPU.
+"""The per-device cache: tile choices and implementation orders measured on the user's own GPU.
 
 The CUDA kernels compile a few tile shapes per head-dim bucket and pick one
 from a table measured on an H100. `python -m jaxflash.tune` re-measures every
@@ -15,6 +15,11 @@ one (direction, head-dim bucket, causal) cell. Entries of another build are
 stale: the candidate lists may have changed, so they are ignored with a
 warning that says how to re-measure. A file that cannot be read or parsed is
 ignored with a warning too, never an error.
+
+Beside the tile winners (`entries`) the file holds `orders`: which
+implementation ran a class of calls fastest on the device (`--orders`; read by
+choice.py). The orders shipped with the package (jaxflash/orders.json) are a
+file of the same format.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ MAX_CANDIDATE = 63
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-  """The winner of one cell, as stored."""
+  """The tile winner of one cell, as stored."""
   device: str
   build: str
   direction: str
@@ -48,6 +53,42 @@ class Entry:
   tile: int      # 1-based candidate index
   tflops: float = 0.0
   measured: str = ""
+
+  def cell(self) -> tuple:
+    return (self.device, self.direction, self.head_dim, self.causal)
+
+  def valid(self) -> bool:
+    return (self.direction in DIRECTIONS and type(self.tile) is int
+            and 1 <= self.tile <= MAX_CANDIDATE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Order:
+  """The implementations of one class of calls, fastest first, and their times
+  (jaxflash/choice.py says what a class is)."""
+  device: str
+  build: str
+  bits: int       # the inputs' dtype width
+  head_dim: int   # the bucket
+  causal: bool
+  queries: str    # "decode" or "train"
+  order: tuple[str, ...]
+  ms: tuple[float, ...] = ()
+  measured: str = ""
+
+  def cell(self) -> tuple:
+    return (self.device, self.bits, self.head_dim, self.causal, self.queries)
+
+  def valid(self) -> bool:
+    return (self.bits in (16, 32) and self.queries in ("decode", "train") and len(self.order) > 0
+            and all(name in IMPLEMENTATIONS for name in self.order)
+            and all(isinstance(t, (int, float)) for t in self.ms))
+
+
+# The file's lists, and the record each holds.
+KINDS = {"entries": Entry, "orders": Order}
+# The implementations an order may name (jaxflash/_core.py's automatic candidates).
+IMPLEMENTATIONS = ("native", "pallas", "xla")
 
 
 def path() -> pathlib.Path | None:
@@ -73,30 +114,35 @@ def _warn_once(key: str, message: str) -> None:
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
-def _parse(text: str) -> list[Entry]:
-  """Entries of a cache file; ValueError for anything malformed."""
+def _record(kind: type, raw) -> Entry | Order:
+  """One stored record; ValueError for anything malformed."""
+  if not isinstance(raw, dict):
+    raise ValueError(f"entry {raw!r} is not an object")
+  fields = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+  try:
+    record = kind(**fields)
+  except TypeError as err:
+    raise ValueError(f"entry {raw!r}: {err}") from None
+  ok = (isinstance(record.device, str) and isinstance(record.build, str)
+        and type(record.head_dim) is int and record.head_dim in HEAD_DIM_BUCKETS
+        and type(record.causal) is bool and record.valid())
+  if not ok:
+    raise ValueError(f"entry {raw!r} has a field out of range")
+  return record
+
+
+def _parse(text: str) -> dict[str, list]:
+  """The records of a cache file by list name; ValueError for anything malformed."""
   data = json.loads(text)
-  if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
-    raise ValueError(f"expected {{'format': {FORMAT}, 'entries': [...]}}")
-  entries = []
-  for raw in data["entries"]:
-    if not isinstance(raw, dict):
-      raise ValueError(f"entry {raw!r} is not an object")
-    try:
-      e = Entry(**raw)
-    except TypeError as err:
-      raise ValueError(f"entry {raw!r}: {err}") from None
-    ok = (isinstance(e.device, str) and isinstance(e.build, str) and e.direction in DIRECTIONS
-          and type(e.head_dim) is int and e.head_dim in HEAD_DIM_BUCKETS and type(e.causal) is bool
-          and type(e.tile) is int and 1 <= e.tile <= MAX_CANDIDATE)
-    if not ok:
-      raise ValueError(f"entry {raw!r} has a field out of range")
-    entries.append(e)
-  return entries
+  if (not isinstance(data, dict) or data.get("format") != FORMAT
+      or not all(isinstance(data.get(name, []), list) for name in KINDS)):
+    raise ValueError(f"expected {{'format': {FORMAT}, 'entries': [...], 'orders': [...]}}")
+  return {name: [_record(kind, raw) for raw in data.get(name, [])] for name, kind in KINDS.items()}
 
 
-def read(file: pathlib.Path | None = None) -> list[Entry]:
-  """The cache's entries ([] when there is none, or with a warning when it is unusable)."""
+def read(file: pathlib.Path | None = None, kind: str = "entries") -> list:
+  """The cache's tile entries, or with kind="orders" its orders ([] when there is
+  none, or with a warning when it is unusable)."""
   file = path() if file is None else file
   if file is None:
     return []
@@ -104,18 +150,18 @@ def read(file: pathlib.Path | None = None) -> list[Entry]:
     stat = file.stat()
   except OSError:
     return []
-  return _read_cached(str(file), stat.st_mtime_ns, stat.st_size)
+  return _read_cached(str(file), stat.st_mtime_ns, stat.st_size)[kind]
 
 
 @functools.lru_cache(maxsize=8)
-def _read_cached(name: str, mtime_ns: int, size: int) -> list[Entry]:
+def _read_cached(name: str, mtime_ns: int, size: int) -> dict[str, list]:
   del mtime_ns, size  # part of the key: a rewritten file is read again
   try:
     return _parse(pathlib.Path(name).read_text())
   except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
     _warn_once(f"bad:{name}", f"jaxflash: ignoring the tile cache {name}: {err}. The built-in tile "
                "table is used; `python -m jaxflash.tune` writes a fresh cache.")
-    return []
+    return {name: [] for name in KINDS}
 
 
 def lookup(direction: str, head_dim: int, causal: bool, device_kind: str, build: str) -> int:
@@ -138,24 +184,27 @@ def lookup(direction: str, head_dim: int, causal: bool, device_kind: str, build:
   return 0
 
 
-def write(new: list[Entry], file: pathlib.Path | None = None) -> pathlib.Path:
-  """Stores `new`, replacing the cells it measures and every stale entry of its device."""
+def write(new: list, file: pathlib.Path | None = None) -> pathlib.Path:
+  """Stores `new` (tile entries, orders or both), replacing the cells it measures
+  and every entry of its kind that another build measured on its device."""
   file = path() if file is None else file
   if file is None:
     raise ValueError(f"the tile cache is turned off ({ENV}={os.environ.get(ENV)!r})")
   try:
-    old = _parse(file.read_text()) if file.exists() else []
+    old = _parse(file.read_text()) if file.exists() else {}
   except (OSError, ValueError):
-    old = []  # an unusable file is replaced
-  cells = {(e.device, e.direction, e.head_dim, e.causal) for e in new}
-  builds = {(e.device, e.build) for e in new}
-  devices = {e.device for e in new}
-  kept = [e for e in old if (e.device, e.direction, e.head_dim, e.causal) not in cells
-          and not (e.device in devices and (e.device, e.build) not in builds)]
-  entries = sorted(kept + list(new), key=lambda e: (e.device, e.direction, e.head_dim, e.causal))
+    old = {}  # an unusable file is replaced
+  stored = {}
+  for name, kind in KINDS.items():
+    fresh = [r for r in new if isinstance(r, kind)]
+    cells = {r.cell() for r in fresh}
+    builds = {(r.device, r.build) for r in fresh}
+    devices = {r.device for r in fresh}
+    kept = [r for r in old.get(name, []) if r.cell() not in cells
+            and not (r.device in devices and (r.device, r.build) not in builds)]
+    stored[name] = [dataclasses.asdict(r) for r in sorted(kept + fresh, key=lambda r: r.cell())]
   file.parent.mkdir(parents=True, exist_ok=True)
   tmp = file.with_suffix(file.suffix + ".tmp")
-  tmp.write_text(json.dumps({"format": FORMAT, "entries": [dataclasses.asdict(e) for e in entries]},
-                            indent=1) + "\n")
+  tmp.write_text(json.dumps({"format": FORMAT, **stored}, indent=1) + "\n")
   os.replace(tmp, file)  # readers never see half a file
   return file

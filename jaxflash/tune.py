@@ -2,6 +2,7 @@
 
     python -m jaxflash.tune                        # D in {64, 128, 256}, S in {4k, 16k}, fwd and bwd
     python -m jaxflash.tune --head-dims 128 --seqs 16384 --direction fwd --no-write
+    python -m jaxflash.tune --orders               # which implementation implementation=None runs
 
 Every head-dim bucket of the CUDA tensor-core kernels compiles a few tile shapes
 (FwdCandidates in ffi/kernels/sm80/fwd_kernel.cuh and ffi/kernels/sm90/fwd_launch.cuh,
@@ -16,14 +17,23 @@ and backward step with the forward at its table pick, so only the backward's til
 (rates count forward + backward FLOPs); "fwd+bwd" both with the candidate (printed, not
 cached). The GPU's own family is swept unless --sm80 forces the mma.sync kernels (printed,
 not cached). Developers copy winners into the built-in tables and the numbers into
-docs/performance.md.
+docs/performance-log.md.
+
+`--orders` times the fused implementations (native, pallas) on every class of call that
+`implementation=None` tells apart (jaxflash/choice.py): 16- and 32-bit inputs, each head-dim
+bucket of --head-dims, causal or not, training-length queries (forward+backward on the grid's
+shapes at each of --seqs, geometric mean) and decode steps (one query row of 32 heads against
+an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
+--shipped FILE to the package's table of shipped orders as well).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +88,69 @@ def winner(rates_per_seq: list[list[float]]) -> tuple[int, float]:
   return best + 1, means[best]
 
 
+def _order_inputs(bits: int, D: int, S: int, queries: str):
+  """Random inputs of one class: the grid's shape for training, a decode step otherwise."""
+  dtype = jnp.bfloat16 if bits == 16 else jnp.float32
+  rng = np.random.default_rng(0)
+  if queries == "train":
+    B, N, K, T = max(1, 16384 // S), max(1, 2048 // D), max(1, 2048 // D), S
+  else:
+    B, N, K, T, S = 8, 32, 8, 1, 8192
+  shapes = [(B, T, N, D), (B, S, K, D), (B, S, K, D), (B, T, N, D)]
+  return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, reps: int,
+               repeats: int) -> float:
+  """Seconds per call of implementation `name` on one class (geometric mean over `seqs`)."""
+  kw = dict(is_causal=causal, implementation=name)
+  if queries == "decode":
+    kw["causal_alignment"] = "bottom_right"
+  attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, **kw)
+  logs = []
+  for S in (seqs if queries == "train" else [None]):
+    q, k, v, do = _order_inputs(bits, D, S, queries)
+    if queries == "decode":
+      t = _measure.time_jitted(jax.jit(attn), (q, k, v), reps, repeats)
+    else:
+      grad = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do),
+                              argnums=(0, 1, 2)))
+      t = _measure.time_jitted(grad, (q, k, v, do.astype(jnp.float32)), reps, repeats)
+    logs.append(math.log(t))
+  return math.exp(sum(logs) / len(logs))
+
+
+def measure_orders(head_dims, seqs, reps: int, repeats: int, candidates=("native", "pallas")):
+  """The Order of every class, printed as a table row each."""
+  device = jax.devices()[0]
+  today = datetime.date.today().isoformat()
+  print("| bits | D | causal | queries | " + " | ".join(f"{n} ms" for n in candidates) + " | order |")
+  print("|---|---|---|---|" + "---|" * (len(candidates) + 1))
+  orders = []
+  for bits in (16, 32):
+    for D in head_dims:
+      for causal in (False, True):
+        for queries in ("train", "decode"):
+          times = {}
+          for name in candidates:
+            try:
+              times[name] = time_class(name, bits, D, causal, queries, seqs, reps, repeats)
+            except Exception as e:  # cannot serve this class here: not ordered
+              print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+          if not times:
+            continue
+          ranked = tuple(sorted(times, key=times.get))
+          cells = " | ".join(f"{times[n] * 1e3:.3f}" if n in times else "—" for n in candidates)
+          print(f"| {bits} | {D} | {'yes' if causal else 'no'} | {queries} | {cells} | "
+                f"{' > '.join(ranked)} |", flush=True)
+          orders.append(tile_cache.Order(device=device.device_kind, build=_native.build_id(),
+                                         bits=bits, head_dim=tile_cache.bucket(D), causal=causal,
+                                         queries=queries, order=ranked,
+                                         ms=tuple(round(times[n] * 1e3, 4) for n in ranked),
+                                         measured=today))
+  return orders
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m jaxflash.tune", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,6 +161,11 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--sm80", action="store_true", help="sweep the sm80 family on a newer GPU (not cached)")
   ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave the cache alone")
+  ap.add_argument("--orders", action="store_true",
+                  help="time the implementations per class of call instead of the tiles (see above)")
+  ap.add_argument("--shipped", default=None, metavar="FILE",
+                  help="with --orders, also store the orders, build-independent, in FILE "
+                       "(the package's jaxflash/orders.json)")
   args = ap.parse_args(argv)
 
   device = jax.devices()[0]
@@ -95,6 +173,16 @@ def main(argv=None):
     raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX")
   _native.require("gpu")
   print(f"device: {device.device_kind}")
+  if args.orders:
+    seqs = [int(s) for s in args.seqs.split(",")]
+    orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats)
+    if args.write and orders:
+      print(f"wrote {len(orders)} orders to {tile_cache.write(orders)}")
+    if args.shipped and orders:
+      shipped = [dataclasses.replace(o, build="") for o in orders]
+      print(f"wrote {len(shipped)} orders to {tile_cache.write(shipped, pathlib.Path(args.shipped))}")
+    return
+
   columns = _native.MAX_CANDIDATES  # rows with fewer candidates are padded
   print("| direction | causal | S | D | " + " | ".join(f"tile {i}" for i in range(1, columns + 1))
         + " | winner |")

@@ -13,7 +13,6 @@ The FFI handlers re-validate: a malformed direct ffi_call returns an error.
 
 from __future__ import annotations
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -134,33 +133,6 @@ def test_native_is_the_default_and_really_runs():
   grad_hlo = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2))).lower(
       q, k, v).as_text()
   assert "jaxflash_fwd" in grad_hlo and "jaxflash_bwd" in grad_hlo
-
-
-def test_automatic_order_follows_the_measured_table(monkeypatch):
-  """implementation=None tries Pallas first only where it measured faster (Hopper, 16-bit,
-  D <= 64 or decode steps of at most 4 query rows; native wins at 16)."""
-  from jaxflash import _core
-
-  def order(dtype, D, platform="gpu", kind="NVIDIA H100 80GB HBM3", T=64):
-    monkeypatch.setattr(_core, "platform", lambda: platform)
-    monkeypatch.setattr(_core, "device_kind", lambda: kind)
-    call = types.SimpleNamespace(q=jnp.zeros((1, T, 2, D), dtype))  # the order reads only q
-    return _core.automatic_order(call)
-
-  for T in (1, 4):   # decode steps, any head dim
-    assert order(jnp.bfloat16, 128, T=T) == ("pallas", "native")
-    assert order(jnp.float16, 256, T=T, kind="NVIDIA H200") == ("pallas", "native")
-  assert order(jnp.bfloat16, 128, T=5) == ("native", "pallas")
-  assert order(jnp.bfloat16, 128, T=16) == ("native", "pallas")
-  assert order(jnp.float32, 128, T=1) == ("native", "pallas")
-  assert order(jnp.bfloat16, 128, T=1, kind="NVIDIA A100-SXM4-80GB") == ("native", "pallas")
-
-  assert order(jnp.bfloat16, 64) == ("pallas", "native")
-  assert order(jnp.float16, 40, kind="NVIDIA H200") == ("pallas", "native")
-  assert order(jnp.bfloat16, 128) == ("native", "pallas")
-  assert order(jnp.float32, 64) == ("native", "pallas")
-  assert order(jnp.bfloat16, 64, kind="NVIDIA A100-SXM4-80GB") == ("native", "pallas")
-  assert order(jnp.bfloat16, 64, platform="cpu", kind="cpu") == ("native", "pallas")
 
 
 def test_unsupported_calls_fall_back_only_when_not_named(rng):

@@ -1,0 +1,58 @@
+"""The automatic choice: the fused implementations `implementation=None` tries, fastest first.
+
+Nothing here names a device or a head dim. The order for a call comes from a
+measurement of its class, looked up in turn in
+
+1. the per-device cache that `python -m jaxflash.tune --orders` writes on the
+   user's own machine (tile_cache.py; orders of another build are stale);
+2. the orders shipped with the package (orders.json: measured on the devices
+   it names, with the command that wrote it in docs/performance.md);
+3. the rule for a class no one measured: `FALLBACK`, the native kernels first
+   (they are the ones compiled and tuned for every head-dim bucket).
+
+A call's class is (device kind, dtype width, head-dim bucket, causal or not,
+queries): "decode" for at most `DECODE_QUERIES` query rows, ordered by the
+forward's time (a decode step is not differentiated), else "train", ordered by
+forward+backward's time (nearly every training-length call is differentiated).
+The first implementation of the order that can serve the call runs
+(`_core.choose`); whichever runs, the semantics are the same (README).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import numpy as np
+
+from jaxflash import tile_cache
+
+SHIPPED = pathlib.Path(__file__).with_name("orders.json")
+FALLBACK = ("native", "pallas")
+# Query rows up to which a call is a decode step: one new token, or a few of
+# speculative decoding, against a cache (the decode benchmark's q_len 1, 4, 16).
+DECODE_QUERIES = 16
+
+
+def call_class(dtype, head_dim: int, causal: bool, q_len: int) -> tuple[int, int | None, bool, str]:
+  """(dtype width in bits, head-dim bucket, causal, queries) of a call."""
+  return (np.dtype(dtype).itemsize * 8, tile_cache.bucket(head_dim), bool(causal),
+          "decode" if q_len <= DECODE_QUERIES else "train")
+
+
+@functools.lru_cache(maxsize=4)
+def _shipped(file: str) -> tuple[tile_cache.Order, ...]:
+  return tuple(tile_cache.read(pathlib.Path(file), "orders"))
+
+
+def measured(device_kind: str, build: str) -> list[tile_cache.Order]:
+  """The orders that speak for this device: the cache's of this build, then the shipped ones."""
+  cached = [o for o in tile_cache.read(kind="orders") if o.device == device_kind and o.build == build]
+  return cached + [o for o in _shipped(str(SHIPPED)) if o.device == device_kind]
+
+
+def order(device_kind: str, build: str, dtype, head_dim: int, causal: bool,
+          q_len: int) -> tuple[str, ...]:
+  """The implementations to try for a call of this class on this device, fastest first."""
+  cell = (device_kind, *call_class(dtype, head_dim, causal, q_len))
+  return next((o.order for o in measured(device_kind, build) if o.cell() == cell), FALLBACK)

@@ -1,0 +1,77 @@
+"""implementation=None: the order of a call's class comes from measurements (choice.py)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jaxflash import _core, choice, tile_cache
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def order(**kw):
+  fields = dict(device=H100, build="", bits=16, head_dim=64, causal=False, queries="train",
+                order=("pallas", "native"), ms=(1.0, 2.0), measured="2026-11-27")
+  fields.update(kw)
+  return tile_cache.Order(**fields)
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+  """A cache file and a shipped table of this test's own (both empty at first)."""
+  cache, shipped = tmp_path / "cache.json", tmp_path / "orders.json"
+  monkeypatch.setenv(tile_cache.ENV, str(cache))
+  monkeypatch.setattr(choice, "SHIPPED", shipped)
+  choice._shipped.cache_clear()
+  tile_cache._read_cached.cache_clear()
+  yield cache, shipped
+  choice._shipped.cache_clear()
+
+
+def test_a_class_no_one_measured_takes_the_rule(tables):
+  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
+  assert choice.order("cpu", "b", jnp.float32, 64, True, 1) == choice.FALLBACK
+
+
+def test_the_shipped_orders_speak_for_their_device_and_class(tables):
+  _, shipped = tables
+  tile_cache.write([order(), order(queries="decode", order=("native", "pallas")),
+                    order(head_dim=128, causal=True, order=("native",))], shipped)
+  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
+  assert choice.order(H100, "b", jnp.float16, 40, False, 17) == ("pallas", "native")  # same class
+  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 16) == ("native", "pallas")  # decode
+  assert choice.order(H100, "b", jnp.bfloat16, 128, True, 4096) == ("native",)
+  assert choice.order(H100, "b", jnp.float32, 64, False, 4096) == choice.FALLBACK     # 32-bit
+  assert choice.order(H100, "b", jnp.bfloat16, 64, True, 4096) == choice.FALLBACK     # causal
+  assert choice.order("NVIDIA H200", "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
+
+
+def test_the_device_cache_of_this_build_comes_before_the_shipped_orders(tables):
+  _, shipped = tables
+  tile_cache.write([order()], shipped)
+  tile_cache.write([order(build="mine", order=("native", "pallas"))])
+  assert choice.order(H100, "mine", jnp.bfloat16, 64, False, 4096) == ("native", "pallas")
+  # Another build's measurement is stale: the shipped order speaks.
+  assert choice.order(H100, "other", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
+
+
+def test_the_choice_takes_the_first_implementation_that_serves_the_call(monkeypatch):
+  q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+  call = _core.validate(q, q, q, None, None, None, False, None, None, None, "top_left", False)
+  monkeypatch.setattr(choice, "order", lambda *a: ("xla", "native"))
+  assert _core.choose(call, None) == "xla"
+  # Pallas runs in the interpreter on the CPU: never picked unasked there.
+  monkeypatch.setattr(choice, "order", lambda *a: ("pallas", "native"))
+  assert _core.choose(call, None) == "native"
+  assert _core.choose(call, "pallas") == "pallas"
+
+
+def test_the_shipped_table_is_well_formed():
+  shipped = tile_cache.read(choice.SHIPPED, "orders")
+  assert shipped, "jaxflash/orders.json holds no orders"
+  for o in shipped:
+    assert o.build == "" and set(o.order) <= {"native", "pallas"} and len(o.ms) == len(o.order)
+    assert list(o.ms) == sorted(o.ms), o   # fastest first
+  cells = [o.cell() for o in shipped]
+  assert len(cells) == len(set(cells))
