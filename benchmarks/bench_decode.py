@@ -59,8 +59,9 @@ def paged_layout(k, v, page_size: int, seed: int = 0):
 
 
 def jax_peer(name: str):
-  if name in ("native", "pallas"):
-    return jax.jit(functools.partial(jaxflash.dot_product_attention, implementation=name))
+  if name in ("native", "pallas", "default"):   # default: implementation=None, as users get it
+    implementation = None if name == "default" else name
+    return jax.jit(functools.partial(jaxflash.dot_product_attention, implementation=implementation))
   return jax.jit(functools.partial(jax.nn.dot_product_attention, implementation=name))
 
 
@@ -153,8 +154,9 @@ def main():
   ap.add_argument("--q-lens", default="1,4,16")
   ap.add_argument("--shapes", default=None,
                   help="B:kv_len:q_heads:kv_heads,... instead of the issue's three shapes")
-  ap.add_argument("--peers", default="native,pallas,cudnn,xla,torch",
-                  help="comma-separated; torch is skipped when it has no GPU")
+  ap.add_argument("--peers", default="default,native,pallas,cudnn,xla,torch",
+                  help="comma-separated (default: jaxflash with implementation=None); torch is "
+                       "skipped when it has no GPU")
   ap.add_argument("--page-sizes", default="16,64")
   ap.add_argument("--reps", type=int, default=10)
   ap.add_argument("--repeats", type=int, default=5)
@@ -185,7 +187,11 @@ def main():
         r["vs_cudnn"] = round(cudnn / r["time_us"], 2) if cudnn else ""
       cells = "  ".join(f"{r['peer']}{'' if r['layout'] == 'contiguous' else '/' + r['layout']}="
                         f"{r['of_copy'] * 100:3.0f}% ({r['time_us']:.0f} us)" for r in new)
-      print(f"B={B:2d} kv={S:6d} heads={N}/{K} q_len={T:2d} splits={splits:2d}  {cells}",
+      own = [r["time_us"] for r in new if r["peer"] in ("native", "pallas")
+             and r["layout"] == "contiguous"]
+      default = next((r["time_us"] for r in new if r["peer"] == "default"), None)
+      check = f"  default/fastest={min(own) / default:.3f}" if own and default else ""
+      print(f"B={B:2d} kv={S:6d} heads={N}/{K} q_len={T:2d} splits={splits:2d}  {cells}{check}",
             flush=True)
       rows += new
   if args.csv:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _core, checks, reference, sharding
@@ -125,9 +126,25 @@ def dot_product_attention(
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths)
   else:
-    q_lengths = call.q_lengths if call.q_lengths is not None else reference.no_lengths()
-    kv_lengths = call.kv_lengths if call.kv_lengths is not None else reference.no_lengths()
+    B, T = call.q.shape[:2]
+    q_lengths = call.q_lengths if call.q_lengths is not None else _no_lengths(B, T)
+    kv_lengths = call.kv_lengths if call.kv_lengths is not None else _no_lengths(B, call.k.shape[1])
     # The partition rules (sharding.py) keep a sharded call on its shards under jit.
     kernels = sharding.partitioned(_core.KERNELS[chosen])
     out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, kernels, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
+
+
+def _no_lengths(batch: int, length: int) -> jax.Array:
+  """The lengths of a call that gave none: `reference.no_lengths()`, except
+  inside `shard_map`, where they are `length` for every batch element, as in
+  ring attention (one small fill per call).
+
+  The lengths leave the manual computation: as residuals for the backward,
+  and under eager shard_map as operands of each primitive's own one. An empty
+  operand there crashes XLA (jaxlib 0.11's Shardy, in
+  ManualComputationUnusedInputsPattern, after zero-sized HLO elimination).
+  """
+  if jax.sharding.get_abstract_mesh().manual_axes:
+    return jnp.full((batch,), length, jnp.int32)
+  return reference.no_lengths()

@@ -22,7 +22,7 @@ docs/performance-log.md.
 `--orders` times the fused implementations (native, pallas) on every class of call that
 `implementation=None` tells apart (jaxflash/choice.py): 16- and 32-bit inputs, each head-dim
 bucket of --head-dims, causal or not, training-length queries (forward+backward on the grid's
-shapes at each of --seqs, geometric mean) and decode steps (one query row of 32 heads against
+shapes at each of --seqs, geometric mean; 32-bit inputs at the first only) and decode steps (one query row of 32 heads against
 an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
 --shipped FILE to the package's table of shipped orders as well).
 """
@@ -108,10 +108,12 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
     kw["causal_alignment"] = "bottom_right"
   attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, **kw)
   logs = []
-  for S in (seqs if queries == "train" else [None]):
+  # 32-bit training shapes run one length: float32 steps take 10-100x as long.
+  for S in (seqs if bits == 16 else seqs[:1]) if queries == "train" else [None]:
     q, k, v, do = _order_inputs(bits, D, S, queries)
     if queries == "decode":
-      t = _measure.time_jitted(jax.jit(attn), (q, k, v), reps, repeats)
+      # A decode step takes ~0.1 ms: ten times the reps keep the host's share steady.
+      t = _measure.time_jitted(jax.jit(attn), (q, k, v), 10 * reps, repeats)
     else:
       grad = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do),
                               argnums=(0, 1, 2)))
@@ -120,7 +122,8 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
   return math.exp(sum(logs) / len(logs))
 
 
-def measure_orders(head_dims, seqs, reps: int, repeats: int, candidates=("native", "pallas")):
+def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("train", "decode"),
+                   candidates=("native", "pallas")):
   """The Order of every class, printed as a table row each."""
   device = jax.devices()[0]
   today = datetime.date.today().isoformat()
@@ -130,7 +133,7 @@ def measure_orders(head_dims, seqs, reps: int, repeats: int, candidates=("native
   for bits in (16, 32):
     for D in head_dims:
       for causal in (False, True):
-        for queries in ("train", "decode"):
+        for queries in queries_classes:
           times = {}
           for name in candidates:
             try:
@@ -163,6 +166,8 @@ def main(argv=None):
   ap.add_argument("--no-write", dest="write", action="store_false", help="print only; leave the cache alone")
   ap.add_argument("--orders", action="store_true",
                   help="time the implementations per class of call instead of the tiles (see above)")
+  ap.add_argument("--queries", default="train,decode",
+                  help="with --orders, the classes of queries to measure: train, decode")
   ap.add_argument("--shipped", default=None, metavar="FILE",
                   help="with --orders, also store the orders, build-independent, in FILE "
                        "(the package's jaxflash/orders.json)")
@@ -175,7 +180,8 @@ def main(argv=None):
   print(f"device: {device.device_kind}")
   if args.orders:
     seqs = [int(s) for s in args.seqs.split(",")]
-    orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats)
+    orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats,
+                            tuple(args.queries.split(",")))
     if args.write and orders:
       print(f"wrote {len(orders)} orders to {tile_cache.write(orders)}")
     if args.shipped and orders:

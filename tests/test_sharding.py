@@ -404,6 +404,29 @@ def test_ring_forward_mode_matches_unsharded(rng):
     hvp(q, k, v, tq)
 
 
+@child_only
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_grad_in_shard_map_matches_unsharded(rng, jit):
+  """dot_product_attention inside shard_map, as in jax-ml/jax#36008 (q, k, v
+  split from one array sharded over batch and heads, causal, the gradient of
+  a loss), jitted and eager: the unsharded call's loss and gradient. With no
+  lengths given, no operand of the manual computation may be empty
+  (attention._no_lengths); one such crashed XLA under jax 0.11."""
+  mesh = _mesh((2, 2), ("dp", "tp"), auto=True)
+  qkv = jnp.asarray(rng.standard_normal((4, 16, 4, 48)), jnp.float32)
+
+  def attn(qkv):
+    q, k, v = jnp.split(qkv, 3, axis=-1)
+    return jaxflash.dot_product_attention(q, k, v, is_causal=True, implementation="native")
+
+  spec = P("dp", None, "tp")
+  sharded = jax.shard_map(attn, mesh=mesh, in_specs=spec, out_specs=spec)
+  loss = lambda f: jax.value_and_grad(lambda x: (f(x) ** 2).sum())
+  got = (jax.jit(loss(sharded)) if jit else loss(sharded))(qkv)
+  for name, a, e in zip(("loss", "grad"), got, jax.jit(loss(attn))(qkv)):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
 def _per_device_bytes(loss, sharding, shape):
   """XLA's buffer assignment of grad(loss) (arguments + outputs + temps - aliased), per device."""
   arg = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
