@@ -107,7 +107,7 @@ def bench_shape(B, S, N, K, T, peers, page_sizes, copy_bw, reps, repeats):
     lengths = jnp.full((B,), S, jnp.int32)
     # What a serving loop passes with a contiguous cache: the same kernels,
     # plus whatever the lengths cost around them (once ~100 us of host time a
-    # call; fifteenth session in docs/performance.md).
+    # call; fifteenth session in docs/performance-log.md).
     with_lengths = jax.jit(lambda q, k, v, n: jaxflash.dot_product_attention(
         q, k, v, key_value_seq_lengths=n, implementation="native"))
     record("native", "lengths", _measure.time_jitted(with_lengths, (q, k, v, lengths), reps, repeats))

@@ -12,7 +12,7 @@
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o kv_stream benchmarks/kv_stream.cu && ./kv_stream
 //
-// Results and what they decided: docs/performance.md, fifteenth session.
+// Results and what they decided: docs/performance-log.md, fifteenth session.
 #include <cuda.h>
 #include <cuda_runtime.h>
 

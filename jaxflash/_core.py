@@ -32,6 +32,7 @@ import numpy as np
 from jaxflash import _native, _splits, choice, derivatives, pallas as _pallas, reference
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
+# What `implementation=` takes: a name, None (automatic) or a sequence of them.
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
 FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_FUSED_HEAD_DIM = 256
@@ -61,23 +62,35 @@ def as_array(x, name: str) -> jax.Array:
     raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
 
 
-def _ensure_4d(x: jax.Array, name: str) -> jax.Array:
-  if x.ndim not in (3, 4):
-    raise ValueError(
-        f"{name} must have rank 4 [batch, seq, heads, head_dim] or rank 3 [seq, heads, "
-        f"head_dim]; got shape {x.shape}")
-  return x if x.ndim == 4 else x[None]
+def _batch_axes(arrays: dict[str, jax.Array]) -> tuple[int, ...]:
+  """The leading batch axes that query, key and value share: [*batch, seq, heads, head_dim]."""
+  for name, x in arrays.items():
+    if x.ndim < 3:
+      raise ValueError(f"{name} must have rank 3 or more [*batch, seq, heads, head_dim]; got "
+                       f"shape {x.shape}")
+  (first, q), *rest = arrays.items()
+  for name, x in rest:
+    if x.shape[:-3] != q.shape[:-3]:
+      raise ValueError(f"{first} and {name} must have the same batch axes, got "
+                       f"{q.shape[:-3]} and {x.shape[:-3]}")
+  return q.shape[:-3]
 
 
-def _lengths(x, name: str, batch: int) -> jax.Array | None:
+def flatten_batch(x: jax.Array, batch: tuple[int, ...]) -> jax.Array:
+  """[*batch, ...] as [prod(batch), ...]; no batch axes (rank 3) become one of size 1."""
+  return x.reshape((math.prod(batch),) + x.shape[len(batch):])
+
+
+def _lengths(x, name: str, batch: tuple[int, ...]) -> jax.Array | None:
+  """Lengths of shape `batch` (or [1] without batch axes), flattened like the inputs."""
   if x is None:
     return None
   x = as_array(x, name)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-  if x.shape != (batch,):
-    raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {x.shape}")
-  return x.astype(jnp.int32)
+  if x.shape != (batch or (1,)):
+    raise ValueError(f"{name} must have the batch shape {batch or (1,)}, got {x.shape}")
+  return x.reshape(-1).astype(jnp.int32)
 
 
 def check_heads_and_dtypes(q_heads: int, kv_heads: int, arrays: dict[str, jax.Array]) -> None:
@@ -131,27 +144,34 @@ def resolve_scale(scale, head_dim: int) -> float:
   return value
 
 
-def _dense_term(x, name: str, shape4: tuple[int, ...]) -> jax.Array | None:
-  """bias or mask: rank <= 4, broadcastable to [B, N, T, S]."""
+def _dense_term(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, int]):
+  """bias or mask: broadcastable to [*batch, N, T, S], returned as [B or 1, N, T, S]
+  (the batch axes flattened like the inputs'; stride-0 batch axes stay size 1)."""
   if x is None:
     return None
   x = as_array(x, name)
-  if x.ndim > 4:
-    raise ValueError(f"{name} must have rank <= 4 (broadcastable to [B, N, T, S]), got {x.shape}")
-  x = x.reshape((1,) * (4 - x.ndim) + x.shape)
+  full = (batch or (1,)) + shape3
+  if x.ndim > len(full):
+    raise ValueError(f"{name} must have rank <= {len(full)} (broadcastable to [*batch, N, T, S]), "
+                     f"got {x.shape}")
+  x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
   try:
-    np.broadcast_shapes(x.shape, shape4)
+    np.broadcast_shapes(x.shape, full)
   except ValueError:
-    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [B, N, T, S] = {shape4}")
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [*batch, N, T, S] = {full}")
   if name == "mask" and x.dtype != jnp.bool_:
     raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
                     "masks as bias")
-  return x
+  lead = x.shape[:-3]
+  if len(lead) > 1 and any(n != 1 for n in lead):
+    x = jnp.broadcast_to(x, full[:-3] + x.shape[-3:])
+  return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-  """A validated call, in [B, T, N, H] form."""
+  """A validated call, in [B, T, N, H] form: its batch axes (none, one or several)
+  flattened into B; `output_shape` is the query's own shape, which `finish` restores."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -178,13 +198,12 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   k = as_array(key, "key")
   v = as_array(value, "value")
   output_shape = q.shape
-  q, k, v = _ensure_4d(q, "query"), _ensure_4d(k, "key"), _ensure_4d(v, "value")
+  batch = _batch_axes({"query": q, "key": k, "value": v})
   if k.shape != v.shape:
     raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
+  q, k, v = (flatten_batch(x, batch) for x in (q, k, v))
   B, T, N, H = q.shape
   _, S, K, Hk = k.shape
-  if k.shape[0] != B:
-    raise ValueError(f"query and key must have the same batch size, got {B} and {k.shape[0]}")
   if Hk != H:
     raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
   if H < 1:
@@ -201,10 +220,10 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   window_right=-1 if right is None else right,
                   bottom_right=causal_alignment == "bottom_right",
                   deterministic=bool(deterministic), num_splits=_splits.validate(num_splits))
-  return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", (B, N, T, S)),
-               mask=_dense_term(mask, "mask", (B, N, T, S)),
-               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", B),
-               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", B),
+  return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
+               mask=_dense_term(mask, "mask", batch, (N, T, S)),
+               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
+               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
                is_causal=bool(is_causal), window=window, spec=spec,
                output_shape=output_shape)
 
@@ -360,7 +379,25 @@ def automatic_order(call: Call) -> tuple[str, ...]:
                       call.spec.window_right >= 0, call.q.shape[-3])
 
 
-def choose(call: Call, implementation) -> str:
+def choose(call: Call, implementation, cudnn_unsupported: str | None = None) -> str:
+  """The implementation that runs `call`: the one named (ValueError if it cannot serve
+  the call), the first of a sequence that can (one ValueError with each one's reason if
+  none can), or for None the first of the measured order (choice.py) that can, else xla.
+
+  `cudnn_unsupported` is why "cudnn" cannot serve the call (the entry point knows).
+  """
+  if isinstance(implementation, (list, tuple)):
+    if not implementation or any(name not in IMPLEMENTATIONS for name in implementation):
+      raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or a non-empty "
+                       f"sequence of them, got {implementation!r}")
+    reasons = []
+    for name in implementation:
+      try:
+        return choose(call, name, cudnn_unsupported)
+      except ValueError as e:
+        reasons.append(f"{name!r}: {e}")
+    raise ValueError(f"no implementation of {tuple(implementation)} serves this call: "
+                     + "; ".join(reasons))
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
   if implementation in ("native", "pallas"):
@@ -368,6 +405,8 @@ def choose(call: Call, implementation) -> str:
     if reason:
       raise ValueError(reason)
     return implementation
+  if implementation == "cudnn" and cudnn_unsupported:
+    raise ValueError(cudnn_unsupported)
   if implementation is not None:
     return implementation
   for name in automatic_order(call):

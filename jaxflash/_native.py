@@ -15,8 +15,12 @@ import numpy as np
 
 from jaxflash import tile_cache
 
-FORWARD_TARGET = "jaxflash_fwd"
-BACKWARD_TARGET = "jaxflash_bwd"
+# The FFI targets, versioned (ffi/handlers/module.cc): an exported program names
+# them, and a later jaxflash keeps serving every version it has shipped.
+FORWARD_TARGET = "jaxflash_fwd_v1"
+BACKWARD_TARGET = "jaxflash_bwd_v1"
+PAGED_TARGET = "jaxflash_paged_fwd_v1"
+TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET)
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
 # (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
@@ -40,7 +44,7 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
 
 # Head-dim buckets where the fused Hopper backward runs unless
 # JAXFLASH_FUSED_BACKWARD says otherwise: where it beat the two-pass backward
-# on an H100 (docs/performance.md: D 128 since the eighth session; D 64 since
+# on an H100 (docs/performance-log.md: D 128 since the eighth session; D 64 since
 # the eleventh, warp-specialised, forward+backward +7% at S 1k to +25% at
 # S 16k). D 256 keeps two passes (the warp-specialised dK/dV pass, then dQ):
 # fused, its dQ atomics hold the L2 at 89% and the pass takes 5.1 ms where
@@ -196,6 +200,23 @@ def _load():
   for name, capsule in _jaxflash.cuda_targets().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
   return _jaxflash, None
+
+
+def register() -> None:
+  """Makes the FFI targets known to XLA (if the extension loads): at import, so that a
+  program deserialized with jax.export finds them before any call is traced."""
+  _load()
+
+
+def disabled_export_checks() -> list:
+  """The safety checks `jax.export.export` must skip for a program that calls jaxflash's
+  kernels: one `DisabledSafetyCheck.custom_call` per FFI target.
+
+      exp = jax.export.export(jax.jit(f), disabled_checks=jaxflash.disabled_export_checks())(x)
+
+  Our targets are versioned (TARGETS): a serialized program loads in any jaxflash that
+  still registers the versions it names (README, "Exporting")."""
+  return [jax.export.DisabledSafetyCheck.custom_call(target) for target in TARGETS]
 
 
 def unavailable_reason(platform: str) -> str | None:

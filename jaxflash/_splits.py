@@ -104,7 +104,7 @@ def _gpu_decode(q_shape, k_shape, paged: bool = False, native_kernel: bool = Fal
   # copies each CTA has in flight, so an idle slot is lost bandwidth. On an
   # H100, B 1 x kv 128k with 8 K/V heads ran 220 us at 29 splits (232 CTAs of
   # 264 slots, what 15% allowed) and 211 at 32 (thirteenth session in
-  # docs/performance.md).
+  # docs/performance-log.md).
   return heuristic(items, S, _gpu_sms() * ctas, within=0.05)
 
 

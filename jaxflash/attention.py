@@ -9,7 +9,7 @@ through `_core.fused` with their kernels wrapped in the partition rules
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ def dot_product_attention(
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     local_window_size: int | tuple[int, int] | None = None,
-    implementation: Implementation | None = None,
+    implementation: Implementation | Sequence[Implementation | None] | None = None,
     return_residual: bool = False,
     causal_alignment: Literal["top_left", "bottom_right"] = "top_left",
     residual_dtype=None,
@@ -37,15 +37,18 @@ def dot_product_attention(
   r"""Scaled dot-product attention that never materialises the score matrix.
 
   A drop-in for :func:`jax.nn.dot_product_attention`: same arguments, layouts
-  (``[batch, seq, heads, head_dim]`` or without the batch axis), GQA rule,
+  (``[batch, seq, heads, head_dim]`` or without the batch axis; also any number
+  of leading batch axes ``[*batch, seq, heads, head_dim]``, with sequence
+  lengths of shape ``batch`` and bias/mask broadcastable to
+  ``[*batch, heads, q_len, kv_len]``), GQA rule,
   top-left ``is_causal``, ``(left, right)`` ``local_window_size`` and sequence
   lengths. ``implementation``:
 
-  * ``None`` — the first implementation that supports the call here, in
-    a measured order: ``native``, else ``pallas``, else ``xla``; on H100/H200
-    GPUs with float16/bfloat16 and head_dim <= 64 or at most 4 query rows
-    (decode steps), ``pallas`` before ``native`` (faster there;
-    docs/performance.md).
+  * ``None`` — the first of ``native`` and ``pallas`` that supports the call
+    here, in the order measured fastest for the call's class (device, dtype
+    width, head-dim bucket, causal, decode step or not: jaxflash/choice.py;
+    ``python -m jaxflash.tune --orders`` measures it on your GPU), else
+    ``xla``. Where no one measured the class, ``native`` comes first.
   * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
   * ``"pallas"`` — the jaxflash Pallas kernels.
   * ``"xla"`` — plain ``jax.numpy`` (materialises the scores; supports
@@ -53,7 +56,8 @@ def dot_product_attention(
   * ``"cudnn"`` — forwarded to ``jax.nn.dot_product_attention``.
 
   Naming an implementation that cannot serve the call raises ``ValueError``; it
-  never silently falls back. Sequence lengths outside ``[0, length]`` are
+  never silently falls back. A sequence (``("native", "xla")``) runs the first
+  that can serve the call, or raises one ``ValueError`` with each one's reason. Sequence lengths outside ``[0, length]`` are
   clamped, as ``jax.nn``'s masks treat them; run under
   :func:`jaxflash.checked` to get a ``ValueError`` instead.
 
@@ -103,13 +107,11 @@ def dot_product_attention(
   # jaxflash.checked turns these into errors.
   checks.lengths_in_range(call.q_lengths, "query_seq_lengths", call.q.shape[1])
   checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
-  chosen = _core.choose(call, implementation)
+  chosen = _core.choose(call, implementation, _cudnn_unsupported(
+      call, residual_dtype is not None or deterministic or differentiable_residual
+      or num_splits is not None))
 
   if chosen == "cudnn":
-    if (call.spec.bottom_right or residual_dtype is not None or deterministic
-        or differentiable_residual or num_splits is not None):
-      raise ValueError("implementation='cudnn' forwards to jax.nn.dot_product_attention and "
-                       "takes none of jaxflash's extra keywords")
     return jax.nn.dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -133,6 +135,19 @@ def dot_product_attention(
     kernels = sharding.partitioned(_core.KERNELS[chosen])
     out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, kernels, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
+
+
+def _cudnn_unsupported(call: _core.Call, extra_keywords: bool) -> str | None:
+  """Why implementation="cudnn" (jax.nn's, called with the caller's arguments) cannot
+  serve the call, or None."""
+  if extra_keywords or call.spec.bottom_right:
+    return ("implementation='cudnn' forwards to jax.nn.dot_product_attention and takes none "
+            "of jaxflash's extra keywords")
+  if len(call.output_shape) > 4:
+    return "implementation='cudnn' takes rank 3 or 4 inputs (jax.nn's layouts)"
+  if _core.platform() != "gpu":
+    return "implementation='cudnn' runs on GPUs only"
+  return None
 
 
 def _no_lengths(batch: int, length: int) -> jax.Array:

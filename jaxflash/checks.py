@@ -22,7 +22,7 @@ from jax.experimental import checkify
 # jaxpr and keeps every call of the jitted function off jax.jit's C++ fast
 # path: ~50 us more host time per call on a CPU, 200 on an H100 (a decode step
 # with lengths measured 300 us instead of 207; fifteenth session in
-# docs/performance.md). A jit-cache context, so a function traced outside
+# docs/performance-log.md). A jit-cache context, so a function traced outside
 # `checked` is traced again, with the checks, when called inside it and the
 # other way round. (JAX without user contexts plants them always.)
 _planting = jax.make_user_context(default_value=False) if hasattr(jax, "make_user_context") else None

@@ -19,7 +19,6 @@ import numpy as np
 
 from jaxflash import _core, _native, _splits, reference
 
-PAGED_TARGET = "jaxflash_paged_fwd"
 _PAGED_IMPLEMENTATIONS = (None, "native", "xla")
 
 
@@ -102,7 +101,7 @@ def _native_paged(q, kp, vp, table, lengths, spec):
                           q.dtype, _core.platform(), paged=True)
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
-  call = jax.ffi.ffi_call(PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
+  call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
                           vmap_method="sequential")
   o, _, _, _ = call(q, kp, vp, table, lengths, scale=np.float32(spec.scale),
                     window_left=np.int64(spec.window_left),

@@ -331,7 +331,7 @@ def _outside_explicit_axes(fn, q, k, results):
 
 @functools.cache
 def partitioned(kernels):
-  """`kernels` (attention.py's interface) behind the partition rules."""
+  """`kernels` (the interface of _core.KERNELS) behind the partition rules."""
 
   class Partitioned:
     name = kernels.name

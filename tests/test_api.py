@@ -221,7 +221,7 @@ def test_handlers_revalidate_what_reaches_them(rng):
                bottom_right=False, tile=np.int64(0), num_splits=np.int64(1))
 
   def refused(outputs, match, diag=offsets, **changed):
-    call = jax.ffi.ffi_call("jaxflash_fwd", outputs)
+    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, outputs)
     with pytest.raises(Exception, match=match):
       jax.block_until_ready(call(q, k, v, lengths, lengths, diag, **{**attrs, **changed}))
 
@@ -243,7 +243,7 @@ def test_handlers_revalidate_what_reaches_them(rng):
   dlse = jnp.zeros((2, 4, 33), jnp.float32)
 
   def backward(outputs):
-    call = jax.ffi.ffi_call("jaxflash_bwd", outputs)
+    call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, outputs)
     lse_value = jnp.zeros((2, 4, 33), jnp.float32)
     return jax.block_until_ready(call(q, k, v, q, lse_value, q, dlse, lengths, lengths, offsets,
                                       **bwd_attrs))
@@ -360,3 +360,46 @@ def test_main_job_runs_from_the_source_checkout():
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
   assert "all checks passed" in result.stdout
+
+
+@pytest.mark.parametrize("impl", ["native", "xla"])
+def test_leading_batch_axes_are_flattened_and_restored(rng, impl):
+  """[*batch, T, N, H]: each batch element equals its own rank-3 call, lengths of shape
+  `batch` and a bias broadcast over one batch axis included."""
+  q = jnp.asarray(rng.standard_normal((2, 3, 20, 4, 16)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, 3, 24, 2, 16)), jnp.float32) for _ in range(2))
+  ql = jnp.array([[20, 5, 0], [1, 2, 20]], jnp.int32)
+  kl = jnp.array([[24, 3, 10], [24, 24, 1]], jnp.int32)
+  bias = jnp.asarray(rng.standard_normal((3, 1, 20, 24)), jnp.float32) if impl == "xla" else None
+  out, lse = jaxflash.dot_product_attention(
+      q, k, v, bias, is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl,
+      implementation=impl, return_residual=True, residual_dtype=jnp.float32)
+  assert out.shape == q.shape and lse.shape == q.shape[:-1]
+  for i in range(2):
+    for j in range(3):
+      o1, l1 = jaxflash.dot_product_attention(
+          q[i, j], k[i, j], v[i, j], None if bias is None else bias[j], is_causal=True,
+          query_seq_lengths=ql[i, j:j + 1], key_value_seq_lengths=kl[i, j:j + 1],
+          implementation=impl, return_residual=True, residual_dtype=jnp.float32)
+      np.testing.assert_allclose(np.asarray(out[i, j]), np.asarray(o1), atol=1e-6)
+      np.testing.assert_allclose(np.asarray(lse[i, j]), np.asarray(l1), atol=1e-6)
+  with pytest.raises(ValueError, match="batch shape"):
+    jaxflash.dot_product_attention(q, k, v, query_seq_lengths=ql.reshape(-1))
+  with pytest.raises(ValueError, match="same batch axes"):
+    jaxflash.dot_product_attention(q, k[:1], v[:1])
+
+
+def test_an_implementation_sequence_takes_the_first_that_serves(rng):
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 8, 2, 16)), jnp.float32) for _ in range(3))
+  hlo = jax.jit(lambda q: jaxflash.dot_product_attention(
+      q, k, v, implementation=("cudnn", "native", "xla"))).lower(q).as_text()
+  assert "jaxflash_fwd" in hlo                      # cudnn cannot run here: native did
+  mask = jnp.ones((8, 8), bool)
+  hlo = jax.jit(lambda q: jaxflash.dot_product_attention(
+      q, k, v, mask=mask, implementation=["native", "xla"])).lower(q).as_text()
+  assert "jaxflash_fwd" not in hlo                  # native takes no dense mask: xla did
+  with pytest.raises(ValueError, match="'native': .*dense bias or mask.*'pallas': "):
+    jaxflash.dot_product_attention(q, k, v, mask=mask, implementation=("native", "pallas"))
+  for bad in ((), ("native", "fast"), [None, 3]):
+    with pytest.raises(ValueError, match="non-empty sequence"):
+      jaxflash.dot_product_attention(q, k, v, implementation=bad)

@@ -273,7 +273,7 @@ def test_fused_backward_not_for_deterministic_calls(fused_backward):
 
 def test_fused_backward_by_default_where_measured_faster(fused_backward, monkeypatch):
   """Without JAXFLASH_FUSED_BACKWARD the D 64 and D 128 buckets run fused on
-  sm90 and D 256 keeps the two kernels (docs/performance.md); =0 turns it off."""
+  sm90 and D 256 keeps the two kernels (docs/performance-log.md); =0 turns it off."""
   monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD")   # the fixture's =1, for its sm90 check
   assert [_sums_room_in_hlo(D) for D in (64, 120, 128, 256)] == [True, True, True, False]
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "0")

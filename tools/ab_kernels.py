@@ -9,7 +9,7 @@ script, which times every shape (tools/profile_call.py arguments) under
 `ncu --clock-control none` in the order base, this, this, base: a card that drifts over a call
 (clocks, heat) moves both builds alike, and the two runs of each build show how far it did. A
 kernel A/B of a few percent measured "base first, then this" cannot tell that apart from a
-change (docs/performance.md, twenty-third session). One line per shape: each build's mean over
+change (docs/performance-log.md, twenty-third session). One line per shape: each build's mean over
 its launches and both runs, the change, and each build's two runs. Without `--kernel` it
 times the whole call instead, as the benchmarks do (profile_call.py `--time`, no ncu): the
 A/B for a launch-bound shape such as the latency shape, `--batch 1 --heads 8 --seq 512

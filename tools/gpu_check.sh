@@ -2,10 +2,14 @@
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
 #   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [fuzz] [long] [sanitize] [bench]
-#                      [decode] [main] [fused] [sharding] [ab]   (default: build tests sanitize bench decode main)
+#                      [decode] [main] [fused] [sharding] [ab] [newest-jax]
+#                      (default: build tests newest-jax sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100), then the API tests
+# newest-jax  the CPU suite's API, native, sharding and ring, Pallas and export files on this
+#             machine's JAX (newer than the one CI installs), JAX_PLATFORMS=cpu with 4 host
+#             devices: a JAX release that breaks the CPU path shows up whenever the GPU is tested
 # tests-slow  the rest of the sweep, -m "gpu and slow", for the training kernels
 #             (test_cuda_kernels, test_diagonal_offsets: every tile candidate, float16 grids,
 #             32k sequences)
@@ -46,7 +50,7 @@ OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests sanitize bench decode main)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests newest-jax sanitize bench decode main)
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
@@ -124,6 +128,14 @@ if has tests; then
   run_py timeout 120 python3 -m pytest -q -p no:cacheprovider -n 4 "$repo/tests/test_api.py" \
       >> "$OUT/tests.log" 2>&1
   note "api tests on gpu: $(tail -n 1 "$OUT/tests.log")"
+fi
+
+if has newest-jax; then
+  jax_version=$(python3 -c "import jax; print(jax.__version__)")
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest_stage \
+      "cpu tests on jax $jax_version" 540 newest_jax.log -n 8 --dist worksteal -rfE \
+      "$repo/tests/test_api.py" "$repo/tests/test_native.py" "$repo/tests/test_sharding.py" \
+      "$repo/tests/test_pallas.py" "$repo/tests/test_export.py" "$repo/tests/test_choice.py"
 fi
 
 # The slow tier in two stages, each one call's worth; the contract fuzz is the

@@ -7,7 +7,7 @@ greedy list scheduling (each CTA takes the slot that frees first; its time is
 its query tiles plus a fixed cost of two) and prints the makespan over the
 ideal (total work / slots) for the grid's order, for the chunked order of
 grid_order.cuh, and for all CTAs heaviest first. A model, not a measurement:
-docs/performance.md holds what the GPU did.
+docs/performance-log.md (sixteenth session) holds what the GPU did.
 
     python tools/grid_order_model.py [--slots 132] [--chunk-ctas 256]
 """

@@ -1,4 +1,4 @@
-"""The tile sweep's former command, kept for the commands quoted in docs/performance.md.
+"""The tile sweep's former command, kept for the commands quoted in docs/performance-log.md.
 
 `python tools/tune_tiles.py ARGS` runs `python -m jaxflash.tune --direction fwd --no-write ARGS`
 (its old defaults: forward only, nothing written to the tile cache).

@@ -16,21 +16,26 @@ nb::capsule Capsule(Fn* fn) {
 
 }  // namespace
 
+// The target names carry the version of their interface: operands, results and
+// attributes (params.h's order and meaning). A program exported with
+// jax.export records the names, so a change to any of them is a new version
+// registered beside the old one, never an edit of a shipped one; the Python
+// side names them in jaxflash/_native.py (TARGETS).
 NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
     nb::dict d;
-    d["jaxflash_fwd"] = Capsule(JaxflashCpuForward);
-    d["jaxflash_paged_fwd"] = Capsule(JaxflashCpuPagedForward);
-    d["jaxflash_bwd"] = Capsule(JaxflashCpuBackward);
+    d["jaxflash_fwd_v1"] = Capsule(JaxflashCpuForward);
+    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCpuPagedForward);
+    d["jaxflash_bwd_v1"] = Capsule(JaxflashCpuBackward);
     return d;
   });
   m.def("cuda_targets", [] {
     nb::dict d;
 #ifdef JAXFLASH_WITH_CUDA
-    d["jaxflash_fwd"] = Capsule(JaxflashCudaForward);
-    d["jaxflash_paged_fwd"] = Capsule(JaxflashCudaPagedForward);
-    d["jaxflash_bwd"] = Capsule(JaxflashCudaBackward);
+    d["jaxflash_fwd_v1"] = Capsule(JaxflashCudaForward);
+    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCudaPagedForward);
+    d["jaxflash_bwd_v1"] = Capsule(JaxflashCudaBackward);
 #endif
     return d;
   });

@@ -1,0 +1,53 @@
+"""jax.export: a program that calls jaxflash serialises, loads and runs like the direct call."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from jaxflash import _native
+from conftest import random_inputs
+
+
+def round_trip(f, *args):
+  """f exported with jaxflash's checks disabled, serialised, deserialised, called."""
+  pytest.importorskip("flatbuffers")   # jax.export's serialisation needs it
+  exported = jax.export.export(jax.jit(f), disabled_checks=jaxflash.disabled_export_checks())(*args)
+  text = exported.mlir_module()
+  assert all(t not in text or t.endswith("_v1") for t in _native.TARGETS)
+  return jax.export.deserialize(exported.serialize()).call(*args)
+
+
+@pytest.mark.parametrize("impl", ["native", None])
+def test_forward_and_gradient_survive_a_round_trip(rng, impl):
+  q, k, v = random_inputs(rng, 2, 40, 50, 4, 2, 32, jnp.float32)
+  kw = dict(is_causal=True, key_value_seq_lengths=jnp.array([50, 17], jnp.int32),
+            implementation=impl)
+  attend = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, **kw)
+  loss = lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  for f in (attend, grad):
+    for got, want in zip(jax.tree.leaves(round_trip(f, q, k, v)), jax.tree.leaves(jax.jit(f)(q, k, v))):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_exported_program_names_the_versioned_targets(rng):
+  q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, jnp.float32)
+  f = jax.jit(jax.grad(lambda q: jnp.sum(jaxflash.dot_product_attention(q, k, v, implementation="native"))))
+  text = jax.export.export(f, disabled_checks=jaxflash.disabled_export_checks())(q).mlir_module()
+  assert _native.FORWARD_TARGET in text and _native.BACKWARD_TARGET in text
+  # Without the disabled checks, export refuses our custom calls (and says which).
+  with pytest.raises(ValueError, match="jaxflash_fwd_v1"):
+    jax.export.export(f)(q)
+
+
+def test_the_extension_registers_the_python_side_target_names():
+  if _native.unavailable_reason("cpu"):
+    pytest.skip("the extension is not built")
+  ext, _ = _native._load()
+  assert set(ext.cpu_targets()) == set(_native.TARGETS)
+  if ext.with_cuda:
+    assert set(ext.cuda_targets()) == set(_native.TARGETS)
