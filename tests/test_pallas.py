@@ -12,6 +12,7 @@ plain jnp in the input dtype, plus a small absolute term.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -670,5 +671,45 @@ def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right):
       q, k, v, o, lse, do, dlse, ql, kl, **kw)
   for f, args in ((fwd, (q, k, k, lengths, lengths)),
                   (bwd, (q, k, k, q, lse, q, lse, lengths, lengths))):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with _abstract_gpu():
+      text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxflash_pallas" in text
+
+
+def _abstract_gpu():
+  """A context naming the GPU to lower for where JAX asks for one (jax >= 0.11: the Triton
+  lowering reads the GPU's kind from the abstract mesh when no GPU is attached)."""
+  if not hasattr(jax.sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                       platform="cuda")
+  mesh = jax.sharding.AbstractMesh((1,), ("gpu",), axis_types=(jax.sharding.AxisType.Auto,),
+                                  abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_len", [1, 96])   # the decode kernel, the training kernels
+def test_pallas_inside_shard_map_with_check_vma(q_len):
+  """Inside shard_map's default check_vma, the Pallas calls' operands are cast to one
+  variance and their results declare it: forward and gradient equal the plain call's.
+  (On the CPU the interpreter refuses a varying ref indexed by a program id: GPU only.)"""
+  import jaxflash
+  from jax.sharding import Mesh, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:1]), ("dp",))
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((2, q_len, 4, 64)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((2, 128, 2, 64)), jnp.bfloat16) for _ in range(2))
+  lengths = jnp.array([128, 77], jnp.int32)
+
+  def attend(q, k, v, lengths):
+    return jaxflash.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                          causal_alignment="bottom_right", implementation="pallas")
+
+  sharded = jax.shard_map(attend, mesh=mesh, in_specs=(P("dp"), P("dp"), P("dp"), P()),
+                          out_specs=P("dp"))
+  loss = lambda f: jax.grad(lambda q, k, v: jnp.sum(f(q, k, v, lengths).astype(jnp.float32) ** 2),
+                            argnums=(0, 1, 2))
+  for got, want in [(jax.jit(sharded)(q, k, v, lengths), jax.jit(attend)(q, k, v, lengths)),
+                    *zip(jax.jit(loss(sharded))(q, k, v), jax.jit(loss(attend))(q, k, v))]:
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

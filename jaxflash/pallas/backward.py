@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -20,6 +19,7 @@ from jaxflash.pallas.blocks import (
 from jaxflash.pallas.config import (
     EMPTY_LSE, LOG2E, PallasConfig, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
+    output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
     round_up)
 
@@ -246,6 +246,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                          lambda i, b, h: (b, 0, h // group, 0))
   row_spec = pl.BlockSpec((None, None, bq_dq),
                           lambda i, b, h: (b, h, nq - 1 - i))
+  operands = same_varying_axes(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
                         num_q_blocks=nq,
@@ -254,11 +255,11 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
                 q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
-      out_shape=jax.ShapeDtypeStruct((batch, t_all, hq, dp), q.dtype),
+      out_shape=output((batch, t_all, hq, dp), q.dtype, operands[3]),
       interpret=cfg.interpret,
       compiler_params=params(bq_dq, bk_dq),
       name="jaxflash_pallas_bwd_dq",
-  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
+  )(*operands)
 
   nk = s_all // bk_dkv
   qg_spec = pl.BlockSpec((None, t_all, group, dp),
@@ -274,12 +275,12 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
                 qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
       out_specs=[kblk_spec, kblk_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, s_all, hkv, dp), k.dtype),
-                 jax.ShapeDtypeStruct((batch, s_all, hkv, dp), v.dtype)],
+      out_shape=[output((batch, s_all, hkv, dp), k.dtype, operands[3]),
+                 output((batch, s_all, hkv, dp), v.dtype, operands[3])],
       interpret=cfg.interpret,
       compiler_params=params(bk_dkv, bq_dkv),
       name="jaxflash_pallas_bwd_dkdv",
-  )(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
+  )(*operands)
 
   if t_all != t or dp != d:
     dq = dq[:, :t, :, :d]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -24,6 +23,7 @@ from jaxflash.pallas.config import (
     EMPTY_LSE, LN2, LOG2E, MIN_BLOCK, PallasConfig, compiler_params, next_pow2,
     padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
+    output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
     round_up)
 
@@ -230,18 +230,19 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
                         lambda i, b, h: (b, h, split_of(i), tile_of(i), 0))
   lse_spec = pl.BlockSpec((None, None, None, br),
                           lambda i, b, h: (b, h, split_of(i), tile_of(i)))
+  operands = same_varying_axes(q_len, kv_len, qp, kp, vp)
   o_part, lse_part = pl.pallas_call(
       kernel,
       grid=(row_tiles * splits, batch, hkv),
       in_specs=[length_spec(batch), length_spec(batch), q_spec, kv_spec, kv_spec],
       out_specs=[o_spec, lse_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, hkv, splits, r_pad, dp), jnp.float32),
-                 jax.ShapeDtypeStruct((batch, hkv, splits, r_pad), jnp.float32)],
+      out_shape=[output((batch, hkv, splits, r_pad, dp), jnp.float32, operands[2]),
+                 output((batch, hkv, splits, r_pad), jnp.float32, operands[2])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, cfg.num_stages, br, bk)),
       name="jaxflash_pallas_decode",
-  )(q_len, kv_len, qp, kp, vp)
+  )(*operands)
   o, lse = _merge_splits(o_part[..., :total, :d], lse_part[..., :total])
   # Back to [B, T, Hq, D] and [B, Hq, T].
   o = o.reshape(batch, hkv, t, group, d).transpose(0, 2, 1, 3, 4).reshape(q.shape)
@@ -310,20 +311,21 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   kv_spec = pl.BlockSpec((None, s_pad, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  operands = same_varying_axes(q_len, kv_len, offsets, qp, kp, vp)
   o, lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
                 q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), q.dtype),
-                 jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
+      out_shape=[output((batch, t_pad, hq, dp), q.dtype, operands[3]),
+                 output((batch, hq, t_pad), jnp.float32, operands[3])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, cfg.num_stages, bq,
                                        bk)),
       name="jaxflash_pallas_fwd",
-  )(q_len, kv_len, offsets, qp, kp, vp)
+  )(*operands)
   if t_pad != t or dp != d:
     o = o[:, :t, :, :d]
   if t_pad != t:

@@ -8,12 +8,35 @@ or zero (head dim) and sliced off again.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxflash import reference
 from jaxflash.pallas.config import MIN_BLOCK, next_pow2, pallas_supported
+
+
+def same_varying_axes(*operands) -> tuple:
+  """The operands of a Pallas call, cast to vary over the same manual mesh axes.
+
+  Inside `shard_map` (with its default check_vma) a kernel that mixes operands
+  of different variance (q varying over a mesh axis, lengths replicated) is
+  refused; each operand is cast up to the union. Elsewhere nothing changes.
+  """
+  axes = [jax.typeof(x).manual_axis_type.varying for x in operands]
+  union = frozenset().union(*axes)
+  return tuple(x if a == union else jax.lax.pcast(x, tuple(sorted(union - a)), to="varying")
+               for x, a in zip(operands, axes))
+
+
+def output(shape, dtype, like) -> jax.ShapeDtypeStruct:
+  """A Pallas call's result type: varying over the manual mesh axes of `like`, one
+  of its operands after `same_varying_axes` (shard_map's check_vma asks for them)."""
+  kind = jax.typeof(like).manual_axis_type
+  if kind.empty:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=kind)
 
 
 def check_static_args(q, k, v, scale, window_left, window_right):

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,6 +41,7 @@ from jaxflash.pallas.blocks import dot, exact_where_nan, lse_log2, query_block, 
 from jaxflash.pallas.config import (
     EMPTY_LSE, LOG2E, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
+    output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to)
 
 __all__ = ["pallas_tangent"]
@@ -161,20 +161,22 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  operands = same_varying_axes(
+      clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
+      batch_offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
+      pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
+      pad_rows(tq), pad_keys(tk), pad_keys(tv))
   t_o, t_lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), q_spec, kv_spec,
                 kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
-      out_shape=[jax.ShapeDtypeStruct((batch, t_pad, hq, dp), o.dtype),
-                 jax.ShapeDtypeStruct((batch, hq, t_pad), jnp.float32)],
+      out_shape=[output((batch, t_pad, hq, dp), o.dtype, operands[3]),
+                 output((batch, hq, t_pad), jnp.float32, operands[3])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, stages, bq, bk)),
       name="jaxflash_pallas_tangent",
-  )(clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
-    batch_offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
-    pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
-    pad_rows(tq), pad_keys(tk), pad_keys(tv))
+  )(*operands)
   return t_o[:, :t, :, :d], t_lse[:, :, :t]
