@@ -29,9 +29,11 @@ from jaxflash import tile_cache
 
 SHIPPED = pathlib.Path(__file__).with_name("orders.json")
 FALLBACK = ("native", "pallas")
-# Query rows up to which a call is a decode step: one new token, or a few of
-# speculative decoding, against a cache (the decode benchmark's q_len 1, 4, 16).
-DECODE_QUERIES = 16
+# Query rows up to which a call is a decode step (measured at one row, tune
+# --orders): where the Pallas decode kernel's lead ends. bench_decode.py on an
+# H200 (2026-11-27): Pallas 0.95-1.07x native's speed at q_len 4, 0.78-0.83x at
+# q_len 16, where the native kernels win.
+DECODE_QUERIES = 4
 
 
 def call_class(dtype, head_dim: int, causal: bool, q_len: int) -> tuple[int, int | None, bool, str]:

@@ -39,8 +39,8 @@ def test_the_shipped_orders_speak_for_their_device_and_class(tables):
   tile_cache.write([order(), order(queries="decode", order=("native", "pallas")),
                     order(head_dim=128, causal=True, order=("native",))], shipped)
   assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
-  assert choice.order(H100, "b", jnp.float16, 40, False, 17) == ("pallas", "native")  # same class
-  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 16) == ("native", "pallas")  # decode
+  assert choice.order(H100, "b", jnp.float16, 40, False, 5) == ("pallas", "native")   # same class
+  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4) == ("native", "pallas")  # decode
   assert choice.order(H100, "b", jnp.bfloat16, 128, True, 4096) == ("native",)
   assert choice.order(H100, "b", jnp.float32, 64, False, 4096) == choice.FALLBACK     # 32-bit
   assert choice.order(H100, "b", jnp.bfloat16, 64, True, 4096) == choice.FALLBACK     # causal
