@@ -375,7 +375,7 @@ def device_kind() -> str:
 
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py)."""
-  return choice.order(device_kind(), _native.build_id(), call.q.dtype, call.q.shape[-1],
+  return choice.order(device_kind(), _native.build_id, call.q.dtype, call.q.shape[-1],
                       call.spec.window_right >= 0, call.q.shape[-3])
 
 

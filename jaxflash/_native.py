@@ -39,7 +39,7 @@ def tile_attr(direction: str, head_dim: int, causal: bool) -> int:
   device = jax.devices()[0]
   if device.platform != "gpu":
     return 0
-  return tile_cache.lookup(direction, head_dim, causal, device.device_kind, build_id())
+  return tile_cache.lookup(direction, head_dim, causal, device.device_kind, build_id)
 
 
 # Head-dim buckets where the fused Hopper backward runs unless

@@ -47,14 +47,19 @@ def _shipped(file: str) -> tuple[tile_cache.Order, ...]:
   return tuple(tile_cache.read(pathlib.Path(file), "orders"))
 
 
-def measured(device_kind: str, build: str) -> list[tile_cache.Order]:
-  """The orders that speak for this device: the cache's of this build, then the shipped ones."""
-  cached = [o for o in tile_cache.read(kind="orders") if o.device == device_kind and o.build == build]
+def measured(device_kind: str, build) -> list[tile_cache.Order]:
+  """The orders that speak for this device: the cache's of this build (`build()`, called
+  only when the cache holds orders of the device), then the shipped ones."""
+  cached = [o for o in tile_cache.read(kind="orders") if o.device == device_kind]
+  if cached:
+    current = build()
+    cached = [o for o in cached if o.build == current]
   return cached + [o for o in _shipped(str(SHIPPED)) if o.device == device_kind]
 
 
-def order(device_kind: str, build: str, dtype, head_dim: int, causal: bool,
+def order(device_kind: str, build, dtype, head_dim: int, causal: bool,
           q_len: int) -> tuple[str, ...]:
-  """The implementations to try for a call of this class on this device, fastest first."""
+  """The implementations to try for a call of this class on this device, fastest first
+  (`build`: as for `measured`)."""
   cell = (device_kind, *call_class(dtype, head_dim, causal, q_len))
   return next((o.order for o in measured(device_kind, build) if o.cell() == cell), FALLBACK)

@@ -164,15 +164,17 @@ def _read_cached(name: str, mtime_ns: int, size: int) -> dict[str, list]:
     return {name: [] for name in KINDS}
 
 
-def lookup(direction: str, head_dim: int, causal: bool, device_kind: str, build: str) -> int:
+def lookup(direction: str, head_dim: int, causal: bool, device_kind: str, build) -> int:
   """The tile attribute for a call: 0 (the table) or kTilePreferred + the cached candidate.
 
-  `build` is the running extension's id (`_native.build_id`): entries of another are stale."""
+  `build()` gives the running extension's id (`_native.build_id`: a hash of the library,
+  computed only when the device has entries): entries of another build are stale."""
   b = bucket(head_dim)
   entries = [e for e in read() if e.device == device_kind] if b is not None else []
   if not entries:
     return 0
-  fresh = [e for e in entries if e.build == build]
+  current = build()
+  fresh = [e for e in entries if e.build == current]
   if not fresh:
     _warn_once(f"stale:{device_kind}", f"jaxflash: the tile cache {path()} was measured for "
                f"{device_kind!r} with another build of jaxflash; it is ignored until "

@@ -30,30 +30,30 @@ def tables(tmp_path, monkeypatch):
 
 
 def test_a_class_no_one_measured_takes_the_rule(tables):
-  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
-  assert choice.order("cpu", "b", jnp.float32, 64, True, 1) == choice.FALLBACK
+  assert choice.order(H100, lambda: "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
+  assert choice.order("cpu", lambda: "b", jnp.float32, 64, True, 1) == choice.FALLBACK
 
 
 def test_the_shipped_orders_speak_for_their_device_and_class(tables):
   _, shipped = tables
   tile_cache.write([order(), order(queries="decode", order=("native", "pallas")),
                     order(head_dim=128, causal=True, order=("native",))], shipped)
-  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
-  assert choice.order(H100, "b", jnp.float16, 40, False, 5) == ("pallas", "native")   # same class
-  assert choice.order(H100, "b", jnp.bfloat16, 64, False, 4) == ("native", "pallas")  # decode
-  assert choice.order(H100, "b", jnp.bfloat16, 128, True, 4096) == ("native",)
-  assert choice.order(H100, "b", jnp.float32, 64, False, 4096) == choice.FALLBACK     # 32-bit
-  assert choice.order(H100, "b", jnp.bfloat16, 64, True, 4096) == choice.FALLBACK     # causal
-  assert choice.order("NVIDIA H200", "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
+  assert choice.order(H100, lambda: "b", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
+  assert choice.order(H100, lambda: "b", jnp.float16, 40, False, 5) == ("pallas", "native")   # same class
+  assert choice.order(H100, lambda: "b", jnp.bfloat16, 64, False, 4) == ("native", "pallas")  # decode
+  assert choice.order(H100, lambda: "b", jnp.bfloat16, 128, True, 4096) == ("native",)
+  assert choice.order(H100, lambda: "b", jnp.float32, 64, False, 4096) == choice.FALLBACK     # 32-bit
+  assert choice.order(H100, lambda: "b", jnp.bfloat16, 64, True, 4096) == choice.FALLBACK     # causal
+  assert choice.order("NVIDIA H200", lambda: "b", jnp.bfloat16, 64, False, 4096) == choice.FALLBACK
 
 
 def test_the_device_cache_of_this_build_comes_before_the_shipped_orders(tables):
   _, shipped = tables
   tile_cache.write([order()], shipped)
   tile_cache.write([order(build="mine", order=("native", "pallas"))])
-  assert choice.order(H100, "mine", jnp.bfloat16, 64, False, 4096) == ("native", "pallas")
+  assert choice.order(H100, lambda: "mine", jnp.bfloat16, 64, False, 4096) == ("native", "pallas")
   # Another build's measurement is stale: the shipped order speaks.
-  assert choice.order(H100, "other", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
+  assert choice.order(H100, lambda: "other", jnp.bfloat16, 64, False, 4096) == ("pallas", "native")
 
 
 def test_the_choice_takes_the_first_implementation_that_serves_the_call(monkeypatch):

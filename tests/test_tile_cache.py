@@ -50,19 +50,19 @@ def test_buckets_follow_the_launchers():
 
 def test_a_written_winner_is_a_preference_for_its_cell(cache):
   tile_cache.write([entry(), entry(direction="bwd", causal=True, tile=1)])
-  assert tile_cache.lookup("fwd", 128, False, H100, BUILD) == tile_cache.TILE_PREFERRED + 2
-  assert tile_cache.lookup("fwd", 112, False, H100, BUILD) == tile_cache.TILE_PREFERRED + 2  # same bucket
-  assert tile_cache.lookup("bwd", 128, True, H100, BUILD) == tile_cache.TILE_PREFERRED + 1
-  assert tile_cache.lookup("fwd", 128, True, H100, BUILD) == 0      # not measured: the table
-  assert tile_cache.lookup("fwd", 64, False, H100, BUILD) == 0
-  assert tile_cache.lookup("fwd", 128, False, "NVIDIA A100-SXM4-80GB", BUILD) == 0
-  assert tile_cache.lookup("fwd", 512, False, H100, BUILD) == 0     # no bucket
+  assert tile_cache.lookup("fwd", 128, False, H100, lambda: BUILD) == tile_cache.TILE_PREFERRED + 2
+  assert tile_cache.lookup("fwd", 112, False, H100, lambda: BUILD) == tile_cache.TILE_PREFERRED + 2  # same bucket
+  assert tile_cache.lookup("bwd", 128, True, H100, lambda: BUILD) == tile_cache.TILE_PREFERRED + 1
+  assert tile_cache.lookup("fwd", 128, True, H100, lambda: BUILD) == 0      # not measured: the table
+  assert tile_cache.lookup("fwd", 64, False, H100, lambda: BUILD) == 0
+  assert tile_cache.lookup("fwd", 128, False, "NVIDIA A100-SXM4-80GB", lambda: BUILD) == 0
+  assert tile_cache.lookup("fwd", 512, False, H100, lambda: BUILD) == 0     # no bucket
 
 
 def test_a_stale_cache_is_ignored_with_a_warning(cache):
   tile_cache.write([entry()])
   with pytest.warns(RuntimeWarning, match="another build"):
-    assert tile_cache.lookup("fwd", 128, False, H100, "build-b") == 0
+    assert tile_cache.lookup("fwd", 128, False, H100, lambda: "build-b") == 0
 
 
 @pytest.mark.parametrize("text", [
@@ -80,14 +80,14 @@ def test_a_stale_cache_is_ignored_with_a_warning(cache):
 def test_a_bad_cache_file_is_ignored_with_a_warning(cache, text):
   cache.write_text(text)
   with pytest.warns(RuntimeWarning, match="ignoring the tile cache"):
-    assert tile_cache.lookup("fwd", 128, False, H100, BUILD) == 0
+    assert tile_cache.lookup("fwd", 128, False, H100, lambda: BUILD) == 0
   # ... once: later lookups stay quiet and keep answering.
-  assert tile_cache.lookup("fwd", 128, False, H100, BUILD) == 0
+  assert tile_cache.lookup("fwd", 128, False, H100, lambda: BUILD) == 0
 
 
 def test_no_cache_file_means_the_table(cache):
   assert not cache.exists()
-  assert tile_cache.lookup("fwd", 128, False, H100, BUILD) == 0
+  assert tile_cache.lookup("fwd", 128, False, H100, lambda: BUILD) == 0
 
 
 def test_writing_replaces_its_cells_and_the_stale_entries_of_its_device(cache):
