@@ -63,33 +63,38 @@ def as_array(x, name: str) -> jax.Array:
 
 
 def _batch_axes(arrays: dict[str, jax.Array]) -> tuple[int, ...]:
-  """The leading batch axes that query, key and value share: [*batch, seq, heads, head_dim]."""
+  """The leading batch axes that query, key and value share: [*batch, seq, heads, head_dim].
+
+  A rank-3 input has a batch of one, as in jax.nn (a rank-3 query may meet rank-4 keys).
+  Only the first batch axis may be sharded: flattening the batch axes gathers the others.
+  """
   for name, x in arrays.items():
     if x.ndim < 3:
       raise ValueError(f"{name} must have rank 3 or more [*batch, seq, heads, head_dim]; got "
                        f"shape {x.shape}")
-  (first, q), *rest = arrays.items()
-  for name, x in rest:
-    if x.shape[:-3] != q.shape[:-3]:
-      raise ValueError(f"{first} and {name} must have the same batch axes, got "
-                       f"{q.shape[:-3]} and {x.shape[:-3]}")
-  return q.shape[:-3]
+  batches = {name: x.shape[:-3] or (1,) for name, x in arrays.items()}
+  (first, batch), *rest = batches.items()
+  for name, other in rest:
+    if other != batch:
+      raise ValueError(f"{first} and {name} must have the same batch axes, got {batch} and "
+                       f"{other}")
+  return batch
 
 
-def flatten_batch(x: jax.Array, batch: tuple[int, ...]) -> jax.Array:
-  """[*batch, ...] as [prod(batch), ...]; no batch axes (rank 3) become one of size 1."""
-  return x.reshape((math.prod(batch),) + x.shape[len(batch):])
+def flatten_batch(x: jax.Array) -> jax.Array:
+  """[*batch, T, N, H] as [prod(batch), T, N, H] (a rank-3 input: a batch of one)."""
+  return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
 
 
 def _lengths(x, name: str, batch: tuple[int, ...]) -> jax.Array | None:
-  """Lengths of shape `batch` (or [1] without batch axes), flattened like the inputs."""
+  """Lengths of shape `batch`, flattened like the inputs."""
   if x is None:
     return None
   x = as_array(x, name)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be an integer array, got dtype {x.dtype}")
-  if x.shape != (batch or (1,)):
-    raise ValueError(f"{name} must have the batch shape {batch or (1,)}, got {x.shape}")
+  if x.shape != batch:
+    raise ValueError(f"{name} must have the batch shape {batch}, got {x.shape}")
   return x.reshape(-1).astype(jnp.int32)
 
 
@@ -150,7 +155,7 @@ def _dense_term(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, in
   if x is None:
     return None
   x = as_array(x, name)
-  full = (batch or (1,)) + shape3
+  full = batch + shape3
   if x.ndim > len(full):
     raise ValueError(f"{name} must have rank <= {len(full)} (broadcastable to [*batch, N, T, S]), "
                      f"got {x.shape}")
@@ -201,7 +206,7 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   batch = _batch_axes({"query": q, "key": k, "value": v})
   if k.shape != v.shape:
     raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
-  q, k, v = (flatten_batch(x, batch) for x in (q, k, v))
+  q, k, v = (flatten_batch(x) for x in (q, k, v))
   B, T, N, H = q.shape
   _, S, K, Hk = k.shape
   if Hk != H:
@@ -409,13 +414,20 @@ def choose(call: Call, implementation, cudnn_unsupported: str | None = None) -> 
     raise ValueError(cudnn_unsupported)
   if implementation is not None:
     return implementation
-  for name in automatic_order(call):
+  # An order may name some implementations only (one that could not run when it was
+  # measured): the rest follow in the fallback order.
+  for name in dict.fromkeys((*automatic_order(call), *choice.FALLBACK)):
     if name == "xla" or fused_unsupported(call, name, explicit=False) is None:
       return name
   return "xla"
 
 
 # ------------------------------------------------------------------ result
+
+def full_lengths(batch: int, length: int) -> jax.Array:
+  """[batch] lengths that cover the whole sequence (where the kernels need an array)."""
+  return jnp.full((batch,), length, jnp.int32)
+
 
 def empty_result(call: Call):
   """(o, lse) of an empty call: zeros, and the statistics of rows that see no key."""

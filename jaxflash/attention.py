@@ -93,7 +93,7 @@ def dot_product_attention(
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple
-    ``(output, lse)`` where ``lse`` is ``[batch, q_len, heads]``: the natural
+    ``(output, lse)`` where ``lse`` is ``[*batch, q_len, heads]``: the natural
     log-sum-exp of each row's scaled logits.
   """
   call = _core.validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
@@ -145,6 +145,8 @@ def _cudnn_unsupported(call: _core.Call, extra_keywords: bool) -> str | None:
             "of jaxflash's extra keywords")
   if len(call.output_shape) > 4:
     return "implementation='cudnn' takes rank 3 or 4 inputs (jax.nn's layouts)"
+  if call.q.dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    return f"implementation='cudnn' takes float16 and bfloat16, got {call.q.dtype}"
   if _core.platform() != "gpu":
     return "implementation='cudnn' runs on GPUs only"
   return None
@@ -161,5 +163,5 @@ def _no_lengths(batch: int, length: int) -> jax.Array:
   ManualComputationUnusedInputsPattern, after zero-sized HLO elimination).
   """
   if jax.sharding.get_abstract_mesh().manual_axes:
-    return jnp.full((batch,), length, jnp.int32)
+    return _core.full_lengths(batch, length)
   return reference.no_lengths()

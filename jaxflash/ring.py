@@ -451,9 +451,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   if call.empty:
     out, lse = _core.empty_result(call)
   else:
-    q_lengths = (call.q_lengths if call.q_lengths is not None
-                 else jnp.full((B,), T * shards, jnp.int32))
+    q_lengths = call.q_lengths if call.q_lengths is not None else _core.full_lengths(B, T * shards)
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
-                  else jnp.full((B,), S * shards, jnp.int32))
+                  else _core.full_lengths(B, S * shards))
     out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -150,12 +150,12 @@ def read(file: pathlib.Path | None = None, kind: str = "entries") -> list:
     stat = file.stat()
   except OSError:
     return []
-  return _read_cached(str(file), stat.st_mtime_ns, stat.st_size)[kind]
+  return _read_cached(str(file), stat.st_mtime_ns, stat.st_size, stat.st_ino)[kind]
 
 
 @functools.lru_cache(maxsize=8)
-def _read_cached(name: str, mtime_ns: int, size: int) -> dict[str, list]:
-  del mtime_ns, size  # part of the key: a rewritten file is read again
+def _read_cached(name: str, mtime_ns: int, size: int, inode: int) -> dict[str, list]:
+  del mtime_ns, size, inode  # part of the key: a rewritten (replaced) file is read again
   try:
     return _parse(pathlib.Path(name).read_text())
   except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError

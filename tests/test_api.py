@@ -404,3 +404,12 @@ def test_an_implementation_sequence_takes_the_first_that_serves(rng):
   for bad in ((), ("native", "fast"), [None, 3]):
     with pytest.raises(ValueError, match="non-empty sequence"):
       jaxflash.dot_product_attention(q, k, v, implementation=bad)
+
+
+def test_a_rank3_query_meets_rank4_keys_as_in_jax_nn(rng):
+  q = jnp.asarray(rng.standard_normal((5, 2, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((1, 6, 2, 8)), jnp.float32) for _ in range(2))
+  got = jaxflash.dot_product_attention(q, k, v, implementation="native")
+  want = jax.nn.dot_product_attention(q, k, v, implementation="xla")
+  assert got.shape == want.shape == q.shape
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)

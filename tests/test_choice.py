@@ -67,6 +67,9 @@ def test_the_choice_takes_the_first_implementation_that_serves_the_call(monkeypa
   else:
     assert _core.choose(call, None) == "pallas"
   assert _core.choose(call, "pallas") == "pallas"
+  # An order that names one implementation only: the others follow, before xla.
+  monkeypatch.setattr(choice, "order", lambda *a: ("pallas",))
+  assert _core.choose(call, None) == ("native" if _core.platform() == "cpu" else "pallas")
 
 
 def test_the_shipped_table_is_well_formed():

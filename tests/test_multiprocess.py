@@ -21,16 +21,21 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_sharded_calls_across_two_processes_equal_one_device():
+def test_sharded_calls_across_two_processes_equal_one_device(tmp_path):
   port = free_port()
+  logs = [tmp_path / f"process{i}.log" for i in range(2)]
+  # Output to files, not pipes: a full pipe would block one process while the
+  # other waits for it in a collective.
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+           for i, log in enumerate(logs)]
   try:
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for p in procs:
+      p.wait(timeout=600)
   finally:
     for p in procs:
       p.kill()
+  outputs = [log.read_text() for log in logs]
   for i, (p, out) in enumerate(zip(procs, outputs)):
     assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
     for name in ("batch", "heads", "sequence"):

@@ -24,7 +24,10 @@ def same_varying_axes(*operands) -> tuple:
   of different variance (q varying over a mesh axis, lengths replicated) is
   refused; each operand is cast up to the union. Elsewhere nothing changes.
   """
-  axes = [jax.typeof(x).manual_axis_type.varying for x in operands]
+  kinds = [getattr(jax.typeof(x), "manual_axis_type", None) for x in operands]
+  if any(kind is None for kind in kinds):   # a JAX without manual axis types
+    return operands
+  axes = [kind.varying for kind in kinds]
   union = frozenset().union(*axes)
   return tuple(x if a == union else jax.lax.pcast(x, tuple(sorted(union - a)), to="varying")
                for x, a in zip(operands, axes))
@@ -33,8 +36,8 @@ def same_varying_axes(*operands) -> tuple:
 def output(shape, dtype, like) -> jax.ShapeDtypeStruct:
   """A Pallas call's result type: varying over the manual mesh axes of `like`, one
   of its operands after `same_varying_axes` (shard_map's check_vma asks for them)."""
-  kind = jax.typeof(like).manual_axis_type
-  if kind.empty:
+  kind = getattr(jax.typeof(like), "manual_axis_type", None)
+  if kind is None or kind.empty:
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=kind)
 
