@@ -3,9 +3,10 @@
 The CUDA kernels compile a few tile shapes per head-dim bucket and pick one
 from a table measured on an H100. `python -m jaxflash.tune` re-measures every
 candidate on the GPU at hand and writes the winners here; the native calls read
-them when they are traced (`_native.tile_attr`, which passes its build id) and pass them to the kernels as
-a *preference*: a candidate the running build lacks falls back to the table
-(FwdParams::kTilePreferred), so no cache content can make a call fail.
+them when they are traced (`_native.tile_attr`, which passes its build id) and
+pass them to the kernels as a *preference*: a candidate the running build lacks
+falls back to the table (FwdParams::kTilePreferred), so no cache content can
+make a call fail.
 
 The file is JSON, by default `$XDG_CACHE_HOME/jaxflash/tiles.json` (or
 `~/.cache/...`); `JAXFLASH_TILE_CACHE` names another file, or turns the cache

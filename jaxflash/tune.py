@@ -22,8 +22,8 @@ docs/performance-log.md.
 `--orders` times the fused implementations (native, pallas) on every class of call that
 `implementation=None` tells apart (jaxflash/choice.py): 16- and 32-bit inputs, each head-dim
 bucket of --head-dims, causal or not, training-length queries (forward+backward on the grid's
-shapes at each of --seqs, geometric mean; 32-bit inputs at the first only) and decode steps (one query row of 32 heads against
-an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
+shapes at each of --seqs, geometric mean; 32-bit inputs at the first only) and decode steps
+(one query row of 32 heads against an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
 --shipped FILE to the package's table of shipped orders as well).
 """
 
@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxflash
-from jaxflash import _measure, _native, tile_cache
+from jaxflash import _measure, _native, choice, tile_cache
 
 
 def build(direction: str, causal: bool, cand: int, sm80: bool):
@@ -123,7 +123,7 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
 
 
 def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("train", "decode"),
-                   candidates=("native", "pallas")):
+                   candidates=choice.FALLBACK):
   """The Order of every class, printed as a table row each."""
   device = jax.devices()[0]
   today = datetime.date.today().isoformat()
