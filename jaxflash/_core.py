@@ -197,16 +197,16 @@ class Call:
 
 
 def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-              num_splits=None) -> Call:
+             key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
+             num_splits=None) -> Call:
   q = as_array(query, "query")
   k = as_array(key, "key")
   v = as_array(value, "value")
   output_shape = q.shape
   batch = _batch_axes({"query": q, "key": k, "value": v})
+  q, k, v = (flatten_batch(x) for x in (q, k, v))
   if k.shape != v.shape:
     raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
-  q, k, v = (flatten_batch(x) for x in (q, k, v))
   B, T, N, H = q.shape
   _, S, K, Hk = k.shape
   if Hk != H:
@@ -226,11 +226,11 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   bottom_right=causal_alignment == "bottom_right",
                   deterministic=bool(deterministic), num_splits=_splits.validate(num_splits))
   return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
-               mask=_dense_term(mask, "mask", batch, (N, T, S)),
-               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
-               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
-               is_causal=bool(is_causal), window=window, spec=spec,
-               output_shape=output_shape)
+              mask=_dense_term(mask, "mask", batch, (N, T, S)),
+              q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
+              kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
+              is_causal=bool(is_causal), window=window, spec=spec,
+              output_shape=output_shape)
 
 
 # ------------------------------------------------------------------ kernels

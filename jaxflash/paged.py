@@ -174,9 +174,9 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
   window = _core.parse_window(local_window_size)
   left, right = reference.window_bounds(bool(is_causal), window)
   spec = _core.MaskSpec(scale=_core.resolve_scale(scale, q.shape[-1]),
-                             window_left=-1 if left is None else left,
-                             window_right=-1 if right is None else right, bottom_right=True,
-                             num_splits=_splits.validate(num_splits))
+                        window_left=-1 if left is None else left,
+                        window_right=-1 if right is None else right, bottom_right=True,
+                        num_splits=_splits.validate(num_splits))
   if _choose(q, implementation) == "native":
     return _native_paged(q, kp, vp, table, lengths, spec)
   k = reference.gather_pages(kp, table)
