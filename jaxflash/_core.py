@@ -43,7 +43,9 @@ class MaskSpec:
   """The static part of a call: scale and the mask rule (see reference.py).
 
   window_left / window_right are -1 for an unbounded side; num_splits is 0
-  for the automatic split-KV choice (jaxflash/_splits.py) or the forced count.
+  for the automatic split-KV choice (jaxflash/_splits.py) or the forced count;
+  softcap is 0 for none, else the cap c of a score: s = c * tanh(scale * q.k / c)
+  (`score` in reference.py says it once for every implementation).
   """
   scale: float
   window_left: int = -1
@@ -51,6 +53,7 @@ class MaskSpec:
   bottom_right: bool = False
   deterministic: bool = False
   num_splits: int = 0
+  softcap: float = 0.0
 
 
 # ------------------------------------------------------------------ validation
@@ -196,9 +199,24 @@ class Call:
     return B * T * N == 0 or self.k.shape[1] == 0
 
 
+def resolve_softcap(logits_soft_cap) -> float:
+  """The logit soft-cap as MaskSpec keeps it: 0.0 for None, else a finite float > 0."""
+  if logits_soft_cap is None:
+    return 0.0
+  if isinstance(logits_soft_cap, jax.core.Tracer):
+    raise TypeError("logits_soft_cap must be a static Python number, not a traced value")
+  try:
+    value = float(logits_soft_cap)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"logits_soft_cap must be a number or None, got {logits_soft_cap!r}") from e
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"logits_soft_cap must be finite and > 0 (None: no cap), got {value}")
+  return value
+
+
 def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-             num_splits=None) -> Call:
+             num_splits=None, logits_soft_cap=None) -> Call:
   q = as_array(query, "query")
   k = as_array(key, "key")
   v = as_array(value, "value")
@@ -224,7 +242,8 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   spec = MaskSpec(scale=resolve_scale(scale, H), window_left=-1 if left is None else left,
                   window_right=-1 if right is None else right,
                   bottom_right=causal_alignment == "bottom_right",
-                  deterministic=bool(deterministic), num_splits=_splits.validate(num_splits))
+                  deterministic=bool(deterministic), num_splits=_splits.validate(num_splits),
+                  softcap=resolve_softcap(logits_soft_cap))
   return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
               mask=_dense_term(mask, "mask", batch, (N, T, S)),
               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
@@ -253,7 +272,8 @@ class NativeKernels:
   @staticmethod
   def _attrs(spec: MaskSpec) -> dict[str, Any]:
     return dict(scale=np.float32(spec.scale), window_left=np.int64(spec.window_left),
-                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right),
+                softcap=np.float32(spec.softcap))
 
   @staticmethod
   def out_types(q, splits: int):
@@ -304,7 +324,8 @@ class PallasKernels:
   @staticmethod
   def _kw(spec: MaskSpec) -> dict[str, Any]:
     return dict(scale=float(spec.scale), window_left=int(spec.window_left),
-                window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right))
+                window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right),
+                softcap=float(spec.softcap))
 
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):

@@ -16,11 +16,14 @@ import numpy as np
 from jaxflash import tile_cache
 
 # The FFI targets, versioned (ffi/handlers/module.cc): an exported program names
-# them, and a later jaxflash keeps serving every version it has shipped.
-FORWARD_TARGET = "jaxflash_fwd_v1"
-BACKWARD_TARGET = "jaxflash_bwd_v1"
-PAGED_TARGET = "jaxflash_paged_fwd_v1"
-TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET)
+# them, and a later jaxflash keeps serving every version it has shipped. v2 adds
+# the `softcap` attribute to v1's; calls are traced with v2, and v1 stays
+# registered for programs exported before it.
+FORWARD_TARGET = "jaxflash_fwd_v2"
+BACKWARD_TARGET = "jaxflash_bwd_v2"
+PAGED_TARGET = "jaxflash_paged_fwd_v2"
+LEGACY_TARGETS = ("jaxflash_fwd_v1", "jaxflash_bwd_v1", "jaxflash_paged_fwd_v1")
+TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
 # (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path

@@ -33,6 +33,7 @@ def dot_product_attention(
     differentiable_residual: bool = False,
     deterministic: bool = False,
     num_splits: int | None = None,
+    logits_soft_cap: float | None = None,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
 
@@ -90,6 +91,10 @@ def dot_product_attention(
       rounding; the backward is unaffected. On the GPU the split applies to the
       16-bit tensor-core path; float32 (and head dims that are not a multiple
       of 8) run unsplit. ``xla`` ignores it.
+    logits_soft_cap: ``c`` > 0 caps every score (Gemma-style): ``scale * q.k``
+      becomes ``c * tanh(scale * q.k / c)`` before masking (and before a dense
+      ``bias`` is added); the backward multiplies by ``1 - tanh^2``. ``None``:
+      no cap. Fused in every implementation but ``cudnn``.
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple
@@ -98,7 +103,7 @@ def dot_product_attention(
   """
   call = _core.validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                         key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-                        num_splits)
+                        num_splits, logits_soft_cap)
   if not isinstance(differentiable_residual, (bool, np.bool_)):
     raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
   if differentiable_residual and not return_residual:
@@ -109,7 +114,7 @@ def dot_product_attention(
   checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
   chosen = _core.choose(call, implementation, _cudnn_unsupported(
       call, residual_dtype is not None or deterministic or differentiable_residual
-      or num_splits is not None))
+      or num_splits is not None or logits_soft_cap is not None))
 
   if chosen == "cudnn":
     return jax.nn.dot_product_attention(
@@ -126,7 +131,7 @@ def dot_product_attention(
         is_causal=call.is_causal,
         causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
-        key_value_seq_lengths=call.kv_lengths)
+        key_value_seq_lengths=call.kv_lengths, logits_soft_cap=call.spec.softcap or None)
   else:
     B, T = call.q.shape[:2]
     q_lengths = call.q_lengths if call.q_lengths is not None else _no_lengths(B, T)

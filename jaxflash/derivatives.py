@@ -24,6 +24,8 @@ With the LSE known the tangent needs one pass and no rescaling (natural
 log, scale c, sums over visible keys j):
 
     P = exp(S - LSE),  S = c Q Kᵀ,  tS = c (tQ Kᵀ + Q tKᵀ),
+    (with a logit soft-cap S and tS are the capped score and its tangent:
+    reference.soft_cap, times its slope)
     tLSE = Σ_j P tS,   tO = Σ_j P (tS V_j + tV_j) - tLSE O.
 """
 
@@ -94,11 +96,14 @@ class _KeyBlocks:
     return jnp.arange(self.count, dtype=jnp.int32) * self.block
 
   def probabilities(self, q, k, lse, vis):
-    """P [B, K, G, T, block] of the visible pairs: exp(S - LSE), and S."""
-    s = jnp.einsum("btkgh,bskh->bkgts", q, k, precision=_HIGHEST) * self.spec.scale
+    """(P, slope) [B, K, G, T, block]: P = exp(S - LSE) of the visible pairs, with S the
+    (soft-capped) scores, and dS / d(c q.k), the cap's slope (None without a cap)."""
+    s = reference.soft_cap(jnp.einsum("btkgh,bskh->bkgts", q, k, precision=_HIGHEST)
+                           * self.spec.scale, self.spec.softcap)
     # exp sees visible pairs only; rows with no key (LSE = the empty value)
     # have none, so nothing overflows.
-    return jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
+    p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
+    return p, reference.soft_cap_slope(s, self.spec.softcap)
 
 
 def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
@@ -116,9 +121,10 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
     acc, t_lse, o_sum = carry
     kb, vb, tkb, tvb, j0 = block
     vis = g.visible(j0)
-    p = g.probabilities(qg, kb, g.rows(lse), vis)
+    p, slope = g.probabilities(qg, kb, g.rows(lse), vis)
     ts = spec.scale * (jnp.einsum("btkgh,bskh->bkgts", tqg, kb, precision=_HIGHEST) +
                        jnp.einsum("btkgh,bskh->bkgts", qg, tkb, precision=_HIGHEST))
+    ts = ts if slope is None else ts * slope
     pts = jnp.where(vis, p * ts, 0)
     acc = acc + (jnp.einsum("bkgts,bskh->btkgh", pts, vb, precision=_HIGHEST) +
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
@@ -167,9 +173,10 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
   def step(dq, block):
     kb, vb, j0 = block
     vis = g.visible(j0)
-    p = g.probabilities(qg, kb, lse_g, vis)
+    p, slope = g.probabilities(qg, kb, lse_g, vis)
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, precision=_HIGHEST)
-    ds = jnp.where(vis, p * (dp - delta[..., None]), 0)
+    ds = p * (dp - delta[..., None])
+    ds = jnp.where(vis, ds if slope is None else ds * slope, 0)
     dq = dq + spec.scale * jnp.einsum("bkgts,bskh->btkgh", ds, kb, precision=_HIGHEST)
     dk = spec.scale * jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=_HIGHEST)
     dv = jnp.einsum("bkgts,btkgh->bskh", p, dog, precision=_HIGHEST)

@@ -106,7 +106,8 @@ def _native_paged(q, kp, vp, table, lengths, spec):
   o, _, _, _ = call(q, kp, vp, table, lengths, scale=np.float32(spec.scale),
                     window_left=np.int64(spec.window_left),
                     window_right=np.int64(spec.window_right),
-                    tile=np.int64(_native.forced_tile_attr()), num_splits=np.int64(splits))
+                    tile=np.int64(_native.forced_tile_attr()), num_splits=np.int64(splits),
+                    softcap=np.float32(spec.softcap))
   return o
 
 
@@ -126,7 +127,7 @@ _native_paged.defvjp(_native_paged_fwd, _native_paged_bwd)
 
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, scale=None,
                     is_causal: bool = True, local_window_size=None, num_splits=None,
-                    implementation=None):
+                    logits_soft_cap=None, implementation=None):
   r"""Attention of new queries against a paged KV cache (decoding, chunked prefill).
 
   Args:
@@ -150,6 +151,8 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
       position, as in :func:`jaxflash.dot_product_attention`.
     num_splits: split-KV, as in :func:`jaxflash.dot_product_attention`
       (``None`` automatic, an int in [1, 1024] forced).
+    logits_soft_cap: ``c`` > 0 caps every score at ``c * tanh(score / c)``, as
+      in :func:`jaxflash.dot_product_attention`.
     implementation: ``None`` (``native`` where it can serve the call, else
       ``xla``), ``"native"`` (reads the pages in place, CUDA on GPU and C++ on
       CPU) or ``"xla"`` (gathers the pages, then the reference; materialises
@@ -176,12 +179,13 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
   spec = _core.MaskSpec(scale=_core.resolve_scale(scale, q.shape[-1]),
                         window_left=-1 if left is None else left,
                         window_right=-1 if right is None else right, bottom_right=True,
-                        num_splits=_splits.validate(num_splits))
+                        num_splits=_splits.validate(num_splits),
+                        softcap=_core.resolve_softcap(logits_soft_cap))
   if _choose(q, implementation) == "native":
     return _native_paged(q, kp, vp, table, lengths, spec)
   k = reference.gather_pages(kp, table)
   v = reference.gather_pages(vp, table)
   out, _ = reference.attention(q, k, v, scale=spec.scale, is_causal=bool(is_causal),
                                causal_alignment="bottom_right", local_window_size=window,
-                               key_value_seq_lengths=lengths)
+                               key_value_seq_lengths=lengths, logits_soft_cap=spec.softcap or None)
   return out

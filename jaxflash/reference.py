@@ -108,10 +108,24 @@ def cast_lse(lse: jax.Array, dtype) -> jax.Array:
   return jnp.where(empty, empty_lse(dtype), jnp.where(empty, 0, lse).astype(dtype))
 
 
+def soft_cap(scores, cap):
+  """Scores under a logit soft-cap `cap` (None or 0: none): cap * tanh(scores / cap).
+
+  Every implementation applies it to scale * q.k, before masking and before a dense
+  bias is added; tanh takes +-inf to +-cap and keeps NaN.
+  """
+  return scores if not cap else cap * jnp.tanh(scores / cap)
+
+
+def soft_cap_slope(capped, cap):
+  """d capped / d scores, from the capped scores: 1 - tanh^2 (None with no cap)."""
+  return None if not cap else 1 - jnp.square(capped / cap)
+
+
 def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
               causal_alignment: str = "top_left", local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None,
-              diagonal_offsets=None):
+              diagonal_offsets=None, logits_soft_cap=None):
   """Attention over [B, T, N, H] / [B, S, K, H] inputs; returns (out, lse).
 
   `out` has the query's dtype (or `compute_dtype`), `lse` is [B, N, T] in
@@ -150,7 +164,8 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
                else jax.lax.Precision.DEFAULT)
   logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k,
                       preferred_element_type=compute_dtype, precision=precision)
-  logits = logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype)
+  logits = soft_cap(logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype),
+                    logits_soft_cap)
   if bias is not None:
     logits = logits + jnp.asarray(bias).astype(compute_dtype)
 

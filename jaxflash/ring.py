@@ -404,7 +404,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
                    key_value_seq_lengths=None, local_window_size=None,
                    causal_alignment: str = "top_left", layout: Layout = "contiguous",
                    implementation: str | None = None, return_residual: bool = False,
-                   residual_dtype=None, differentiable_residual: bool = False):
+                   residual_dtype=None, differentiable_residual: bool = False,
+                   logits_soft_cap: float | None = None):
   """Exact attention over a sequence sharded along the mesh axis `axis_name`.
 
   Call it inside `jax.shard_map` with the local shards: ``query`` is this
@@ -433,7 +434,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     raise ValueError("ring_attention runs the fused kernels: implementation must be None, "
                      f"'native' or 'pallas', got {implementation!r}")
   call = _core.validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
-                        key_value_seq_lengths, local_window_size, causal_alignment, False)
+                        key_value_seq_lengths, local_window_size, causal_alignment, False,
+                        logits_soft_cap=logits_soft_cap)
   shards = lax.axis_size(axis_name)
   B, T = call.q.shape[:2]
   S = call.k.shape[1]

@@ -44,13 +44,18 @@ def _scores(q, ke):
   return np.matmul(q.transpose(0, 2, 1, 3), ke.transpose(0, 2, 3, 1))
 
 
-def forward(q, k, v, *, scale, **mask):
+def _cap(s, softcap):
+  """The logit soft-cap (0: none): softcap * tanh(s / softcap)."""
+  return softcap * np.tanh(s / softcap) if softcap else s
+
+
+def forward(q, k, v, *, scale, softcap=0.0, **mask):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, D = q.shape
   S = k.shape[1]
   ke, ve = _expand(k, N), _expand(v, N)
   vis = visible(B, T, S, **mask)[:, None]
-  s = _scores(q, ke) * scale
+  s = _cap(_scores(q, ke) * scale, softcap)
   s = np.where(vis, s, -np.inf)
   m = np.max(s, axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
@@ -63,7 +68,7 @@ def forward(q, k, v, *, scale, **mask):
   return o, lse, p
 
 
-def in_dtype(q, k, v, do, dlse, dtype, *, scale, **mask):
+def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, **mask):
   """Forward and backward computed in `dtype`: every operation rounded to it.
 
   The error yardstick of the tolerance rule (docs/design.md §5) without a
@@ -80,7 +85,8 @@ def in_dtype(q, k, v, do, dlse, dtype, *, scale, **mask):
   vis = visible(B, T, S, **mask)[:, None]
   sees = vis.any(-1)
   with np.errstate(all="ignore"):
-    s = np.where(vis, r(r(np.einsum("btnd,bsnd->bnts", q, ke)) * r(scale)), -np.inf)
+    u = r(r(np.einsum("btnd,bsnd->bnts", q, ke)) * r(scale))
+    s = np.where(vis, r(_cap(u, softcap)), -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.where(vis, r(np.exp(r(s - m))), 0.0)
@@ -94,13 +100,15 @@ def in_dtype(q, k, v, do, dlse, dtype, *, scale, **mask):
     if dlse is not None:
       delta = r(delta - np.asarray(dlse, np.float64))
     ds = r(p * r(dp - delta[..., None]))
+    if softcap:
+      ds = r(ds * r(1 - np.square(np.where(vis, s, 0) / softcap)))
     dq = r(r(np.einsum("bnts,bsnd->btnd", ds, ke)) * scale)
     dk = r(r(np.einsum("bnts,btnd->bsnd", ds, q)) * scale)
   fold = lambda x: r(x.reshape(B, S, K, N // K, D).sum(3))
   return o, lse, dq, fold(dk), fold(dv)
 
 
-def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, **mask):
+def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, **mask):
   """Gradients of <o, do> + <lse, dlse> with respect to q, k, v.
 
   `o_stored` (the output as an implementation stored it, say rounded to
@@ -110,7 +118,7 @@ def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, **mask):
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   B, T, N, D = q.shape
   K = k.shape[2]
-  o, lse, p = forward(q, k, v, scale=scale, **mask)
+  o, lse, p = forward(q, k, v, scale=scale, softcap=softcap, **mask)
   if o_stored is not None:
     o = np.asarray(o_stored, np.float64)
   ke, ve = _expand(k, N), _expand(v, N)
@@ -120,6 +128,8 @@ def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, **mask):
   if dlse is not None:
     delta = delta - np.asarray(dlse, np.float64)
   ds = p * (dp - delta[..., None])
+  if softcap:   # times the cap's slope 1 - tanh^2 (masked pairs have p = 0)
+    ds = ds * (1 - np.square(_cap(_scores(q, ke) * scale, softcap) / softcap))
   dq = np.einsum("bnts,bsnd->btnd", ds, ke) * scale
   dk = np.einsum("bnts,btnd->bsnd", ds, q) * scale
   fold = lambda x: x.reshape(B, x.shape[1], K, N // K, D).sum(3)

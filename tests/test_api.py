@@ -218,7 +218,8 @@ def test_handlers_revalidate_what_reaches_them(rng):
   empty = (jax.ShapeDtypeStruct((2, 0, 33, 4, 16), jnp.float32),
            jax.ShapeDtypeStruct((2, 0, 33, 4), jnp.float32))
   attrs = dict(scale=np.float32(1), window_left=np.int64(-1), window_right=np.int64(-1),
-               bottom_right=False, tile=np.int64(0), num_splits=np.int64(1))
+               bottom_right=False, tile=np.int64(0), num_splits=np.int64(1),
+               softcap=np.float32(0))
 
   def refused(outputs, match, diag=offsets, **changed):
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, outputs)
@@ -227,6 +228,7 @@ def test_handlers_revalidate_what_reaches_them(rng):
 
   refused((o, wrong_lse) + empty, "jaxflash: lse")
   refused((o, lse) + empty, "jaxflash: scale", scale=np.float32(np.inf))
+  refused((o, lse) + empty, "jaxflash: softcap", softcap=np.float32(-1))
   refused((o, lse) + empty, "jaxflash: tile", tile=np.int64(-1))
   refused((o, lse) + empty, "jaxflash: tile", tile=np.int64(256))
   refused((o, lse) + empty, "jaxflash: diagonal_offsets", diag=offsets[:1])
@@ -237,7 +239,8 @@ def test_handlers_revalidate_what_reaches_them(rng):
   # The backward's workspaces: delta like lse; the dQ sums like q in float32,
   # or empty (last dimension 0), nothing else.
   bwd_attrs = dict(scale=np.float32(1), window_left=np.int64(-1), window_right=np.int64(-1),
-                   bottom_right=False, deterministic=False, tile=np.int64(0))
+                   bottom_right=False, deterministic=False, tile=np.int64(0),
+                   softcap=np.float32(0))
   grads = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
   sums = lambda shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)
   dlse = jnp.zeros((2, 4, 33), jnp.float32)

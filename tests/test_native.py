@@ -37,7 +37,7 @@ def baseline(q, k, v, compute_dtype=None, **kw):
       local_window_size=kw.get("local_window_size"),
       query_seq_lengths=kw.get("query_seq_lengths"),
       key_value_seq_lengths=kw.get("key_value_seq_lengths"),
-      compute_dtype=compute_dtype or q.dtype)
+      logits_soft_cap=kw.get("logits_soft_cap"), compute_dtype=compute_dtype or q.dtype)
 
 
 def finite_baseline(compute, dtype):
@@ -59,15 +59,19 @@ def max_logit(q, k, scale) -> float:
 
 
 def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", inputs=None,
-                  **extra):
+                  softcap=0.0, **extra):
   """`inputs(rng, shape, dtype)` replaces the random q, k, v (its scores may
-  be large: the budget then counts the largest one, as for magnitude > 1)."""
+  be large: the budget then counts the largest one, as for magnitude > 1);
+  `softcap` > 0 runs the call with that logit soft-cap."""
   B, T, S, N, K, D = shape
   q, k, v = inputs(rng, shape, dtype) if inputs else random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = mask_kwargs(mask_name, rng, B, T, S)
+  if softcap:
+    kw["logits_soft_cap"] = softcap
   out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
   scale = 1.0 / np.sqrt(D)
-  truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **numpy_mask(kw))
+  truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, softcap=softcap,
+                                                  **numpy_mask(kw))
   base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, compute_dtype=c, **kw), dtype)
   budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 or inputs else {}
   assert out.dtype == q.dtype and out.shape == q.shape
@@ -83,10 +87,12 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
 
 
 def check_gradients(rng, shape, mask_name, dtype, implementation="native", magnitude=1.0,
-                    **extra):
+                    softcap=0.0, **extra):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = mask_kwargs(mask_name, rng, B, T, S)
+  if softcap:
+    kw["logits_soft_cap"] = softcap
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   dlse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
 
@@ -106,7 +112,7 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", magni
     return jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
   base = finite_baseline(base_grads, dtype)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
-                                   scale=1.0 / np.sqrt(D), **numpy_mask(kw))
+                                   scale=1.0 / np.sqrt(D), softcap=softcap, **numpy_mask(kw))
   budget = dict(max_logit=max_logit(q, k, 1.0 / np.sqrt(D))) if magnitude > 1 else {}
   for name, g, b, t in zip(("dq", "dk", "dv"), grads, base, truth):
     assert g.dtype == dtype

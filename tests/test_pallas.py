@@ -30,6 +30,7 @@ from jaxflash.pallas import default_config
 from jaxflash.pallas import pallas_backward
 from jaxflash.pallas import pallas_forward
 from jaxflash.pallas import pallas_supported
+from jaxflash.pallas import pallas_tangent
 
 _ON_GPU = any(d.platform == "gpu" for d in jax.devices())
 gpu = pytest.mark.gpu
@@ -166,28 +167,34 @@ def _baseline(q, k, v, do, dlse, vis, scale):
   return _baseline_jit(q, k, v, do, dlse, jnp.asarray(vis), scale)
 
 
+def _dense(q, k, v, vis, scale, softcap=0.0):
+  """Dense attention by plain jnp: (o, lse), lse -inf on rows that see nothing.
+
+  Scores in float32 (float64 for float64 inputs), soft-capped when `softcap`
+  > 0 before the mask [B, T, S] `vis`; P rounded to the inputs' dtype."""
+  g = q.shape[2] // k.shape[2]
+  kk = jnp.repeat(k, g, axis=2)
+  vv = jnp.repeat(v, g, axis=2)
+  vis4 = jnp.asarray(vis)[:, None]
+  s = jnp.einsum("bthd,bshd->bhts", q, kk).astype(jnp.promote_types(q.dtype, jnp.float32))
+  s = s * scale
+  if softcap:
+    s = softcap * jnp.tanh(s / softcap)
+  s = jnp.where(vis4, s, -jnp.inf)
+  mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  e = jnp.where(vis4, jnp.exp(s - mx), 0.0)
+  l = e.sum(-1, keepdims=True)
+  seen = l > 0
+  lse = jnp.where(seen, jnp.log(jnp.where(seen, l, 1.0)) + mx, -jnp.inf)
+  p = (e / jnp.where(seen, l, 1.0)).astype(q.dtype)
+  o = jnp.einsum("bhts,bshd->bthd", p, vv)
+  return o, lse[..., 0]
+
+
 @functools.partial(jax.jit, static_argnums=(6,))
 def _baseline_jit(q, k, v, do, dlse, vis, scale):
-  dtype = q.dtype
-  g = q.shape[2] // k.shape[2]
-  vis4 = jnp.asarray(vis)[:, None]
-
-  def attn(q, k, v):
-    kk = jnp.repeat(k, g, axis=2)
-    vv = jnp.repeat(v, g, axis=2)
-    s = jnp.einsum("bthd,bshd->bhts", q, kk).astype(jnp.float32) * scale
-    s = jnp.where(vis4, s, -jnp.inf)
-    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    e = jnp.where(vis4, jnp.exp(s - mx), 0.0)
-    l = e.sum(-1, keepdims=True)
-    seen = l > 0
-    lse = jnp.where(seen, jnp.log(jnp.where(seen, l, 1.0)) + mx, -jnp.inf)
-    p = (e / jnp.where(seen, l, 1.0)).astype(dtype)
-    o = jnp.einsum("bhts,bshd->bthd", p, vv)
-    return o, lse[..., 0]
-
-  (o, lse), vjp = jax.vjp(attn, q, k, v)
+  (o, lse), vjp = jax.vjp(lambda q, k, v: _dense(q, k, v, vis, scale), q, k, v)
   dq, dk, dv = vjp((do, dlse))
   return o, lse, dq, dk, dv
 
@@ -515,6 +522,190 @@ def test_matches_project_reference(case, request):
 
 
 # ---------------------------------------------------------------------------
+# Soft-cap
+# ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _dense_derivatives(primals, cotangents, tangents, vis, scale, softcap):
+  """`_dense`'s (o, lse), its vjp of `cotangents` and its jvp of `tangents`:
+  autodiff of the capped scores, independent of the kernels' formulas."""
+  attend = lambda q, k, v: _dense(q, k, v, vis, scale, softcap)
+  out, vjp = jax.vjp(attend, *primals)
+  _, t_out = jax.jvp(attend, primals, tangents)
+  return out, vjp(cotangents), t_out
+
+
+def _float64_truth(fn, *args):
+  """`fn(*args)` with every float array of args in float64, as numpy float64."""
+  with jax.enable_x64(True):
+    up = jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+        args)
+    return jax.tree.map(lambda x: np.asarray(x, np.float64), fn(*up))
+
+
+def _softcap_lse(lse):
+  """The reference's -inf LSE of a row that sees nothing, as the kernels write it."""
+  return np.where(np.isneginf(np.asarray(lse, np.float64)), _EMPTY, lse)
+
+
+def _forward_kw(kernel: str, batch: int):
+  """pallas_forward's keywords that reach `kernel`: "main" (forced by zero
+  diagonal offsets), "decode" (the automatic choice at the small sizes here)
+  or "split" (the decode kernel over two key ranges, merged)."""
+  return {"main": dict(diagonal_offsets=jnp.zeros((batch,), jnp.int32)),
+          "decode": {}, "split": dict(num_splits=2)}[kernel]
+
+
+def _softcap_run(case, softcap, kernels, request):
+  """Forward (each of `kernels`), backward and tangent against float64
+  autodiff of the dense capped reference, with its run in the input dtype as
+  the tolerance's baseline."""
+  seed = _seed(request)
+  rng = np.random.default_rng(seed)
+  q, k, v, do, dlse = _inputs(case, rng)
+  tq, tk, tv = _inputs(case, rng)[:3]
+  ql, kl = _lengths(case, rng)
+  vis = jnp.asarray(_visible(case, ql, kl))
+  scale = 1.0 / math.sqrt(case.d)
+  args = ((q, k, v), (do, dlse), (tq, tk, tv), vis)
+  base = _dense_derivatives(*args, scale, softcap)
+  truth = _float64_truth(lambda *a: _dense_derivatives(*a, scale, softcap), *args)
+  lengths = (jnp.asarray(ql), jnp.asarray(kl))
+  kw = dict(scale=scale, window_left=case.left, window_right=case.right,
+            bottom_right=case.bottom_right, config=case.config, softcap=softcap)
+  for kernel in kernels:
+    o, lse = pallas_forward(q, k, v, *lengths, **kw, **_forward_kw(kernel, case.b))
+    _check(f"{kernel} o", o, truth[0][0], base[0][0], case.dtype, seed)
+    _check_lse(lse, _softcap_lse(truth[0][1]), base[0][1], case.dtype, seed)
+  grads = pallas_backward(q, k, v, o, lse, do, dlse, *lengths, **kw)
+  for name, got, want, b in zip(("dq", "dk", "dv"), grads, truth[1], base[1]):
+    _check(name, got, want, b, case.dtype, seed)
+  tangents = pallas_tangent(q, k, v, o, lse, *lengths, tq, tk, tv, **kw)
+  for name, got, want, b in zip(("tO", "tLSE"), tangents, truth[2], base[2]):
+    _check(name, got, want, b, case.dtype, seed)
+
+
+def _softcap_case(case, softcap, *kernels):
+  return pytest.param(case, softcap, kernels, id=f"{case}-cap{softcap:g}-{'+'.join(kernels)}")
+
+
+# magnitude 3: scaled scores of about +-3 and beyond, where a cap of 5 bends
+# them. Each interpreted kernel call costs about a second, so each case runs
+# the forward kernels it needs (the cap is the same code in all of them).
+SOFTCAP_CASES = [
+    _softcap_case(Case(t=33, s=47, hq=4, hkv=2, d=16, right=0, bottom_right=True,
+                       lengths="ragged", magnitude=3.0), 5.0, "main", "decode"),
+    _softcap_case(Case(t=33, s=47, hq=4, hkv=2, d=16, right=0, bottom_right=True,
+                       lengths="ragged", magnitude=3.0), 0.0, "decode"),
+    _softcap_case(Case(t=40, s=29, hq=4, hkv=2, d=24, left=4, right=2, lengths="ragged",
+                       magnitude=3.0), 5.0, "main"),
+    _softcap_case(Case(t=29, s=37, hq=4, hkv=2, d=16, dtype=BF16, lengths="ragged",
+                       magnitude=3.0), 5.0, "decode"),
+    # One query row: the decode kernel, whole and split over the keys.
+    _softcap_case(Case(t=1, s=45, hq=4, hkv=2, d=16, right=0, bottom_right=True,
+                       lengths="short_kv", magnitude=3.0), 5.0, "decode", "split"),
+]
+
+
+@pytest.mark.parametrize("case, softcap, kernels", SOFTCAP_CASES)
+def test_softcap_matches_float64_autodiff(case, softcap, kernels, request):
+  _softcap_run(case, softcap, kernels, request)
+
+
+def test_softcap_padding_nan_changes_no_bit(request):
+  """NaN in the rows and keys past the lengths leaves every result bit for bit:
+  a masked pair's NaN score is selected away, and so is its cap derivative, so
+  no block falls back to the pair-by-pair recomputation."""
+  rng = np.random.default_rng(_seed(request))
+  case = Case(t=35, s=45, hq=4, hkv=2, d=16, left=6, right=0, magnitude=3.0)
+  q, k, v, do, dlse = _inputs(case, rng)
+  tq, tk, tv = _inputs(case, rng)[:3]
+  ql, kl = jnp.array([35, 20], jnp.int32), jnp.array([30, 45], jnp.int32)
+  kw = dict(scale=0.25, window_left=6, window_right=0, bottom_right=True, config=SMALL,
+            softcap=5.0)
+
+  def poison(x, lengths):
+    past = np.arange(x.shape[1])[None, :] >= np.asarray(lengths)[:, None]
+    return jnp.where(jnp.asarray(past)[:, :, None, None], jnp.nan, x)
+
+  def results(q, k, v, do, tq, tk, tv):
+    # The decode kernel's forward: its tiles are the main kernel's (_attend).
+    o, lse = pallas_forward(q, k, v, ql, kl, **kw)
+    return [o, lse, *pallas_backward(q, k, v, o, lse, do, dlse, ql, kl, **kw),
+            *pallas_tangent(q, k, v, o, lse, ql, kl, tq, tk, tv, **kw)]
+
+  clean = results(q, k, v, do, tq, tk, tv)
+  dirty = results(poison(q, ql), poison(k, kl), poison(v, kl), poison(do, ql),
+                  poison(tq, ql), poison(tk, kl), poison(tv, kl))
+  for a, b in zip(clean, dirty):
+    assert np.all(np.isfinite(np.asarray(b, np.float32)))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_softcap_takes_infinite_scores_to_the_cap(request):
+  """tanh(+-inf) = +-1: a query with an infinite element scores +-c against
+  each key, so its row stays finite and equals the float64 reference's."""
+  seed = _seed(request)
+  rng = np.random.default_rng(seed)
+  case = Case(t=20, s=30, hq=2, hkv=1, d=16, right=0, bottom_right=True)
+  q, k, v, _, _ = _inputs(case, rng)
+  q = q.at[0, 7, 1, 3].set(jnp.inf).at[1, 19, 0, 0].set(-jnp.inf)
+  lengths = (jnp.full((2,), 20, jnp.int32), jnp.full((2,), 30, jnp.int32))
+  vis = jnp.asarray(_visible(case, *lengths))
+  dense = lambda q, k, v, vis: _dense(q, k, v, vis, 0.25, 2.0)
+  base = dense(q, k, v, vis)
+  truth = _float64_truth(dense, q, k, v, vis)
+  kw = dict(scale=0.25, window_left=-1, window_right=0, bottom_right=True, config=SMALL,
+            softcap=2.0)
+  o, lse = pallas_forward(q, k, v, *lengths, **kw, **_forward_kw("main", 2))
+  _check("o", o, truth[0], base[0], case.dtype, seed)
+  _check_lse(lse, truth[1], base[1], case.dtype, seed)
+
+
+def test_softcap_nan_value_recomputed_with_the_cap(request):
+  """A NaN value at key j0 reaches the rows that see it; in the tiles it also
+  shares with rows that do not (0 * NaN), and those blocks are recomputed pair
+  by pair, which must apply the same cap: the rows before j0 (causal), dV and
+  tLSE equal the float64 truth of the clean inputs."""
+  seed = _seed(request)
+  rng = np.random.default_rng(seed)
+  case = Case(t=24, s=24, hq=2, hkv=1, d=16, right=0, magnitude=3.0)
+  q, k, v, do, dlse = _inputs(case, rng)
+  tq, tk, tv = _inputs(case, rng)[:3]
+  lengths = (jnp.full((2,), 24, jnp.int32), jnp.full((2,), 24, jnp.int32))
+  vis = jnp.asarray(_visible(case, *lengths))
+  args = ((q, k, v), (do, dlse), (tq, tk, tv), vis)
+  truth = _float64_truth(lambda *a: _dense_derivatives(*a, 0.25, 5.0), *args)
+  base = _dense_derivatives(*args, 0.25, 5.0)
+  j0 = 10
+  v = v.at[0, j0].set(jnp.nan)
+  kw = dict(scale=0.25, window_left=-1, window_right=0, bottom_right=False, config=SMALL,
+            softcap=5.0)
+  before = lambda x: x[0, :j0]  # batch 0's rows that cannot see key j0
+  o, lse = pallas_forward(q, k, v, *lengths, **kw, **_forward_kw("main", 2))
+  assert np.all(np.isnan(np.asarray(o[0, j0:])))
+  _check("o", before(o), before(truth[0][0]), before(base[0][0]), case.dtype, seed)
+  _check("o[1]", o[1], truth[0][0][1], base[0][0][1], case.dtype, seed)
+  dq, _, dv = pallas_backward(q, k, v, o, lse, do, dlse, *lengths, **kw)
+  _check("dq", before(dq), before(truth[1][0]), before(base[1][0]), case.dtype, seed)
+  _check("dv", dv, truth[1][2], base[1][2], case.dtype, seed)
+  t_o, t_lse = pallas_tangent(q, k, v, o, lse, *lengths, tq, tk, tv, **kw)
+  _check("tO", before(t_o), before(truth[2][0]), before(base[2][0]), case.dtype, seed)
+  _check("tLSE", t_lse, truth[2][1], base[2][1], case.dtype, seed)
+
+
+def test_softcap_must_be_finite_and_not_negative():
+  q = jnp.zeros((1, 4, 2, 16))
+  lens = jnp.full((1,), 4, jnp.int32)
+  for cap in (-1.0, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match="soft-cap"):
+      pallas_forward(q, q, q, lens, lens, scale=1.0, window_left=-1, window_right=-1,
+                     bottom_right=False, softcap=cap)
+
+
+# ---------------------------------------------------------------------------
 # Support checks and configuration
 # ---------------------------------------------------------------------------
 
@@ -524,6 +715,9 @@ def test_supported_accepts_the_contract():
     for dtype in (F32, F16, BF16):
       assert pallas_supported((2, 17, 8, d), (2, 127, 2, d), None, dtype,
                               "cpu") is None
+  for cap in (None, 0.0, 5.0):
+    assert pallas_supported((2, 17, 8, 64), (2, 127, 2, 64), None, F32, "cpu",
+                            logits_soft_cap=cap) is None
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -542,7 +736,7 @@ def test_supported_accepts_the_contract():
      "mask"),
     (dict(q_shape=(1, 4, 2, 16), k_shape=(1, 4, 2, 16),
           has_segment_ids=True), "segment"),
-    (dict(q_shape=(1, 4, 2, 16), k_shape=(1, 4, 2, 16), logits_soft_cap=5.0),
+    (dict(q_shape=(1, 4, 2, 16), k_shape=(1, 4, 2, 16), logits_soft_cap=-5.0),
      "soft-cap"),
     (dict(q_shape=(1, 4, 2, 16), k_shape=(1, 4, 2, 16), platform="tpu"),
      "platform"),
@@ -653,9 +847,9 @@ def test_gpu_long_sequence(request):
   _run(case, request, grads=True)
 
 
-@pytest.mark.parametrize("d, dtype, left, right", [(64, BF16, -1, 0), (40, F16, 5, 3),
-                                                   (256, F32, -1, -1)])
-def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right):
+@pytest.mark.parametrize("d, dtype, left, right, softcap", [
+    (64, BF16, -1, 0, 0.0), (40, F16, 5, 3, 30.0), (256, F32, -1, -1, 0.0)])
+def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap):
   """The Triton lowering of every kernel, checked without a GPU: JAX lowers
   for "cuda" on a CPU-only machine, which catches a primitive Pallas cannot
   lower for Triton (as `jnp.any`) before the GPU does."""
@@ -665,12 +859,14 @@ def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right):
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   lse = jax.ShapeDtypeStruct((2, 4, 150), jnp.float32)
   kw = dict(scale=0.125, window_left=left, window_right=right, bottom_right=True,
-            config=cfg)
+            config=cfg, softcap=softcap)
   fwd = lambda q, k, v, ql, kl: pallas_forward(q, k, v, ql, kl, **kw)
   bwd = lambda q, k, v, o, lse, do, dlse, ql, kl: pallas_backward(
       q, k, v, o, lse, do, dlse, ql, kl, **kw)
+  tangent = lambda q, k, v, o, lse, ql, kl: pallas_tangent(q, k, v, o, lse, ql, kl, q, k, v, **kw)
   for f, args in ((fwd, (q, k, k, lengths, lengths)),
-                  (bwd, (q, k, k, q, lse, q, lse, lengths, lengths))):
+                  (bwd, (q, k, k, q, lse, q, lse, lengths, lengths)),
+                  (tangent, (q, k, k, q, lse, lengths, lengths))):
     with _abstract_gpu():
       text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxflash_pallas" in text

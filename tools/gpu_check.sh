@@ -135,7 +135,8 @@ if has newest-jax; then
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest_stage \
       "cpu tests on jax $jax_version" 540 newest_jax.log -n 8 --dist worksteal -rfE \
       "$repo/tests/test_api.py" "$repo/tests/test_native.py" "$repo/tests/test_sharding.py" \
-      "$repo/tests/test_pallas.py" "$repo/tests/test_export.py" "$repo/tests/test_choice.py"
+      "$repo/tests/test_pallas.py" "$repo/tests/test_export.py" "$repo/tests/test_choice.py" \
+      "$repo/tests/test_softcap.py"
 fi
 
 # The slow tier in two stages, each one call's worth; the contract fuzz is the

@@ -63,11 +63,12 @@ ffi::Error CpuForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                       ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                       float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                      int64_t tile, int64_t num_splits) {
+                      int64_t tile, int64_t num_splits, float softcap) {
   FwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, {o, lse, o_partial, lse_partial},
                                          scale, window_left, window_right, bottom_right, tile,
                                          num_splits, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   return ToFfiError(CpuAttentionForward(p, PoolRunner(&pool)));
 }
 
@@ -76,11 +77,12 @@ ffi::Error CpuPagedForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                            ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                            float scale, int64_t window_left, int64_t window_right, int64_t tile,
-                           int64_t num_splits) {
+                           int64_t num_splits, float softcap) {
   FwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
                                               {o, lse, o_partial, lse_partial}, scale, window_left,
                                               window_right, tile, num_splits, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   return ToFfiError(CpuAttentionForward(p, PoolRunner(&pool)));
 }
 
@@ -91,22 +93,34 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                        ffi::Result<ffi::AnyBuffer> dq_accum, float scale, int64_t window_left,
-                       int64_t window_right, bool bottom_right, bool deterministic, int64_t tile) {
+                       int64_t window_right, bool bottom_right, bool deterministic, int64_t tile, float softcap) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
+
+// v1: the same handlers for programs exported before the soft-cap attribute.
+constexpr auto CpuForwardV1 = [](auto... args) { return CpuForward(args..., 0.f); };
+constexpr auto CpuPagedForwardV1 = [](auto... args) { return CpuPagedForward(args..., 0.f); };
+constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackward(args..., 0.f); };
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForward,
-                              BindForward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+                              BindForward<true>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForward,
-                              BindPagedForward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+                              BindPagedForward<true>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackward, CpuBackward,
-                              BindBackward(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+                              BindBackward<true>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV1, CpuForwardV1,
+                              BindForward<false>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForwardV1, CpuPagedForwardV1,
+                              BindPagedForward<false>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV1, CpuBackwardV1,
+                              BindBackward<false>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 
 }  // namespace jaxflash::handlers

@@ -14,11 +14,12 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                       int64_t tile, int64_t num_splits) {
+                       int64_t tile, int64_t num_splits, float softcap) {
   FwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, {o, lse, o_partial, lse_partial},
                                          scale, window_left, window_right, bottom_right, tile,
                                          num_splits, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
   return ToFfiError(CudaAttentionForward(p, device, stream));
@@ -29,11 +30,12 @@ ffi::Error CudaPagedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                             ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                             float scale, int64_t window_left, int64_t window_right, int64_t tile,
-                            int64_t num_splits) {
+                            int64_t num_splits, float softcap) {
   FwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
                                               {o, lse, o_partial, lse_partial}, scale, window_left,
                                               window_right, tile, num_splits, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
   return ToFfiError(CudaAttentionForward(p, device, stream));
@@ -47,12 +49,13 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                         float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                        bool deterministic, int64_t tile) {
+                        bool deterministic, int64_t tile, float softcap) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
   // The launchers' workspace must fit in the delta output (launch.h): XLA's
@@ -66,16 +69,30 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
+// v1: the same handlers for programs exported before the soft-cap attribute.
+constexpr auto CudaForwardV1 = [](auto... args) { return CudaForward(args..., 0.f); };
+constexpr auto CudaPagedForwardV1 = [](auto... args) { return CudaPagedForward(args..., 0.f); };
+constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackward(args..., 0.f); };
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForward,
-                              BindForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindForward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV1, CudaForwardV1,
+                              BindForward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForward,
-                              BindPagedForward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindPagedForward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV1, CudaPagedForwardV1,
+                              BindPagedForward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackward,
-                              BindBackward(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindBackward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV1, CudaBackwardV1,
+                              BindBackward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxflash::handlers

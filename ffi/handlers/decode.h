@@ -168,6 +168,13 @@ inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer
 // the Python API's attention.MAX_WINDOW), where MaskPolicy's 32-bit position
 // arithmetic stays exact (a window of 2^32 was once read there as 0).
 constexpr int64_t kMaxWindow = int64_t(1) << 29;
+// The logit soft-cap (params.h): 0 for none, else finite and positive.
+inline ffi::Error DecodeSoftcap(float softcap, float* out) {
+  if (!std::isfinite(softcap) || softcap < 0) return Invalid("softcap must be finite and >= 0 (0: none)");
+  *out = softcap;
+  return ffi::Error::Success();
+}
+
 inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_right,
                              bool bottom_right, MaskParams* mask) {
   if (!std::isfinite(scale)) return Invalid("scale must be finite");
@@ -370,9 +377,20 @@ auto WithForwardResults(Binding binding) {
       .template Ret<ffi::AnyBuffer>();           // lse_partial
 }
 
-template <typename Binding>
+// The attribute the v2 targets add to v1's (module.cc): the logit soft-cap.
+// (A binding cannot be moved, only built: `make` returns the v1 binding.)
+template <bool kSoftcap, typename Make>
+auto WithSoftcap(Make make) {
+  if constexpr (kSoftcap) {
+    return make().template Attr<float>("softcap");
+  } else {
+    return make();
+  }
+}
+
+template <bool kSoftcap, typename Binding>
 auto BindForward(Binding binding) {
-  return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+  return WithSoftcap<kSoftcap>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                                 .template Arg<ffi::AnyBuffer>()                // k
                                 .template Arg<ffi::AnyBuffer>()                // v
                                 .template Arg<ffi::AnyBuffer>()                // query_seq_lengths
@@ -383,12 +401,12 @@ auto BindForward(Binding binding) {
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
       .template Attr<int64_t>("tile")
-      .template Attr<int64_t>("num_splits");
+      .template Attr<int64_t>("num_splits"); });
 }
 
-template <typename Binding>
+template <bool kSoftcap, typename Binding>
 auto BindPagedForward(Binding binding) {
-  return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+  return WithSoftcap<kSoftcap>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                                 .template Arg<ffi::AnyBuffer>()                // key_pages
                                 .template Arg<ffi::AnyBuffer>()                // value_pages
                                 .template Arg<ffi::AnyBuffer>()                // page_table
@@ -397,12 +415,12 @@ auto BindPagedForward(Binding binding) {
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
       .template Attr<int64_t>("tile")
-      .template Attr<int64_t>("num_splits");
+      .template Attr<int64_t>("num_splits"); });
 }
 
-template <typename Binding>
+template <bool kSoftcap, typename Binding>
 auto BindBackward(Binding binding) {
-  return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+  return WithSoftcap<kSoftcap>([&] { return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
       .template Arg<ffi::AnyBuffer>()            // k
       .template Arg<ffi::AnyBuffer>()            // v
       .template Arg<ffi::AnyBuffer>()            // o
@@ -422,7 +440,7 @@ auto BindBackward(Binding binding) {
       .template Attr<int64_t>("window_right")
       .template Attr<bool>("bottom_right")
       .template Attr<bool>("deterministic")
-      .template Attr<int64_t>("tile");
+      .template Attr<int64_t>("tile"); });
 }
 
 }  // namespace jaxflash::handlers

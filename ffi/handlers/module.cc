@@ -25,17 +25,23 @@ NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
     nb::dict d;
-    d["jaxflash_fwd_v1"] = Capsule(JaxflashCpuForward);
-    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCpuPagedForward);
-    d["jaxflash_bwd_v1"] = Capsule(JaxflashCpuBackward);
+    d["jaxflash_fwd_v2"] = Capsule(JaxflashCpuForward);  // v1 + softcap
+    d["jaxflash_paged_fwd_v2"] = Capsule(JaxflashCpuPagedForward);
+    d["jaxflash_bwd_v2"] = Capsule(JaxflashCpuBackward);
+    d["jaxflash_fwd_v1"] = Capsule(JaxflashCpuForwardV1);
+    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCpuPagedForwardV1);
+    d["jaxflash_bwd_v1"] = Capsule(JaxflashCpuBackwardV1);
     return d;
   });
   m.def("cuda_targets", [] {
     nb::dict d;
 #ifdef JAXFLASH_WITH_CUDA
-    d["jaxflash_fwd_v1"] = Capsule(JaxflashCudaForward);
-    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCudaPagedForward);
-    d["jaxflash_bwd_v1"] = Capsule(JaxflashCudaBackward);
+    d["jaxflash_fwd_v2"] = Capsule(JaxflashCudaForward);  // v1 + softcap
+    d["jaxflash_paged_fwd_v2"] = Capsule(JaxflashCudaPagedForward);
+    d["jaxflash_bwd_v2"] = Capsule(JaxflashCudaBackward);
+    d["jaxflash_fwd_v1"] = Capsule(JaxflashCudaForwardV1);
+    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCudaPagedForwardV1);
+    d["jaxflash_bwd_v1"] = Capsule(JaxflashCudaBackwardV1);
 #endif
     return d;
   });

@@ -17,6 +17,10 @@ Layouts and semantics are the project's:
   optional per-batch ``diagonal_offsets[b]`` (ring attention's blocks). Causal
   attention is ``window_right = 0``. Rows with nothing visible produce zeros,
   the lowest finite float32 as ``lse`` and zero gradients.
+* An optional soft-cap ``c > 0`` (``softcap``; ``0`` for none) bounds every
+  score before the mask: ``s = c * tanh(scale * q . k / c)``, in float32; the
+  softmax, the LSE and the derivatives are those of ``s``. Without a cap the
+  kernels trace no tanh.
 * Non-finite inputs propagate over the visible pairs only (IEEE arithmetic,
   as a dense softmax would), and never from a key a row cannot see: padding
   rows and keys are zeroed where a masked tile loads them, and a block whose

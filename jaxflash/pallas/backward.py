@@ -4,6 +4,9 @@ dK/dV     grid (kv blocks, B, Hkv). For one K/V block, walks the query heads
           of its group and the query blocks that can see it, recomputing P
           from the LSE; the group sum of dK/dV happens in the fp32 accumulator.
 dQ        grid (q blocks, B, Hq). Same walk as the forward, accumulates dS K.
+
+With a soft-cap, dS (w.r.t. the capped score s) becomes dS_u = dS (1 - (s/c)^2),
+w.r.t. u = scale * q . k, before it meets K or Q (`Scores.chain`).
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxflash.pallas.blocks import (
-    Mask, dot, exact_where_nan, lse_log2, query_block, three_ranges, zero_padding)
+    Mask, Scores, dot, exact_where_nan, lse_log2, query_block, three_ranges, zero_padding)
 from jaxflash.pallas.config import (
-    EMPTY_LSE, LOG2E, PallasConfig, compiler_params, padded_head_dim, resolve_config)
+    EMPTY_LSE, PallasConfig, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
@@ -32,7 +35,7 @@ __all__ = ["pallas_backward"]
 
 
 def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, scale: float, qk_scale: float, left: int,
+               delta_ref, dq_ref, *, scores: Scores, left: int,
                right: int, bottom_right: bool, block_q: int, block_k: int,
                num_q_blocks: int):
   mask, r0, rows, (lo, a, bb, hi) = query_block(
@@ -49,15 +52,17 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
     start = pl.multiple_of(kb * block_k, block_k)
     k = k_ref[pl.ds(start, block_k), :]
     v = v_ref[pl.ds(start, block_k), :]
-    s = dot(q, k, 1, 1) * qk_scale
+    s = scores.log2(dot(q, k, 1, 1))
     p = jnp.exp2(s - lse2[:, None])
+    visible = None
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-      p = jnp.where(mask.visible(rows, cols), p, 0.0)
+      visible = mask.visible(rows, cols)
+      p = jnp.where(visible, p, 0.0)
       k = zero_padding(k, cols.T, mask.kv_valid)
       v = zero_padding(v, cols.T, mask.kv_valid)
     dpv = dot(do, v, 1, 1)
-    ds = p * (dpv - delta[:, None])
+    ds = scores.chain(p * (dpv - delta[:, None]), s, visible)
     return dq + dot(ds.astype(k.dtype), k, 1, 0)
 
   dq = jnp.zeros((block_q, dp), jnp.float32)
@@ -75,21 +80,20 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
     def key(j, acc):
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
-      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
-      ds = p * (jnp.sum(dof * vj, axis=1) - delta)
+      s = scores.log2(jnp.sum(qf * kj, axis=1))
+      ds = scores.chain(jnp.exp2(s - lse2) * (jnp.sum(dof * vj, axis=1) - delta), s)
       return acc + jnp.where(mask.visible(rows, j), ds[:, None] * kj, 0.0)
 
     acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
     return (jnp.where(rows_ok[:, None], acc, dq),)
 
   dq, = exact_where_nan((dq,), rows_ok, exact)
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dq_ref[...] = (dq * scores.scale).astype(dq_ref.dtype)
 
 
 def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                 delta_ref, dk_ref, dv_ref, *, scale: float, qk_scale: float,
-                 left: int, right: int, bottom_right: bool, block_q: int,
-                 block_k: int, group: int):
+                 delta_ref, dk_ref, dv_ref, *, scores: Scores, left: int, right: int,
+                 bottom_right: bool, block_q: int, block_k: int, group: int):
   kj = pl.program_id(0)
   b = pl.program_id(1)
   mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
@@ -117,16 +121,18 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
     delta = delta_ref[g, pl.ds(start, block_q)]
     lse2 = lse_log2(lse)
     # Transposed tiles [bk, bq], so that no P^T is ever formed.
-    st = dot(k, q, 1, 1) * qk_scale
+    st = scores.log2(dot(k, q, 1, 1))
     pt = jnp.exp2(st - lse2[None, :])
+    visible = None
     if masked:
       rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
-      pt = jnp.where(mask.visible(rows, cols), pt, 0.0)
+      visible = mask.visible(rows, cols)
+      pt = jnp.where(visible, pt, 0.0)
       q = zero_padding(q, rows.T, mask.q_valid)
       do = zero_padding(do, rows.T, mask.q_valid)
     dv = dv + dot(pt.astype(do.dtype), do, 1, 0)
     dpt = dot(v, do, 1, 1)
-    dst = pt * (dpt - delta[None, :])
+    dst = scores.chain(pt * (dpt - delta[None, :]), st, visible)
     dk = dk + dot(dst.astype(q.dtype), q, 1, 0)
     return dk, dv
 
@@ -150,8 +156,9 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
       qi = q_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
       doi = do_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
       lse2 = lse_log2(lse_ref[g, pl.ds(i, 1)])
-      pt = jnp.exp2(jnp.sum(kf * qi, axis=1) * qk_scale - lse2)
-      dst = pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)])
+      st = scores.log2(jnp.sum(kf * qi, axis=1))
+      pt = jnp.exp2(st - lse2)
+      dst = scores.chain(pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)]), st)
       vis = mask.visible(i, cols)
       return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
               dv + jnp.where(vis, pt[:, None] * doi, 0.0))
@@ -162,7 +169,7 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
     return lax.fori_loop(0, group, head, tuple(jnp.zeros_like(x) for x in both))
 
   dk, dv = exact_where_nan((dk, dv), jnp.ones((block_k,), jnp.bool_), exact)
-  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dk_ref[...] = (dk * scores.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -174,12 +181,13 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
 def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                     scale: float, window_left: int, window_right: int,
                     bottom_right: bool, config: PallasConfig | None = None,
-                    diagonal_offsets=None):
+                    diagonal_offsets=None, softcap: float = 0.0):
   """Attention backward with the Pallas kernels.
 
   Args:
     q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
-    bottom_right, config, diagonal_offsets: as for :func:`pallas_forward`.
+    bottom_right, config, diagonal_offsets, softcap: as for
+    :func:`pallas_forward`.
     o, lse: the outputs of :func:`pallas_forward` (or of any implementation
       of the same contract).
     do: cotangent of ``o``, ``[B, T, Hq, D]``.
@@ -189,7 +197,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
     ``(dq, dk, dv)`` in the dtypes of ``q``, ``k``, ``v``; the dK/dV of a
     key/value head is summed over its group of query heads.
   """
-  check_static_args(q, k, v, scale, window_left, window_right)
+  check_static_args(q, k, v, scale, window_left, window_right, softcap)
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
@@ -215,9 +223,8 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   delta = jnp.where(has_keys[:, None, :], delta, 0.0)
   lse = lse.astype(jnp.float32)
 
-  common = dict(scale=float(scale), qk_scale=float(scale) * LOG2E,
-                left=int(window_left), right=int(window_right),
-                bottom_right=bool(bottom_right))
+  common = dict(scores=Scores(float(scale), float(softcap)), left=int(window_left),
+                right=int(window_right), bottom_right=bool(bottom_right))
   def params(tile_m, tile_n):
     if cfg.interpret:
       return None

@@ -1,9 +1,10 @@
 """What the Pallas attention kernels share inside a program.
 
 The mask rule of one batch element (`Mask`), the ranges of blocks a program
-walks, and the tile helpers every kernel uses: the float32 tile product, the
-zeroing of padding rows and keys, the pair-by-pair recomputation of a block
-that shows a NaN, and the base-2 LSE.
+walks, the scores (`Scores`: scale and optional soft-cap) and the tile helpers
+every kernel uses: the float32 tile product, the zeroing of padding rows and
+keys, the pair-by-pair recomputation of a block that shows a NaN, and the
+base-2 LSE.
 
 Every kernel splits its walk into three ranges of blocks: a masked range at
 each end and an unmasked interior of tiles that are entirely visible, so the
@@ -136,6 +137,47 @@ def query_block(q_len_ref, kv_len_ref, off_ref, *, left: int, right: int, bottom
   r0 = qi * block_q
   rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
   return mask, r0, rows, key_blocks(mask, r0, block_q, block_k)
+
+
+# ---------------------------------------------------------------------------
+# Scores
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """How a product q . k becomes a score s, in float32 and before the mask.
+
+  With u = scale * q . k, s = u, or with a soft-cap c > 0, s = c tanh(u / c)
+  (tanh takes +-inf to +-1 and keeps NaN). Both fields are static: with c = 0
+  the kernels trace exactly the uncapped arithmetic, one multiplier folding
+  scale and log2(e).
+  """
+
+  scale: float
+  softcap: float = 0.0
+
+  def log2(self, qk):
+    """s * log2(e) of the raw products `qk` (the kernels' exp2 domain)."""
+    if not self.softcap:
+      return qk * (self.scale * LOG2E)
+    return jnp.tanh(qk * (self.scale / self.softcap)) * (self.softcap * LOG2E)
+
+  def chain(self, ds, s2, visible=None):
+    """A derivative w.r.t. s times ds/du = 1 - (s / c)^2, from `s2` = `log2`'s
+    result: dS to dS_u in the backward, tS_u to tS in the tangent.
+
+    `visible` (a masked tile's pairs) zeroes the factor of masked pairs, whose
+    score may be NaN (padding): their zero weight must stay an exact zero.
+    Without a cap the factor is 1 and `ds` is returned as is.
+    """
+    if not self.softcap:
+      return ds
+    t = s2 * (1.0 / (self.softcap * LOG2E))
+    slope = 1.0 - t * t
+    if visible is not None:
+      slope = jnp.where(visible, slope, 0.0)
+    return ds * slope
 
 
 # ---------------------------------------------------------------------------

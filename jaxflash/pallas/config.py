@@ -221,6 +221,15 @@ def compiler_params(num_warps, num_stages, tile_m: int, tile_n: int):
 # ---------------------------------------------------------------------------
 
 
+def _valid_cap(cap) -> bool:
+  # A static Python number: the kernels branch on it while tracing.
+  try:
+    cap = float(cap)
+  except (TypeError, ValueError):
+    return False
+  return math.isfinite(cap) and cap >= 0
+
+
 def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
                      platform: str | None = None, *, k_dtype=None,
                      v_dtype=None, has_bias: bool = False,
@@ -235,9 +244,10 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     dtype: dtype of ``q`` (``k_dtype``/``v_dtype`` default to it).
     platform: ``"cpu"``, ``"gpu"``/``"cuda"``, ... ; ``None`` means the
       default backend.
-    has_bias, has_mask, has_segment_ids, logits_soft_cap: features of the
-      public API the kernels do not implement; any of them makes the call
-      unsupported.
+    has_bias, has_mask, has_segment_ids: features of the public API the
+      kernels do not implement; any of them makes the call unsupported.
+    logits_soft_cap: the cap of the scores (``None`` or ``0`` for none); the
+      kernels take any finite cap >= 0.
     interpret_ok: whether running in the Pallas interpreter (the CPU path,
       exact but slow) is acceptable. Automatic selection should pass False.
   """
@@ -247,8 +257,9 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     return "the pallas implementation does not support a boolean `mask`"
   if has_segment_ids:
     return "the pallas implementation does not support segment ids"
-  if logits_soft_cap is not None:
-    return "the pallas implementation does not support a logits soft-cap"
+  if logits_soft_cap is not None and not _valid_cap(logits_soft_cap):
+    return ("the pallas implementation needs a logits soft-cap that is a finite "
+            f"number >= 0 (0 for none), got {logits_soft_cap!r}")
   v_shape = k_shape if v_shape is None else v_shape
   shapes = {"query": tuple(q_shape), "key": tuple(k_shape),
             "value": tuple(v_shape)}

@@ -1,8 +1,8 @@
 """The Pallas attention forward: its kernels and `pallas_forward`.
 
 forward   grid (q blocks, B, Hq). Online softmax in base 2 (``log2(e)`` folded
-          into the scale) over the K/V blocks the mask lets the query block
-          see; fp32 accumulators; writes O and LSE.
+          into the scale, or into the soft-cap) over the K/V blocks the mask
+          lets the query block see; fp32 accumulators; writes O and LSE.
 decode    grid (row tiles x splits, B, Hkv). The same online softmax over
           packed rows (the query heads of a K/V head stacked over the query
           rows), one key range per split; the splits are merged in jnp.
@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from jaxflash import _splits
 from jaxflash.pallas.blocks import (
-    Mask, dot, exact_where_nan, key_blocks, query_block, zero_padding)
+    Mask, Scores, dot, exact_where_nan, key_blocks, query_block, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, LN2, LOG2E, MIN_BLOCK, PallasConfig, compiler_params, next_pow2,
     padded_head_dim, resolve_config)
@@ -35,7 +35,7 @@ __all__ = ["pallas_forward"]
 # ---------------------------------------------------------------------------
 
 
-def _attend(q, k_ref, v_ref, rows, mask, ranges, *, qk_scale: float,
+def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
             block_k: int):
   """Online softmax of q against the key blocks of ``ranges`` = (lo, a, b, hi):
   [lo, a) and [b, hi) element-masked, [a, b) entirely visible. ``rows`` [bq, 1]
@@ -49,7 +49,7 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, qk_scale: float,
     start = pl.multiple_of(kb * block_k, block_k)
     k = k_ref[pl.ds(start, block_k), :]
     v = v_ref[pl.ds(start, block_k), :]
-    s = dot(q, k, 1, 1) * qk_scale
+    s = scores.log2(dot(q, k, 1, 1))
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       s = jnp.where(mask.visible(rows, cols), s, -jnp.inf)
@@ -72,7 +72,7 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, qk_scale: float,
   return lax.fori_loop(bb, hi, functools.partial(step, True), carry)
 
 
-def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, qk_scale: float,
+def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
             partial: bool):
   """The rows of an `_attend` pass: (o float32, LSE in natural units).
 
@@ -102,7 +102,7 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, qk_scale: float,
     def key(j, acc):
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
-      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
+      p = jnp.exp2(scores.log2(jnp.sum(qf * kj, axis=1)) - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
       return acc + jnp.where(mask.visible(rows, j), p[:, None] * vj, 0.0)
 
@@ -114,22 +114,22 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, qk_scale: float,
 
 
 def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                qk_scale: float, left: int, right: int, bottom_right: bool,
+                scores: Scores, left: int, right: int, bottom_right: bool,
                 block_q: int, block_k: int, num_q_blocks: int):
   mask, _, rows, ranges = query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
                                       bottom_right=bottom_right, block_q=block_q,
                                       block_k=block_k, num_q_blocks=num_q_blocks)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
-  carry = _attend(q, k_ref, v_ref, rows, mask, ranges, qk_scale=qk_scale, block_k=block_k)
+  carry = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores, block_k=block_k)
   o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0]),
                    (ranges[0] * block_k, ranges[3] * block_k), carry,
-                   qk_scale=qk_scale, partial=False)
+                   scores=scores, partial=False)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
 
 def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   qk_scale: float, left: int, right: int, bottom_right: bool,
+                   scores: Scores, left: int, right: int, bottom_right: bool,
                    block_r: int, block_k: int, group: int, total_rows: int,
                    row_tiles: int, num_splits: int):
   """One split of one tile of packed rows (the query heads of a K/V head's
@@ -157,12 +157,12 @@ def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *
   cut = lambda x: jnp.clip(x, s_lo, s_hi)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   carry = _attend(q, k_ref, v_ref, rows, mask, (cut(lo), cut(a), cut(bb), cut(hi)),
-                  qk_scale=qk_scale, block_k=block_k)
+                  scores=scores, block_k=block_k)
   k0, k1 = s_lo * block_k, s_hi * block_k
   r = rows[:, 0]
   seen = ((r < mask.q_valid) &
           (jnp.maximum(mask.key_begin(r), k0) < jnp.minimum(mask.key_end(r), k1)))
-  o, lse = _finish(q, k_ref, v_ref, rows, mask, seen, (k0, k1), carry, qk_scale=qk_scale,
+  o, lse = _finish(q, k_ref, v_ref, rows, mask, seen, (k0, k1), carry, scores=scores,
                    partial=True)
   o_ref[...] = o
   lse_ref[...] = lse
@@ -200,7 +200,7 @@ def _merge_splits(o_part, lse_part):
 
 
 def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
-                    scale: float, window_left: int, window_right: int,
+                    scores: Scores, window_left: int, window_right: int,
                     bottom_right: bool):
   """The forward over packed rows (GQA heads stacked, so a K/V block is read
   once per K/V head) in `splits` key ranges, merged in jnp."""
@@ -218,7 +218,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
   qp = pad_to(qp, {2: r_pad, 3: dp})
 
   kernel = functools.partial(
-      _decode_kernel, qk_scale=float(scale) * LOG2E, left=int(window_left),
+      _decode_kernel, scores=scores, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_r=br,
       block_k=bk, group=group, total_rows=total, row_tiles=row_tiles,
       num_splits=splits)
@@ -253,7 +253,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
 def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, num_splits: int | None = None,
-                   diagonal_offsets=None):
+                   diagonal_offsets=None, softcap: float = 0.0):
   """Attention forward with the Pallas kernel.
 
   Args:
@@ -261,6 +261,9 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       float16, bfloat16.
     q_lengths, kv_lengths: int32 ``[B]`` (clamped to ``[0, T]``/``[0, S]``).
     scale: multiplier of ``q . k``.
+    softcap: ``0`` for none, else the cap ``c > 0`` of every score:
+      ``c * tanh(scale * q . k / c)``, before the mask; the softmax and the
+      LSE are over the capped scores.
     window_left, window_right: ints, ``-1`` unbounded; causal is
       ``window_right = 0``.
     bottom_right: align the diagonal to the end of the sequences.
@@ -279,7 +282,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
     ``[B, Hq, T]`` in natural-log units (the lowest finite float32 for rows
     that see nothing).
   """
-  check_static_args(q, k, v, scale, window_left, window_right)
+  check_static_args(q, k, v, scale, window_left, window_right, softcap)
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
@@ -292,8 +295,9 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   offsets = batch_offsets(diagonal_offsets, batch)
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
+  scores = Scores(float(scale), float(softcap))
   if diagonal_offsets is None and (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS):
-    return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scale=scale,
+    return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scores=scores,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
   dp = padded_head_dim(d)
@@ -303,7 +307,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   qp = pad_to(q, {1: t_pad, 3: dp})
 
   kernel = functools.partial(
-      _fwd_kernel, qk_scale=float(scale) * LOG2E, left=int(window_left),
+      _fwd_kernel, scores=scores, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
       block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp),

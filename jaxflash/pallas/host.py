@@ -42,11 +42,11 @@ def output(shape, dtype, like) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=kind)
 
 
-def check_static_args(q, k, v, scale, window_left, window_right):
+def check_static_args(q, k, v, scale, window_left, window_right, softcap=0.0):
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError("q, k, v must have rank 4")
   reason = pallas_supported(q.shape, k.shape, v.shape, q.dtype, platform="cpu",
-                            k_dtype=k.dtype, v_dtype=v.dtype)
+                            k_dtype=k.dtype, v_dtype=v.dtype, logits_soft_cap=softcap)
   if reason is not None:
     raise ValueError(reason)
   if not isinstance(window_left, (int, np.integer)) or not isinstance(

@@ -7,6 +7,9 @@ rescaling since the LSE is known (natural log, scale c, visible keys j):
     P = exp(c Q Kᵀ - LSE),  tS = c (tQ Kᵀ + Q tKᵀ),
     tLSE = Σ_j P tS,        tO = Σ_j P ((tS - tLSE) V_j + tV_j).
 
+With a soft-cap C the scores are S = C tanh(c Q Kᵀ / C) and P = exp(S - LSE),
+and tS gains the factor dS/du = 1 - (S / C)² (`Scores.chain`).
+
 tLSE is only known at the end of the walk, and the uncentred form
 Σ P tS V - tLSE O cancels: where one key dominates a row, both terms are
 about tLSE V while tO is small, and rounding P tS (or O) to 16 bits for the
@@ -37,9 +40,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxflash.pallas.blocks import dot, exact_where_nan, lse_log2, query_block, zero_padding
+from jaxflash.pallas.blocks import (
+    Scores, dot, exact_where_nan, lse_log2, query_block, zero_padding)
 from jaxflash.pallas.config import (
-    EMPTY_LSE, LOG2E, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
+    EMPTY_LSE, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to)
@@ -48,7 +52,7 @@ __all__ = ["pallas_tangent"]
 
 
 def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref, tq_ref,
-                    tk_ref, tv_ref, to_ref, tlse_ref, *, scale: float, qk_scale: float, left: int,
+                    tk_ref, tv_ref, to_ref, tlse_ref, *, scores: Scores, left: int,
                     right: int, bottom_right: bool, block_q: int, block_k: int,
                     num_q_blocks: int):
   mask, r0, rows, (lo, a, bb, hi) = query_block(
@@ -65,8 +69,10 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
     start = pl.multiple_of(kb * block_k, block_k)
     k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
     tk, tv = tk_ref[pl.ds(start, block_k), :], tv_ref[pl.ds(start, block_k), :]
-    p = jnp.exp2(dot(q, k, 1, 1) * qk_scale - lse2[:, None])
-    ts = (dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scale
+    s = scores.log2(dot(q, k, 1, 1))
+    p = jnp.exp2(s - lse2[:, None])
+    # A masked pair's factor may be NaN (padding): the mask below selects it away.
+    ts = scores.chain((dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scores.scale, s)
     if masked:
       cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       v, tv = (zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
@@ -98,8 +104,10 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
       acc, o_sum, t_lse = sums
       kj, vj, tkj, tvj = (r[pl.ds(j, 1), :].astype(jnp.float32)
                           for r in (k_ref, v_ref, tk_ref, tv_ref))
-      p = jnp.exp2(jnp.sum(qf * kj, axis=1) * qk_scale - lse2)
-      ts = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scale
+      s = scores.log2(jnp.sum(qf * kj, axis=1))
+      p = jnp.exp2(s - lse2)
+      tu = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scores.scale
+      ts = scores.chain(tu, s)
       visible = mask.visible(rows[:, 0], j)[:, None]
       return (acc + jnp.where(visible, (p * ts)[:, None] * vj + p[:, None] * tvj, 0.0),
               o_sum + jnp.where(visible, p[:, None] * vj, 0.0),
@@ -123,7 +131,8 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
 
 def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
-                   config: PallasConfig | None = None, diagonal_offsets=None):
+                   config: PallasConfig | None = None, diagonal_offsets=None,
+                   softcap: float = 0.0):
   """(tO, tLSE) of the call whose outputs are (o, lse), for tangents (tq, tk, tv).
 
   Arguments as for `pallas_forward`, plus its outputs `o` (``[B, T, Hq, D]``)
@@ -135,7 +144,7 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   ``num_warps``, ``num_stages``), shrunk on the GPU until the twice as many
   tiles fit in shared memory.
   """
-  check_static_args(q, k, v, scale, window_left, window_right)
+  check_static_args(q, k, v, scale, window_left, window_right, softcap)
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
@@ -155,7 +164,7 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   pad_keys = lambda x: pad_to(x.astype(k.dtype), {1: s_pad, 3: dp})
 
   kernel = functools.partial(
-      _tangent_kernel, scale=float(scale), qk_scale=float(scale) * LOG2E,
+      _tangent_kernel, scores=Scores(float(scale), float(softcap)),
       left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
       block_q=bq, block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))

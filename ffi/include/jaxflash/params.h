@@ -139,11 +139,16 @@ struct PagedKv {
   }
 };
 
+// A logit soft-cap c > 0 replaces every score u = scale * q·k by
+// c * tanh(u / c) before masking (Gemma-style capping; the backward multiplies
+// the score gradient by 1 - tanh^2). 0: scores as they are. An infinite u
+// becomes +-c, a NaN stays NaN.
 struct FwdParams {
   AttentionShape shape;
   DType dtype = DType::kFloat32;
   MaskParams mask;
-  float scale = 1.0f;  // multiplies q·k before the softmax
+  float scale = 1.0f;    // multiplies q·k before the softmax
+  float softcap = 0.0f;  // > 0: the logit soft-cap (above)
   // Tile choice: 0 = the tile table, k in [1, 63] = candidate k (tuning and
   // tests; a candidate the build lacks is an error); adding kTileSm80 runs the
   // sm80 kernels even on a GPU with a newer path (so the Ampere path is
@@ -180,6 +185,7 @@ struct BwdParams {
   DType dtype = DType::kFloat32;
   MaskParams mask;
   float scale = 1.0f;
+  float softcap = 0.0f;  // as FwdParams::softcap
   bool deterministic = false;  // bit-identical results run to run
   int tile = 0;                // as FwdParams::tile, for the backward kernels
 

@@ -20,6 +20,7 @@
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
+#include "common/score_mod.cuh"
 #include "jaxflash/params.h"
 
 namespace jaxflash {
@@ -231,10 +232,21 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
 // kernel's samples at D 128 (docs/performance.md, eleventh session).
 // LseLog2(nt, j): this lane's query column nt * 8 + 2t + j's LSE in log2
 // units (read from `lse` as it goes, or from registers read earlier).
+// `cap` (score_mod.cuh, built with the call's scale) caps the scores before
+// the exponent instead of scaling them (masked pairs are zeroed after it, as
+// without a cap).
 template <int kQT, typename LseLog2>
 __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
-                                                  int key0, LseLog2&& lse_at, int lane, float scale_log2) {
+                                                  int key0, LseLog2&& lse_at, int lane, float scale_log2,
+                                                  SoftCap cap = {}) {
   const int g = lane >> 2, t = lane & 3;
+  if (cap.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+    scale_log2 = 1.f;
+  }
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt) {
     const float lse_log2[2] = {lse_at(nt, 0), lse_at(nt, 1)};
@@ -261,16 +273,28 @@ __device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int
 
 template <int kQT>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
-                                              int key0, const float* lse, int lane, float scale_log2) {
+                                              int key0, const float* lse, int lane, float scale_log2,
+                                              SoftCap cap = {}) {
   KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
-                    scale_log2);
+                    scale_log2, cap);
 }
 
-// dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta holds the tile's values.
+// dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta (and lse, read only under a
+// soft-cap, whose slope multiplies dS) hold the tile's values.
 template <int kQT>
 __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
-                                           int lane) {
+                                           int lane, const float* lse = nullptr, SoftCap cap = {}) {
   const int t = lane & 3;
+  if (cap.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int q = nt * 8 + 2 * t + (i & 1);
+        dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[q]) * cap.SlopeFromProb(p[nt][i], lse[q] * kLog2e);
+      }
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
@@ -300,8 +324,16 @@ struct RowStats {
 // [c0, c0 + 8 kNT); as KeyMajorProbs, the mask loop runs on boundary tiles only.
 template <int kNT>
 __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowStats& rs, const MaskPolicy& pol,
-                                                bool full, int row0, int c0, int lane, float scale_log2) {
+                                                bool full, int row0, int c0, int lane, float scale_log2,
+                                                SoftCap cap = {}) {
   const int g = lane >> 2, t = lane & 3;
+  if (cap.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+    scale_log2 = 1.f;
+  }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -319,7 +351,16 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
 
 // dP -> dS = P ∘ (dP - delta) in place.
 template <int kNT>
-__device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&dp)[kNT][4], const RowStats& rs) {
+__device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&dp)[kNT][4], const RowStats& rs,
+                                             SoftCap cap = {}) {
+  if (cap.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        dp[nt][i] = p[nt][i] * (dp[nt][i] - rs.delta[i >> 1]) * cap.SlopeFromProb(p[nt][i], rs.lse_log2[i >> 1]);
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll

@@ -44,18 +44,25 @@ __device__ __forceinline__ float At(const T* row, int d) {
 // The visible pair (query row `q_row` with its LSE and delta, key `k_row` /
 // `v_row`): P, and dS when a backward needs it.
 struct ExactPair {
-  float prob, ds;
+  float prob, ds, slope;  // slope: d score / d (scale q·k), 1 - tanh^2 under a soft-cap
 };
 template <typename T>
-__device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, float scale, float lse, int dim) {
-  return {Exp2((RowDot(q_row, k_row, dim) * scale - lse) * kLog2e), 0.f};
+__device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, float scale, float softcap, float lse,
+                                           int dim) {
+  float score = RowDot(q_row, k_row, dim) * scale, slope = 1.f;
+  if (softcap > 0.f) {  // score_mod.cuh's cap in natural units, with tanhf
+    const float th = tanhf(score / softcap);
+    score = softcap * th;
+    slope = 1.f - th * th;
+  }
+  return {Exp2((score - lse) * kLog2e), 0.f, slope};
 }
 template <typename T>
 __device__ __forceinline__ ExactPair PairOf(const BwdParams& p, const T* q_row, const T* do_row, const T* k_row,
                                            const T* v_row, int64_t stat) {
   const int dim = static_cast<int>(p.shape.head_dim);
-  ExactPair pair = PairOf(q_row, k_row, p.scale, p.lse[stat], dim);
-  pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]);
+  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim);
+  pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]) * pair.slope;
   return pair;
 }
 
@@ -100,13 +107,13 @@ struct ExactQueryRow {
 // store(d, value) writes column d. An LSE of -inf (a split whose visible
 // scores are all -inf) weighs every value 0, so only a non-finite value shows.
 template <typename T, typename Row, typename Store>
-__device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, float scale, float lse, int lane,
-                                              Store&& store) {
+__device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, float scale, float softcap, float lse,
+                                              int lane, Store&& store) {
   for (int c0 = 0; c0 < r.dim; c0 += 32) {
     const int d = c0 + lane;
     float acc = 0.f;
     for (int j = r.begin; j < r.end; ++j) {
-      const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, lse, r.dim).prob;
+      const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, softcap, lse, r.dim).prob;
       if (d < r.dim) acc += prob * At(r.Value(j), d);
     }
     if (d < r.dim) store(d, acc);
@@ -149,7 +156,7 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
     if (col >= r.dim) break;
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {
-      const float prob = PairOf(q_row, r.Key(j), p.scale, lse, r.dim).prob;
+      const float prob = PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim).prob;
       acc.x += prob * At(r.Value(j), col);
       acc.y += prob * At(r.Value(j), col + 1);
     }

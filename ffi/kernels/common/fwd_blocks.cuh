@@ -17,6 +17,7 @@
 #include "common/grid_order.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
+#include "common/score_mod.cuh"
 #include "common/softmax.cuh"
 #include "jaxflash/params.h"
 
@@ -122,10 +123,24 @@ struct SameRow {
 // -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
 // per-element test; `r0` is the CTA's first row, `query_row` maps a row to the
 // query row the mask knows.
+// `cap` (score_mod.cuh, built with the call's scale) caps the scores instead
+// of scaling them; with a cap, kScale must be true.
 template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
-                                             QueryRow query_row = {}) {
+                                             QueryRow query_row = {}, SoftCap cap = {}) {
+  if constexpr (kScale) {
+    if (cap.On()) {  // uniform: capped calls take this loop, the others the one below
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.Apply(s[mt][nt][i]);
+      ScaleAndMask<false>(s, pol, full, r0, warp_row0, c0, lane, 1.f, query_row);
+      return;
+    }
+  }
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)

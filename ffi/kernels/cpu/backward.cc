@@ -114,9 +114,11 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
   RowsTimesTransposed(t.q, rows, g.dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
   RowsTimesTransposed(t.dout, rows, g.dim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
   const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
+  const bool capped = p.softcap > 0;
   for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * kKeysPerTile;
     float* ds = t.ds + r * kKeysPerTile;
+    if (capped) SoftCap{p.softcap}.Apply(s, cols);
     if (!full) {
       // Rows with no visible key have LSE = -inf; masking first keeps them at 0.
       for (int c = 0; c < cols; ++c) {
@@ -124,6 +126,17 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
       }
     }
     const float lse2 = t.lse2[r];
+    if (capped) {
+      // dS with respect to the uncapped score: times the cap's slope 1 - tanh^2.
+      const SoftCap cap{p.softcap};
+      for (int c = 0; c < cols; ++c) {  // vectorised
+        const float th = cap.TanhOf(s[c]);
+        const float prob = Exp2(s[c] - lse2);
+        s[c] = prob;
+        ds[c] = prob * (ds[c] - t.delta[r]) * (1.f - th * th);
+      }
+      continue;
+    }
     for (int c = 0; c < cols; ++c) {  // vectorised
       const float prob = Exp2(s[c] - lse2);
       s[c] = prob;

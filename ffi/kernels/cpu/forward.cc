@@ -90,6 +90,9 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     const int cols = std::min(kKeysPerTile, split_end - c0);
     LoadKeys(p, b, kv_head, c0, cols, t);
     RowsTimesTransposed(t.q, valid_rows, dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
+    if (p.softcap > 0) {
+      for (int r = 0; r < valid_rows; ++r) SoftCap{p.softcap}.Apply(t.s + r * kKeysPerTile, cols);
+    }
 
     const bool full = mask.TileIsFull(packed.QueryRow(r0), packed.QueryRow(r0 + valid_rows - 1) + 1, c0, c0 + cols);
     for (int r = 0; r < valid_rows; ++r) {

@@ -108,6 +108,25 @@ JAXFLASH_CPU_INLINE float Exp2(float x) {
   return x != x ? x : y;
 }
 
+// tanh from Exp2, so loops over it vectorise: 1 - 2 / (e^(2x) + 1). Exactly
+// +-1 past Exp2's range (so an infinite score caps to +-c), NaN for NaN;
+// absolute error about 1e-7 (the subtraction near 0), the rounding of a
+// score of a few units anyway.
+JAXFLASH_CPU_INLINE float Tanh(float x) { return 1.f - 2.f / (Exp2(x * (2.f * kLog2e)) + 1.f); }
+
+// The logit soft-cap (params.h) on scores in log2 units, s = log2(e) * u with
+// u = scale * q.k: s becomes log2(e) * c * tanh(u / c). Applied before the
+// mask, which overrides it.
+struct SoftCap {
+  float cap;  // > 0
+  JAXFLASH_CPU_INLINE void Apply(float* s, int n) const {
+    const float in = kLn2 / cap, out = cap * kLog2e;
+    for (int i = 0; i < n; ++i) s[i] = out * Tanh(s[i] * in);  // vectorised
+  }
+  // tanh(u / c) of a capped score: its slope d s / d u is 1 - tanh^2.
+  JAXFLASH_CPU_INLINE float TanhOf(float capped) const { return capped * (kLn2 / cap); }
+};
+
 // max that propagates NaN (std::max and fmax drop it): a NaN score must make
 // its row NaN, not vanish from the running max.
 JAXFLASH_CPU_INLINE float MaxNaN(float a, float b) { return (a != a || a > b) ? a : b; }

@@ -257,7 +257,7 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
     }
 
     const bool full = pol.TileIsFull(q0, q_end, c0, c0 + kNw);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row);
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row, tc::SoftCap::Of(p.softcap, p.scale));
     softmax.Update(s, o);
 
     // ---- O += P V, P straight from the score registers
@@ -394,7 +394,7 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
     const int r = r0 + row;
     const ExactPackedRow<T> exact(p, pol, rows, batch, kv_head, r, k0, k1);
     const T* q_row = static_cast<const T*>(p.q) + rows.Offset(sh, batch, kv_head, r);
-    tc::ExactOutputOf<T>(exact, q_row, p.scale, sLse[row], lane, [&](int d, float x) { store(r, d, &x, 1); });
+    tc::ExactOutputOf<T>(exact, q_row, p.scale, p.softcap, sLse[row], lane, [&](int d, float x) { store(r, d, &x, 1); });
   }
 }
 

@@ -18,6 +18,7 @@
 
 #include "common/mask.h"
 #include "common/mma.cuh"
+#include "common/score_mod.cuh"
 #include "simt/simt.h"
 
 namespace jaxflash {
@@ -108,6 +109,7 @@ struct Geometry {
 // grid (row blocks of kWarps rows, batch * q_heads); warp w owns one row.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
+  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* ks = smem;
@@ -141,7 +143,11 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
     if (!live) continue;
     const int key = c0 + lane;
     const unsigned vis = VisibleLanes(lane < cols && mask.Visible(row, key));
-    const float s = Bit(vis, lane) ? Dot(qs + warp * dim, ks + lane * stride, dim) : -INFINITY;
+    float s = -INFINITY, th;
+    if (Bit(vis, lane)) {
+      s = Dot(qs + warp * dim, ks + lane * stride, dim);
+      if (cap.On()) s = cap.ApplyExact(s, &th);
+    }
     const float new_max = MaxNaN(row_max, WarpMax(s));
     if (new_max == -INFINITY) continue;  // warp-uniform
     const float rescale = exp2f(row_max - new_max);
@@ -201,6 +207,7 @@ __global__ void __launch_bounds__(kThreads, 2) DeltaKernel(BwdParams p, float* d
 // one key of the staged tile.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, const float* delta) {
+  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* ks = smem;
@@ -239,8 +246,10 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
     const unsigned vis = VisibleLanes(lane < cols && mask.Visible(row, c0 + lane));
     float ds = 0.f;
     if (Bit(vis, lane)) {
-      const float prob = exp2f(Dot(qs + warp * dim, ks + lane * stride, dim) - lse2);
-      ds = prob * (Dot(dos + warp * dim, vs + lane * stride, dim) - row_delta);
+      float score = Dot(qs + warp * dim, ks + lane * stride, dim), th = 0.f;
+      if (cap.On()) score = cap.ApplyExact(score, &th);
+      const float prob = exp2f(score - lse2);
+      ds = prob * (Dot(dos + warp * dim, vs + lane * stride, dim) - row_delta) * (1.f - th * th);
     }
     for (int j = 0; j < cols; ++j) {
       if (!Bit(vis, j)) continue;  // warp-uniform
@@ -266,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
 // GQA group and every row that sees the block's keys.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, const float* delta) {
+  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* qs = smem;                  // [kTile][stride], scaled by scale * log2(e)
@@ -307,8 +317,10 @@ __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, c
       const unsigned vis = VisibleLanes(lane < rows && mask.Visible(i0 + lane, key));
       float prob = 0.f, ds = 0.f;
       if (Bit(vis, lane)) {
-        prob = exp2f(Dot(qs + lane * stride, ks + warp * dim, dim) - lse2[lane]);
-        ds = prob * (Dot(dos + lane * stride, vs + warp * dim, dim) - deltas[lane]);
+        float score = Dot(qs + lane * stride, ks + warp * dim, dim), th = 0.f;
+        if (cap.On()) score = cap.ApplyExact(score, &th);
+        prob = exp2f(score - lse2[lane]);
+        ds = prob * (Dot(dos + lane * stride, vs + warp * dim, dim) - deltas[lane]) * (1.f - th * th);
       }
       for (int r = 0; r < rows; ++r) {
         if (!Bit(vis, r)) continue;  // warp-uniform

@@ -61,6 +61,10 @@ struct DkDvTile {
   static constexpr size_t kSmemBytes = 2 * size_t(KVTile::kBytes) + kStages * kStageBytes + 1024;
   static_assert(kM == 32 || kM == 64 || kM == 128, "Sᵀ tiles use the compiled wgmma widths");
   static_assert(kDOut % 64 == 0, "dK/dV columns come in whole 64-column blocks");
+  // 128 queries a step at D = 64 use all 255 registers; the soft-cap's slope
+  // (score_mod.cuh) would spill them. These candidates run only when a tile is
+  // forced (LaunchBackward); forced with a cap, they refuse the call.
+  static constexpr bool kTakesSoftCap = !(kD == 64 && kM == 128);
 };
 
 template <typename T, typename Tile>
@@ -160,7 +164,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // then dV += Pᵀ dO is issued
     float s[kQT][4], dp[kQT][4];
     KeyMajorScores<T, KVTile, QTile, kD, kM>(s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0, c0 + key_w, kN, lse,
-                                             lane, scale_log2);
+                                             lane, scale_log2, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
     uint32_t pa[kM / 16][4];
     tc::PackAFragments<T>(s, pa);
     WgmmaFence();
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // ---- dSᵀ while dV runs; then dK += dSᵀ Q
     WgmmaWait<1>();
     FenceAccumulator(dp);
-    tc::KeyMajorDs(s, dp, delta, lane);
+    tc::KeyMajorDs(s, dp, delta, lane, lse, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
     uint32_t da[kM / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();
@@ -279,10 +283,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     WgmmaWait<1>();
     FenceAccumulator(s);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2, tc::SoftCap::Of(p.softcap, p.scale));
     WgmmaWait<0>();
     FenceAccumulator(dp);
-    tc::QueryMajorDs(s, dp, rows);
+    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p.softcap, p.scale));
     uint32_t da[kN / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();
@@ -344,6 +348,9 @@ template <typename T, typename Tile>
 Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename Tile::DkDv;
   using Dq = typename Tile::Dq;
+  if (!DkDv::kTakesSoftCap && p.softcap > 0.f) {
+    return Status::Unimplemented("this forced sm90 backward tile does not take a logit soft-cap");
+  }
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
       p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::kSmemBytes}, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes},
       device, stream);
@@ -410,12 +417,17 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
-  if (tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
-  if (!tc::TileForced(p) && p.shape.q_len > 0) {
+  // A logit soft-cap runs the two cp.async kernels: as in the forward
+  // (fwd_launch.cuh), the warp-specialised passes have no registers to spare.
+  const bool capped = p.softcap > 0.f;
+  if (!capped && tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
+  if (!capped && !tc::TileForced(p) && p.shape.q_len > 0) {
     return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, typename DqPassTile<kD>::type>(p, device, stream);
   }
   const bool causal = p.mask.window_right >= 0;
-  return BwdCandidates<kD>::type::With(p.tile, BwdTilePick(kD, causal),
+  // A cached preference was measured on the warp-specialised passes, without a cap.
+  const int requested = capped && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
+  return BwdCandidates<kD>::type::With(requested, BwdTilePick(kD, causal),
                                        [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 

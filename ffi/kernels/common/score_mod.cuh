@@ -1,0 +1,75 @@
+// How the CUDA kernels modify a score before the softmax: the logit soft-cap
+// of params.h, on scores in the log2 units every kernel works in (x = scale *
+// log2(e) * q·k becomes cap2 * tanh(x / cap2), cap2 = softcap * log2(e)).
+//
+// Kept in one place for the forward tiles (fwd_blocks.cuh's ScaleAndMask),
+// the backward's element-wise steps (bwd_blocks.cuh), the exact
+// recomputation of NaN rows (exact_rows.cuh) and the SIMT kernels. A call
+// without a cap takes each kernel's old path through a uniform branch per
+// tile, so it pays nothing.
+#pragma once
+
+#include "jaxflash/params.h"
+
+namespace jaxflash {
+namespace tc {
+
+__device__ __forceinline__ float TanhApprox(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float Log2Approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+struct SoftCap {
+  float cap2 = 0.f;  // softcap * log2(e); 0: no cap
+  float in = 0.f;    // multiplier of a raw product q·k inside the tanh: scale / softcap
+  float inv = 0.f;   // 1 / cap2, for scores already in log2 units
+
+  // Built where it is used, per tile: the empty asm keeps the compiler from
+  // hoisting the floats out of a kernel's loop and holding them in registers
+  // across it (they made the sm90 D 64 dK/dV kernel spill). A kernel uses
+  // one or two of them; the others are never computed.
+  __device__ __forceinline__ static SoftCap Of(float softcap, float scale) {
+    asm volatile("" : "+f"(softcap));
+    SoftCap c;
+    if (softcap > 0.f) {
+      c.cap2 = softcap * 1.4426950408889634f;
+      c.in = scale / softcap;
+      c.inv = 1.f / c.cap2;
+    }
+    return c;
+  }
+  __device__ __forceinline__ bool On() const { return cap2 > 0.f; }
+
+  // The capped score in log2 units from a raw product q·k (the scale folded
+  // into `in`: one multiply, and the caller's scale register is not needed).
+  // tanh.approx is one special-function op with a relative error of 2^-11:
+  // the 16-bit kernels round P to 8 or 11 bits anyway. tanh takes +-inf to
+  // +-1 and keeps NaN.
+  __device__ __forceinline__ float Apply(float qk) const { return cap2 * TanhApprox(qk * in); }
+  // From a score already in log2 units, with tanhf, for the float32 kernels;
+  // *th receives tanh, whose slope 1 - tanh^2 the backward multiplies in.
+  __device__ __forceinline__ float ApplyExact(float x, float* th) const {
+    *th = tanhf(x * inv);
+    return cap2 * *th;
+  }
+
+  // The slope d capped / d uncapped = 1 - tanh^2 of a pair, recovered from its
+  // probability p = exp2(capped - lse2): the tile kernels keep P, and a
+  // second register tile for the tanh would not fit the warp-specialised
+  // backward. A pair with p = 0 (masked, or underflowed) has dS = 0 whatever
+  // the slope; a NaN p stays NaN through the product.
+  __device__ __forceinline__ float SlopeFromProb(float p, float lse2) const {
+    const float th = (Log2Approx(p) + lse2) * inv;
+    return p > 0.f ? 1.f - th * th : 0.f;
+  }
+};
+
+}  // namespace tc
+}  // namespace jaxflash

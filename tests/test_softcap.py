@@ -1,0 +1,117 @@
+"""The logit soft-cap: the fused implementations against float64 truth.
+
+`logits_soft_cap=c` turns each score u = scale * q.k into c * tanh(u / c)
+before masking (reference.soft_cap; numpy_reference's `softcap`). Native on
+the default backend (C++ on a CPU, CUDA on a GPU), Pallas on the GPU (and in
+the CPU interpreter: test_pallas.py); the jnp derivatives give forward mode
+and ring attention's blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from conftest import HAS_GPU, random_inputs
+from test_native import check_forward, check_gradients
+
+CAP = 5.0
+# (B, T, S, N, K, D): ragged lengths, GQA 2 and 4, head dims off the powers of two.
+SHAPES = [(2, 37, 61, 4, 2, 40), (1, 70, 70, 8, 2, 64)]
+MASKS = ["none", "causal", "window", "lengths_causal_bottom_right"]
+
+
+# magnitude 2: scores of several units, where tanh(u / 5) bends.
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_forward(rng, shape, mask, dtype):
+  check_forward(rng, shape, mask, dtype, magnitude=2.0, softcap=CAP)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_gradients(rng, mask, dtype):
+  check_gradients(rng, SHAPES[0], mask, dtype, magnitude=2.0, softcap=CAP)
+
+
+# On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the SIMT
+# kernels (float32) and the Pallas kernels, forward and backward.
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl, dtype", [("native", jnp.bfloat16), ("native", jnp.float16),
+                                         ("native", jnp.float32), ("pallas", jnp.bfloat16)])
+@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+def test_gpu_kernels(rng, impl, dtype, mask):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in SHAPES + [(1, 300, 300, 4, 1, 128)]:
+    check_forward(rng, shape, mask, dtype, magnitude=2.0, implementation=impl, softcap=CAP)
+    check_gradients(rng, shape, mask, dtype, magnitude=2.0, implementation=impl, softcap=CAP)
+  for shape in [(2, 1, 500, 8, 2, 128), (2, 4, 700, 8, 1, 64)]:   # decode steps (split-KV)
+    check_forward(rng, shape, mask, dtype, magnitude=2.0, implementation=impl, softcap=CAP)
+
+
+@pytest.mark.gpu
+def test_gpu_sm80_kernels(rng):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  from jaxflash import _native
+  with _native.forced_tile(0, sm80=True):
+    check_forward(rng, (1, 300, 300, 4, 2, 64), "causal", jnp.bfloat16, magnitude=2.0,
+                  softcap=CAP)
+    check_gradients(rng, (1, 300, 300, 4, 2, 64), "causal", jnp.bfloat16, magnitude=2.0,
+                    softcap=CAP)
+
+
+def test_forward_mode(rng):
+  q, k, v = random_inputs(rng, 1, 33, 45, 4, 2, 32, jnp.float32, magnitude=2.0)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, logits_soft_cap=CAP, implementation=impl)
+  _, got = jax.jvp(f(None), (q, k, v), tangents)
+  _, want = jax.jvp(f("xla"), (q, k, v), tangents)
+  assert float(jnp.max(jnp.abs(got - want))) < 1e-4 * max(1.0, float(jnp.max(jnp.abs(want))))
+
+
+def test_infinite_scores_cap_and_nan_stays(rng):
+  """tanh takes an infinite score to +-c (a finite row); a NaN reaches the rows that see it."""
+  q, k, v = random_inputs(rng, 1, 8, 8, 2, 2, 16, jnp.float32)
+  big = q.at[0, 3, 0, 0].set(jnp.inf)
+  fused = jaxflash.dot_product_attention(big, k, v, logits_soft_cap=CAP)
+  dense = jaxflash.dot_product_attention(big, k, v, logits_soft_cap=CAP, implementation="xla")
+  np.testing.assert_allclose(np.asarray(fused), np.asarray(dense), atol=1e-5, equal_nan=True)
+  nan = q.at[0, 5, 1, 0].set(jnp.nan)
+  got = np.asarray(jaxflash.dot_product_attention(nan, k, v, logits_soft_cap=CAP, is_causal=True))
+  assert np.isnan(got[0, 5, 1]).all() and np.isfinite(np.delete(got[0], 5, axis=0)).all()
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), "soft"])
+def test_bad_caps_are_refused_before_any_kernel(bad):
+  q = jnp.zeros((1, 4, 2, 8), jnp.float32)
+  with pytest.raises((TypeError, ValueError), match="logits_soft_cap"):
+    jaxflash.dot_product_attention(q, q, q, logits_soft_cap=bad)
+
+
+def test_traced_caps_and_cudnn_are_refused():
+  q = jnp.zeros((1, 4, 2, 8), jnp.float32)
+  with pytest.raises(TypeError, match="logits_soft_cap must be a static"):
+    jax.jit(lambda c: jaxflash.dot_product_attention(q, q, q, logits_soft_cap=c))(1.0)
+  with pytest.raises(ValueError, match="extra keywords"):
+    jaxflash.dot_product_attention(q, q, q, logits_soft_cap=CAP, implementation="cudnn")
+
+
+def test_paged_decode(rng):
+  q = jnp.asarray(rng.standard_normal((2, 1, 4, 32)), jnp.float32) * 2
+  pages = jnp.asarray(rng.standard_normal((6, 8, 2, 32)), jnp.float32) * 2
+  values = jnp.asarray(rng.standard_normal((6, 8, 2, 32)), jnp.float32)
+  table = jnp.array([[0, 2, 4], [1, 3, 5]], jnp.int32)
+  lengths = jnp.array([20, 9], jnp.int32)
+  run = lambda impl, **kw: jaxflash.paged_attention(q, pages, values, table, lengths,
+                                                    implementation=impl, **kw)
+  capped = run("xla", logits_soft_cap=CAP)
+  np.testing.assert_allclose(np.asarray(run("native", logits_soft_cap=CAP)), np.asarray(capped),
+                             atol=2e-5)
+  assert float(jnp.max(jnp.abs(run("xla") - capped))) > 1e-3   # the cap changed the result
