@@ -417,16 +417,22 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
-  // A logit soft-cap runs the two cp.async kernels: as in the forward
-  // (fwd_launch.cuh), the warp-specialised passes have no registers to spare.
+  // A logit soft-cap runs the first of the passes below whose tiles take it
+  // (kTakesSoftCap: at D 128 the dK/dV pass and the dQ pass, at D 64 and 256
+  // the two cp.async kernels); the others have no registers to spare for it.
   const bool capped = p.softcap > 0.f;
-  if (!capped && tc::UseFusedBackward(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
-  if (!capped && !tc::TileForced(p) && p.shape.q_len > 0) {
-    return LaunchWsKeyGradsThenDq<T, typename Fused::WithoutDq, typename DqPassTile<kD>::type>(p, device, stream);
+  using KeyGrads = typename Fused::WithoutDq;
+  using DqPass = typename DqPassTile<kD>::type;
+  if ((!capped || Fused::kTakesSoftCap) && tc::UseFusedBackward(p)) {
+    return LaunchWsBackward<T, Fused>(p, device, stream);
   }
-  const bool causal = p.mask.window_right >= 0;
+  const bool split_takes_cap = KeyGrads::kTakesSoftCap && DqPass::kTakesSoftCap;
+  if ((!capped || split_takes_cap) && !tc::TileForced(p) && p.shape.q_len > 0) {
+    return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);
+  }
   // A cached preference was measured on the warp-specialised passes, without a cap.
   const int requested = capped && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
+  const bool causal = p.mask.window_right >= 0;
   return BwdCandidates<kD>::type::With(requested, BwdTilePick(kD, causal),
                                        [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }

@@ -58,6 +58,7 @@ struct WsDqTile {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = 64 * kConsumers;  // query rows per CTA
+  static constexpr bool kTakesSoftCap = kD_ == 128;  // as WsBwdTile's
   static constexpr int kThreads = 128 * (kConsumers + 1);
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
@@ -303,10 +304,11 @@ __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<
         FenceAccumulator(s);
         const int c0 = nb * kN;
         const bool full = pol.TileIsFull(own_r0, own_r0 + 64, c0, c0 + kN);
-        tc::QueryMajorProbs(s, rows, pol, full, w.r0 + warp_row0, c0, lane, scale_log2);
+        tc::QueryMajorProbs(s, rows, pol, full, w.r0 + warp_row0, c0, lane, scale_log2,
+                            Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
         WgmmaWait<kPrev ? 1 : 0>();  // dP
         FenceAccumulator(dp);
-        tc::QueryMajorDs(s, dp, rows);
+        tc::QueryMajorDs(s, dp, rows, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
         if constexpr (kPrev) {
           WgmmaWait<0>();  // the previous dQ: its stage is read
           FenceAccumulator(dq);

@@ -64,6 +64,10 @@ namespace sm90 {
 template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 128 dK/dV
+  // pass without dQ. The fused D 128 pass (12 bytes) and the D 64 tiles spilled
+  // with the cap's code; capped calls there take another pass (LaunchBackward).
+  static constexpr bool kTakesSoftCap = kD_ == 128 && !kWithDq_;
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
   static constexpr int kD = kD_;
@@ -166,7 +170,9 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // three-consumer D 64 tile, at 160 registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
-                                                        w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2);
+                                                        w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,
+                                                        Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale)
+                                                                            : tc::SoftCap{});
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -181,7 +187,8 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<0>();
     }
     FenceAccumulator(dp);
-    tc::KeyMajorDs(st, dp, in.delta, lane);
+    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse,
+                   Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)

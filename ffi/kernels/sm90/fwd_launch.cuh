@@ -95,16 +95,19 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
   }
 }
 
-// A call with a logit soft-cap (score_mod.cuh) runs the bucket's cp.async
-// candidate: the warp-specialised kernels hold their registers at the limit,
-// and the cap's tanh spilled them (D 64: 68-148 bytes, D 256: 28).
-inline int FwdSoftCapPick(int head_dim_bucket) { return head_dim_bucket == 64 ? 3 : 1; }
+// A call with a logit soft-cap (score_mod.cuh) keeps the table's pick where
+// that tile takes the cap (WsFwdTile::kTakesSoftCap: D 128), else runs the
+// bucket's cp.async candidate: at D 64 and 256 the warp-specialised consumers
+// hold their registers at the limit, and the cap's code spilled them.
+inline int FwdSoftCapPick(int head_dim_bucket, int pick) {
+  return head_dim_bucket == 128 ? pick : head_dim_bucket == 64 ? 3 : 1;
+}
 
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len), requested = p.tile;
   if (p.softcap > 0.f) {
-    pick = FwdSoftCapPick(kD);
+    pick = FwdSoftCapPick(kD, pick);
     if (requested & FwdParams::kTilePreferred) requested = 0;  // measured without a cap
   } else if (SmallGrid<kD>(p, device, pick)) {
     pick = FwdCandidates<kD>::kSmallGrid;
@@ -115,7 +118,9 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   return FwdCandidates<kD>::type::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);
     if constexpr (Tile::kWarpSpecialised) {
-      if (p.softcap > 0.f) return Status::Unimplemented("the warp-specialised forward tiles take no logit soft-cap");
+      if (p.softcap > 0.f && !Tile::kTakesSoftCap) {
+        return Status::Unimplemented("this warp-specialised forward tile takes no logit soft-cap");
+      }
       return LaunchWsForward<T, Tile>(p, device, stream);
     } else {
       return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,

@@ -77,6 +77,10 @@ struct WsFwdTile {
   // the per-warpgroup bounds cost D 128 causal S 1k 2%: those walk the work
   // tile's.
   static constexpr bool kOwnKeyTiles = kM > kN;
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 64 and 256
+  // the cap's code spilled the consumers' registers (68-148 and 28 bytes), so
+  // capped calls there run the cp.async kernel (fwd_launch.cuh).
+  static constexpr bool kTakesSoftCap = kD == 128;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -342,11 +346,13 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
-          if (scale_log2 > 0.f) {
+          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f)) {
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
             return softmax.Scores<true>(s, alpha, scale_log2);
           }
-          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2);
+          // The cap is built from the parameters here, per tile (score_mod.cuh).
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
+                           Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
           return softmax.Scores<true>(s, alpha);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds
