@@ -65,11 +65,18 @@ JAXFLASH_IMPLEMENTATIONS = ("native", "pallas")
 OPTIONAL_PEERS = {"fa3": "flash_attn3_jax", "tokamax": "tokamax"}
 
 
+# The logit soft-cap of the `*_softcap` peers (set from --softcap in main).
+SOFTCAP = 30.0
+
+
 def jax_impl(name, causal, backward):
+  cap = None
+  if name.endswith("_softcap"):   # default_softcap, native_softcap, pallas_softcap
+    name, cap = name[:-len("_softcap")], SOFTCAP
   if name in JAXFLASH_IMPLEMENTATIONS or name == "default":
     impl = None if name == "default" else name
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                           implementation=impl)
+                                                           implementation=impl, logits_soft_cap=cap)
   elif name == "fa3":
     import flash_attn3_jax
     attn = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=causal)
@@ -187,8 +194,11 @@ def main():
   ap.add_argument("--peers", default="default,native,pallas,cudnn,fa3,tokamax,xla,torch_flash,torch_cudnn",
                   help="comma-separated, of default, native, native_fused, native_two_kernel, "
                        "native_deterministic, pallas, cudnn, fa3, tokamax, xla, torch_flash, "
-                       "torch_cudnn; torch_* are skipped when torch has no GPU, fa3 and tokamax "
-                       "when their package does not import")
+                       "torch_cudnn, and default_softcap, native_softcap, pallas_softcap (with "
+                       "logits_soft_cap=--softcap); torch_* are skipped when torch has no GPU, fa3 "
+                       "and tokamax when their package does not import")
+  ap.add_argument("--softcap", type=float, default=30.0,
+                  help="the logit soft-cap of the *_softcap peers")
   ap.add_argument("--check-default", action="store_true",
                   help="add default, native and pallas, and print the default's rate over the "
                        "fastest of native and pallas per cell")
@@ -203,6 +213,7 @@ def main():
   ap.add_argument("--csv", default=None)
   ap.add_argument("--png", default=None)
   args = ap.parse_args()
+  globals()["SOFTCAP"] = args.softcap
 
   peers = args.peers.split(",")
   try:
