@@ -146,6 +146,7 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
 
 def is_peer(name) -> bool:
   """A library other than jaxflash (the ratios' denominators)."""
+  name = name.removesuffix("_softcap")
   return not (name.startswith("native") or name in JAXFLASH_IMPLEMENTATIONS or name == "default")
 
 
@@ -158,6 +159,9 @@ def ratios(rows, check_default: bool) -> str:
     best = max(peers, key=peers.get)
     out += "".join(f"  {n}/best={rows[n] / peers[best]:.2f}" for n in ("native", "default")
                    if n in rows) + f" (best peer {best})"
+  # The soft-cap's cost: the capped call's time over the same call's without it.
+  out += "".join(f"  {n} softcap cost={rows[n] / rows[n + '_softcap']:.2f}x"
+                 for n in ("default", *JAXFLASH_IMPLEMENTATIONS) if n in rows and n + "_softcap" in rows)
   own = {n: rows[n] for n in JAXFLASH_IMPLEMENTATIONS if n in rows}
   if check_default and own and "default" in rows:
     fastest = max(own, key=own.get)
