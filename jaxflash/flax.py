@@ -106,6 +106,7 @@ def dot_product_attention(
     query_seq_lengths=None,
     key_value_seq_lengths=None,
     scale: float | None = None,
+    logits_soft_cap: float | None = None,
 ):
   """Flax-compatible attention on jaxflash; use it as an ``attention_fn``.
 
@@ -136,7 +137,7 @@ def dot_product_attention(
     qk_attn_weights_einsum, attn_weights_value_einsum: custom einsums cannot
       be honoured; anything but None raises ``ValueError``.
     local_window_size, implementation, query_seq_lengths,
-      key_value_seq_lengths, scale: passed to
+      key_value_seq_lengths, scale, logits_soft_cap: passed to
       :func:`jaxflash.dot_product_attention`.
 
   Returns:
@@ -183,19 +184,22 @@ def dot_product_attention(
                for x in (query_seq_lengths, key_value_seq_lengths)]
     out = _attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=bool(is_causal),
                      query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1],
-                     local_window_size=local_window_size, implementation=implementation)
+                     local_window_size=local_window_size, implementation=implementation,
+                     logits_soft_cap=logits_soft_cap)
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
   return _attention(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal),
                     query_seq_lengths=query_seq_lengths,
                     key_value_seq_lengths=key_value_seq_lengths,
-                    local_window_size=local_window_size, implementation=implementation)
+                    local_window_size=local_window_size, implementation=implementation,
+                    logits_soft_cap=logits_soft_cap)
 
 
 def make_attention_fn(*, is_causal: bool = False,
                       local_window_size: int | tuple[int, int] | None = None,
                       implementation: str | None = None,
-                      scale: float | None = None) -> Callable[..., jax.Array]:
+                      scale: float | None = None,
+                      logits_soft_cap: float | None = None) -> Callable[..., jax.Array]:
   """An ``attention_fn`` with jaxflash options fixed.
 
   For modules that do not forward ``is_causal`` (Linen's
@@ -218,7 +222,8 @@ def make_attention_fn(*, is_causal: bool = False,
         query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
         deterministic, dtype, precision, module, promote_dtype, fixed_causal or is_causal,
         force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum,
-        local_window_size=local_window_size, implementation=implementation, scale=scale)
+        local_window_size=local_window_size, implementation=implementation, scale=scale,
+        logits_soft_cap=logits_soft_cap)
 
   return attention_fn
 
@@ -237,7 +242,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       ``is_causal=True`` to a non-causal layer).
     local_window_size: ``w`` or ``(left, right)``: each query sees keys within
       ``left`` before and ``right`` after its own position.
-    implementation: forwarded to :func:`jaxflash.dot_product_attention`.
+    implementation, logits_soft_cap: forwarded to
+      :func:`jaxflash.dot_product_attention`.
     num_kv_heads: number of key/value heads (GQA); ``num_heads`` must be a
       multiple of it.
 
@@ -250,7 +256,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, is_causal: bool = False,
                local_window_size: int | tuple[int, int] | None = None,
-               implementation: str | None = None, **kwargs):
+               implementation: str | None = None, logits_soft_cap: float | None = None,
+               **kwargs):
     if kwargs.get("dropout_rate", 0.0):
       raise ValueError("jaxflash.flax.MultiHeadAttention does not implement attention "
                        f"dropout; got dropout_rate={kwargs['dropout_rate']}")
@@ -260,7 +267,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     if num_kv_heads is not None:
       kwargs["num_kv_heads"] = num_kv_heads   # nnx.MultiHeadAttention has it since flax 0.12.6
     attention_fn = functools.partial(dot_product_attention, local_window_size=local_window_size,
-                                     implementation=implementation)
+                                     implementation=implementation, logits_soft_cap=logits_soft_cap)
     super().__init__(num_heads, in_features, qkv_features, out_features,
                      in_kv_features=in_kv_features, attention_fn=attention_fn, **kwargs)
     self.is_causal = bool(is_causal)
@@ -314,6 +321,7 @@ class LinenMultiHeadAttention(linen.Module):
   local_window_size: int | tuple[int, int] | None = None
   implementation: str | None = None
   scale: float | None = None
+  logits_soft_cap: float | None = None
 
   @linen.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
@@ -343,6 +351,7 @@ class LinenMultiHeadAttention(linen.Module):
     x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype,
                               is_causal=self.is_causal, local_window_size=self.local_window_size,
                               implementation=self.implementation, scale=self.scale,
+                              logits_soft_cap=self.logits_soft_cap,
                               query_seq_lengths=query_seq_lengths,
                               key_value_seq_lengths=key_value_seq_lengths)
     return linen.DenseGeneral(features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),

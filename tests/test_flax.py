@@ -245,6 +245,32 @@ def test_linen_layer_gqa_window_against_manual(rng):
   jax.tree.map(lambda a, b: _close(a, b, 1e-4, "grad"), g, g_ref)
 
 
+def test_layers_take_the_soft_cap(rng):
+  """logits_soft_cap on both layers: the capped scores of the float64 manual computation."""
+  B, T, D, N = 2, 21, 32, 4
+  x = _x(rng, B, T, D) * 3
+  cap = 2.0
+  linen_layer = jf.LinenMultiHeadAttention(num_heads=N, is_causal=True, logits_soft_cap=cap)
+  params = linen_layer.init(jax.random.key(3), x)
+  p = params["params"]
+
+  def manual(p, x):
+    proj = lambda name: jnp.einsum("btd,dnh->btnh", x, p[name]["kernel"]) + p[name]["bias"]  # noqa: E731
+    q, k, v = proj("query"), proj("key"), proj("value")
+    s = cap * jnp.tanh(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(D // N) / cap)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -jnp.inf)
+    o = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+    return jnp.einsum("btnh,nhd->btd", o, p["out"]["kernel"]) + p["out"]["bias"]
+
+  _close(linen_layer.apply(params, x), manual(p, x), what="linen forward")
+  nnx_layer = jf.MultiHeadAttention(N, D, is_causal=True, logits_soft_cap=cap, decode=False,
+                                    rngs=nnx.Rngs(0))
+  _, state = nnx.split(nnx_layer)
+  nnx_params = {name: {"kernel": state[name]["kernel"][...], "bias": state[name]["bias"][...]}
+                for name in ("query", "key", "value", "out")}
+  _close(nnx_layer(x), manual(nnx_params, x), what="nnx forward")
+
+
 # ------------------------------------------------------------------ the example, short
 
 @pytest.fixture(scope="module")
