@@ -138,15 +138,20 @@ def parse_window(local_window_size) -> tuple[int, int] | None:
   return min(left, MAX_WINDOW), min(right, MAX_WINDOW)
 
 
+def _static_number(x, name: str) -> float:
+  """x as a float, known when the call is traced (a Tracer is refused)."""
+  if isinstance(x, jax.core.Tracer):
+    raise TypeError(f"{name} must be a static Python number, not a traced value")
+  try:
+    return float(x)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{name} must be a number, got {x!r}") from e
+
+
 def resolve_scale(scale, head_dim: int) -> float:
   if scale is None:
     return 1.0 / math.sqrt(head_dim)
-  if isinstance(scale, jax.core.Tracer):
-    raise TypeError("scale must be a static Python number, not a traced value")
-  try:
-    value = float(scale)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"scale must be a number, got {scale!r}") from e
+  value = _static_number(scale, "scale")
   if not math.isfinite(value):
     raise ValueError(f"scale must be finite, got {value}")
   return value
@@ -203,12 +208,7 @@ def resolve_softcap(logits_soft_cap) -> float:
   """The logit soft-cap as MaskSpec keeps it: 0.0 for None, else a finite float > 0."""
   if logits_soft_cap is None:
     return 0.0
-  if isinstance(logits_soft_cap, jax.core.Tracer):
-    raise TypeError("logits_soft_cap must be a static Python number, not a traced value")
-  try:
-    value = float(logits_soft_cap)
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"logits_soft_cap must be a number or None, got {logits_soft_cap!r}") from e
+  value = _static_number(logits_soft_cap, "logits_soft_cap")
   if not (math.isfinite(value) and value > 0):
     raise ValueError(f"logits_soft_cap must be finite and > 0 (None: no cap), got {value}")
   return value

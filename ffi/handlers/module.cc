@@ -14,6 +14,22 @@ nb::capsule Capsule(Fn* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
+
+// One platform's targets: forward, paged forward and backward, each at v2
+// (v1 + the softcap attribute) and at v1, kept for programs exported before it.
+nb::dict Targets(Handler* fwd, Handler* paged, Handler* bwd, Handler* fwd_v1, Handler* paged_v1,
+                 Handler* bwd_v1) {
+  nb::dict d;
+  d["jaxflash_fwd_v2"] = Capsule(fwd);
+  d["jaxflash_paged_fwd_v2"] = Capsule(paged);
+  d["jaxflash_bwd_v2"] = Capsule(bwd);
+  d["jaxflash_fwd_v1"] = Capsule(fwd_v1);
+  d["jaxflash_paged_fwd_v1"] = Capsule(paged_v1);
+  d["jaxflash_bwd_v1"] = Capsule(bwd_v1);
+  return d;
+}
+
 }  // namespace
 
 // The target names carry the version of their interface: operands, results and
@@ -24,26 +40,16 @@ nb::capsule Capsule(Fn* fn) {
 NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
-    nb::dict d;
-    d["jaxflash_fwd_v2"] = Capsule(JaxflashCpuForward);  // v1 + softcap
-    d["jaxflash_paged_fwd_v2"] = Capsule(JaxflashCpuPagedForward);
-    d["jaxflash_bwd_v2"] = Capsule(JaxflashCpuBackward);
-    d["jaxflash_fwd_v1"] = Capsule(JaxflashCpuForwardV1);
-    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCpuPagedForwardV1);
-    d["jaxflash_bwd_v1"] = Capsule(JaxflashCpuBackwardV1);
-    return d;
+    return Targets(JaxflashCpuForward, JaxflashCpuPagedForward, JaxflashCpuBackward, JaxflashCpuForwardV1,
+                   JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1);
   });
   m.def("cuda_targets", [] {
-    nb::dict d;
 #ifdef JAXFLASH_WITH_CUDA
-    d["jaxflash_fwd_v2"] = Capsule(JaxflashCudaForward);  // v1 + softcap
-    d["jaxflash_paged_fwd_v2"] = Capsule(JaxflashCudaPagedForward);
-    d["jaxflash_bwd_v2"] = Capsule(JaxflashCudaBackward);
-    d["jaxflash_fwd_v1"] = Capsule(JaxflashCudaForwardV1);
-    d["jaxflash_paged_fwd_v1"] = Capsule(JaxflashCudaPagedForwardV1);
-    d["jaxflash_bwd_v1"] = Capsule(JaxflashCudaBackwardV1);
+    return Targets(JaxflashCudaForward, JaxflashCudaPagedForward, JaxflashCudaBackward, JaxflashCudaForwardV1,
+                   JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1);
+#else
+    return nb::dict();
 #endif
-    return d;
   });
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 #ifdef JAXFLASH_WITH_CUDA
