@@ -45,6 +45,16 @@ struct SoftCap {
     }
     return c;
   }
+  // The cap of a call (FwdParams or BwdParams); with kTakes false, none: the
+  // kernels of a tile that takes no cap compile as they would without one.
+  template <bool kTakes = true, typename Params>
+  __device__ __forceinline__ static SoftCap Of(const Params& p) {
+    if constexpr (kTakes) {
+      return Of(p.softcap, p.scale);
+    } else {
+      return SoftCap{};
+    }
+  }
   __device__ __forceinline__ bool On() const { return cap2 > 0.f; }
 
   // The capped score in log2 units from a raw product q·k (the scale folded

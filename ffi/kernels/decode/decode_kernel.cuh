@@ -257,7 +257,7 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
     }
 
     const bool full = pol.TileIsFull(q0, q_end, c0, c0 + kNw);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row, tc::SoftCap::Of(p.softcap, p.scale));
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row, tc::SoftCap::Of(p));
     softmax.Update(s, o);
 
     // ---- O += P V, P straight from the score registers

@@ -109,7 +109,7 @@ struct Geometry {
 // grid (row blocks of kWarps rows, batch * q_heads); warp w owns one row.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
-  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
+  const tc::SoftCap cap = tc::SoftCap::Of(p);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* ks = smem;
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 2) DeltaKernel(BwdParams p, float* d
 // one key of the staged tile.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, const float* delta) {
-  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
+  const tc::SoftCap cap = tc::SoftCap::Of(p);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* ks = smem;
@@ -275,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
 // GQA group and every row that sees the block's keys.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, const float* delta) {
-  const tc::SoftCap cap = tc::SoftCap::Of(p.softcap, p.scale);  // score_mod.cuh
+  const tc::SoftCap cap = tc::SoftCap::Of(p);  // score_mod.cuh
   extern __shared__ float smem[];
   const int dim = p.shape.head_dim, stride = StagedStride(dim);
   float* qs = smem;                  // [kTile][stride], scaled by scale * log2(e)

@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // then dV += Pᵀ dO is issued
     float s[kQT][4], dp[kQT][4];
     KeyMajorScores<T, KVTile, QTile, kD, kM>(s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0, c0 + key_w, kN, lse,
-                                             lane, scale_log2, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+                                             lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
     uint32_t pa[kM / 16][4];
     tc::PackAFragments<T>(s, pa);
     WgmmaFence();
@@ -174,7 +174,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // ---- dSᵀ while dV runs; then dK += dSᵀ Q
     WgmmaWait<1>();
     FenceAccumulator(dp);
-    tc::KeyMajorDs(s, dp, delta, lane, lse, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+    tc::KeyMajorDs(s, dp, delta, lane, lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
     uint32_t da[kM / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();
@@ -283,10 +283,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     WgmmaWait<1>();
     FenceAccumulator(s);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2, tc::SoftCap::Of(p.softcap, p.scale));
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2, tc::SoftCap::Of(p));
     WgmmaWait<0>();
     FenceAccumulator(dp);
-    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p.softcap, p.scale));
+    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p));
     uint32_t da[kN / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();

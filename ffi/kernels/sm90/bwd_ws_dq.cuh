@@ -305,10 +305,10 @@ __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<
         const int c0 = nb * kN;
         const bool full = pol.TileIsFull(own_r0, own_r0 + 64, c0, c0 + kN);
         tc::QueryMajorProbs(s, rows, pol, full, w.r0 + warp_row0, c0, lane, scale_log2,
-                            Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+                            tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
         WgmmaWait<kPrev ? 1 : 0>();  // dP
         FenceAccumulator(dp);
-        tc::QueryMajorDs(s, dp, rows, Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+        tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
         if constexpr (kPrev) {
           WgmmaWait<0>();  // the previous dQ: its stage is read
           FenceAccumulator(dq);

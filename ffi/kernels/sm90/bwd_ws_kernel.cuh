@@ -171,8 +171,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,
-                                                        Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale)
-                                                                            : tc::SoftCap{});
+                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -187,8 +186,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<0>();
     }
     FenceAccumulator(dp);
-    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse,
-                   Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)

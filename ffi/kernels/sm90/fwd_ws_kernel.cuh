@@ -352,7 +352,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           }
           // The cap is built from the parameters here, per tile (score_mod.cuh).
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
-                           Tile::kTakesSoftCap ? tc::SoftCap::Of(p.softcap, p.scale) : tc::SoftCap{});
+                           tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
           return softmax.Scores<true>(s, alpha);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds
