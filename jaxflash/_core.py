@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, _splits, choice, derivatives, pallas as _pallas, reference
+from jaxflash import _native, _splits, choice, derivatives, pallas as _pallas, reference, segments as _segments
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
@@ -192,6 +192,7 @@ class Call:
   mask: jax.Array | None
   q_lengths: jax.Array | None
   kv_lengths: jax.Array | None
+  segments: tuple[jax.Array, jax.Array] | None  # (q_ids [B, T], kv_ids [B, S]) int32
   is_causal: bool
   window: tuple[int, int] | None
   spec: MaskSpec
@@ -216,7 +217,8 @@ def resolve_softcap(logits_soft_cap) -> float:
 
 def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-             num_splits=None, logits_soft_cap=None) -> Call:
+             num_splits=None, logits_soft_cap=None, query_segment_ids=None,
+             key_value_segment_ids=None) -> Call:
   q = as_array(query, "query")
   k = as_array(key, "key")
   v = as_array(value, "value")
@@ -244,10 +246,14 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                   bottom_right=causal_alignment == "bottom_right",
                   deterministic=bool(deterministic), num_splits=_splits.validate(num_splits),
                   softcap=resolve_softcap(logits_soft_cap))
+  segments = _segments.validate(query_segment_ids, key_value_segment_ids, batch, T, S)
+  if segments is not None and spec.num_splits > 1:
+    raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
   return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
               mask=_dense_term(mask, "mask", batch, (N, T, S)),
               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
+              segments=segments,
               is_causal=bool(is_causal), window=window, spec=spec,
               output_shape=output_shape)
 
@@ -284,14 +290,23 @@ class NativeKernels:
             jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
+  @staticmethod
+  def _segment_tables(segments, q_lengths, kv_lengths, spec, offsets):
+    """The kernels' segment tables (segments.py), or two empty arrays for no ids."""
+    if segments is None:
+      return reference.no_lengths(), reference.no_lengths()
+    return _segments.tables(*segments, q_lengths, kv_lengths, spec, offsets)
+
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
-    splits = _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform())
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
+    splits = (1 if segments is not None else
+              _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform()))
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
+                        *cls._segment_tables(segments, q_lengths, kv_lengths, spec, offsets),
                         **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
@@ -299,7 +314,7 @@ class NativeKernels:
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None):
+               offsets=None, segments=None):
     # The last two results are the kernels' workspaces: delta (O(B * N * T))
     # and room for the fused backward's float32 dQ sums (like q, or with a
     # last dimension of 0); as outputs they keep the handlers free of run-time
@@ -310,7 +325,9 @@ class NativeKernels:
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                         _diagonal_offsets(offsets), **cls._attrs(spec),
+                         _diagonal_offsets(offsets),
+                         *cls._segment_tables(segments, q_lengths, kv_lengths, spec, offsets),
+                         **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
@@ -327,40 +344,49 @@ class PallasKernels:
                 window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right),
                 softcap=float(spec.softcap))
 
+  @staticmethod
+  def _no_segments(segments):
+    if segments is not None:  # fused_unsupported refuses such calls first
+      raise NotImplementedError("the Pallas kernels do not take segment ids yet")
+
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None):
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
+    cls._no_segments(segments)
     return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
                                   diagonal_offsets=offsets, num_splits=spec.num_splits or None)
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None):
+               offsets=None, segments=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
+    cls._no_segments(segments)
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                                    **cls._kw(spec), diagonal_offsets=offsets)
 
   @classmethod
   def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
-              offsets=None):
+              offsets=None, segments=None):
     """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
+    cls._no_segments(segments)
     return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
                                   **cls._kw(spec), diagonal_offsets=offsets)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6))
-def fused(q, k, v, q_lengths, kv_lengths, kernels, spec):
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
+def fused(q, k, v, q_lengths, kv_lengths, segments, kernels, spec):
+  """`segments`: None, or the (q_ids, kv_ids) of a call with segment ids."""
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments)
 
 
 @fused.defjvp
 def _fused_jvp(kernels, spec, primals, tangents):
-  q, k, v, q_lengths, kv_lengths = primals
-  tq, tk, tv = tangents[:3]  # the lengths' tangents are float0
+  q, k, v, q_lengths, kv_lengths, segments = primals
+  tq, tk, tv = tangents[:3]  # the lengths' and ids' tangents are float0
   # The value through fused itself, so that an outer jvp (a Hessian-vector
   # product) differentiates it by this rule rather than the FFI call.
-  o, lse = fused(q, k, v, q_lengths, kv_lengths, kernels, spec)
+  o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, kernels, spec)
   return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
-                                               kernels=kernels, spec=spec)
+                                               kernels=kernels, spec=spec, segments=segments)
 
 
 KERNELS = {"native": NativeKernels, "pallas": PallasKernels}
@@ -380,6 +406,8 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   """
   if call.bias is not None or call.mask is not None:
     return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
+  if call.segments is not None and name == "pallas":
+    return "implementation='pallas' does not take segment ids yet; use 'native' or 'xla'"
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")

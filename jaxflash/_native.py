@@ -17,12 +17,14 @@ from jaxflash import tile_cache
 
 # The FFI targets, versioned (ffi/handlers/module.cc): an exported program names
 # them, and a later jaxflash keeps serving every version it has shipped. v2 adds
-# the `softcap` attribute to v1's; calls are traced with v2, and v1 stays
-# registered for programs exported before it.
-FORWARD_TARGET = "jaxflash_fwd_v2"
-BACKWARD_TARGET = "jaxflash_bwd_v2"
+# the `softcap` attribute to v1's, v3 the two segment-table operands to v2's
+# forward and backward (jaxflash/segments.py); calls are traced with the newest,
+# and the older ones stay registered for programs exported before them.
+FORWARD_TARGET = "jaxflash_fwd_v3"
+BACKWARD_TARGET = "jaxflash_bwd_v3"
 PAGED_TARGET = "jaxflash_paged_fwd_v2"
-LEGACY_TARGETS = ("jaxflash_fwd_v1", "jaxflash_bwd_v1", "jaxflash_paged_fwd_v1")
+LEGACY_TARGETS = ("jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
+                  "jaxflash_paged_fwd_v1")
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables

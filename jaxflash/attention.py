@@ -34,6 +34,8 @@ def dot_product_attention(
     deterministic: bool = False,
     num_splits: int | None = None,
     logits_soft_cap: float | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
 
@@ -95,6 +97,14 @@ def dot_product_attention(
       becomes ``c * tanh(scale * q.k / c)`` before masking (and before a dense
       ``bias`` is added); the backward multiplies by ``1 - tanh^2``. ``None``:
       no cap. Fused in every implementation but ``cudnn``.
+    query_segment_ids, key_value_segment_ids: integer ``[*batch, q_len]`` /
+      ``[*batch, kv_len]`` ids of packed sequences: row ``i`` sees key ``j``
+      only if their ids are equal (and the mask, window and lengths let it).
+      For self-attention the key ids may be omitted (they default to the query
+      ids). Key tiles of other segments are skipped, not computed and masked;
+      ids sorted within a row (documents one after another) skip the most,
+      any other order is as correct. Native (GPU and CPU) and ``xla``; not with
+      ``num_splits`` > 1.
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple
@@ -103,7 +113,7 @@ def dot_product_attention(
   """
   call = _core.validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                         key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-                        num_splits, logits_soft_cap)
+                        num_splits, logits_soft_cap, query_segment_ids, key_value_segment_ids)
   if not isinstance(differentiable_residual, (bool, np.bool_)):
     raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
   if differentiable_residual and not return_residual:
@@ -114,7 +124,7 @@ def dot_product_attention(
   checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
   chosen = _core.choose(call, implementation, _cudnn_unsupported(
       call, residual_dtype is not None or deterministic or differentiable_residual
-      or num_splits is not None or logits_soft_cap is not None))
+      or num_splits is not None or logits_soft_cap is not None or call.segments is not None))
 
   if chosen == "cudnn":
     return jax.nn.dot_product_attention(
@@ -131,14 +141,16 @@ def dot_product_attention(
         is_causal=call.is_causal,
         causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
-        key_value_seq_lengths=call.kv_lengths, logits_soft_cap=call.spec.softcap or None)
+        key_value_seq_lengths=call.kv_lengths, logits_soft_cap=call.spec.softcap or None,
+        segment_ids=call.segments)
   else:
     B, T = call.q.shape[:2]
     q_lengths = call.q_lengths if call.q_lengths is not None else _no_lengths(B, T)
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else _no_lengths(B, call.k.shape[1])
     # The partition rules (sharding.py) keep a sharded call on its shards under jit.
     kernels = sharding.partitioned(_core.KERNELS[chosen])
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, kernels, call.spec)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, call.segments, kernels,
+                           call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 
 

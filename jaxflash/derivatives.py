@@ -52,7 +52,7 @@ class _KeyBlocks:
   """A call's geometry, cut into blocks of keys, in float32 with the query
   heads grouped over their key/value head ([B, T, K, G, H])."""
 
-  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None):
+  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None):
     self.B, self.T, self.N, self.H = q.shape
     self.S, self.K = k.shape[1], k.shape[2]
     self.G = self.N // self.K
@@ -62,6 +62,7 @@ class _KeyBlocks:
     self.kv_lengths = reference.given_lengths(kv_lengths)
     self.spec = spec
     self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
+    self.segments = segments  # (q_ids, kv_ids) or None
 
   def grouped(self, x):
     """[B, T, N, H] -> [B, T, K, G, H] float32."""
@@ -89,7 +90,8 @@ class _KeyBlocks:
         self.T, self.S, query_seq_lengths=self.q_lengths, key_value_seq_lengths=self.kv_lengths,
         window_left=None if left < 0 else left, window_right=None if right < 0 else right,
         bottom_right=self.spec.bottom_right, batch=self.B,
-        keys=j0 + jnp.arange(self.block, dtype=jnp.int32), diagonal_offsets=self.offsets)
+        keys=j0 + jnp.arange(self.block, dtype=jnp.int32), diagonal_offsets=self.offsets,
+        segment_ids=self.segments)
     return vis[:, :, None]
 
   def starts(self):
@@ -106,7 +108,8 @@ class _KeyBlocks:
     return p, reference.soft_cap_slope(s, self.spec.softcap)
 
 
-def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
+                 segments=None):
   """The three sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
   [B, T, N, H], tLSE = Σ_j P tS [B, N, T], O = Σ_j P V_j [B, T, N, H]).
 
@@ -114,7 +117,7 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
   part of the keys (a ring block, placed by `offsets`, the kernels' per-batch
   diagonal offsets; None for 0) gives that part's share exactly.
   """
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
@@ -150,21 +153,24 @@ def finish_tangent(sums, t_lse, o_sum, dtype):
   return t_o.astype(dtype)
 
 
-def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None):
+def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
+            segments=None):
   """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
 
-  `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0.
-  Only o's dtype is read (see `finish_tangent`).
+  `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0;
+  `segments` the call's (q_ids, kv_ids), None without. Only o's dtype is read
+  (see `finish_tangent`).
   """
   sums, t_lse, o_sum = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-                                    offsets=offsets)
+                                    offsets=offsets, segments=segments)
   return finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
 
 
-def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None):
-  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets` as
-  for `tangent`)."""
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets)
+def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
+             segments=None):
+  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets` and
+  `segments` as for `tangent`)."""
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments)
   qg, dog = g.grouped(q), g.grouped(do)
   lse_g = g.rows(lse)
   delta = jnp.einsum("btkgh,btkgh->bkgt", dog, g.grouped(o), precision=_HIGHEST) - g.rows(dlse)
@@ -188,11 +194,11 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
 
 # ------------------------------------------------------------------ the kernels' backward, differentiable
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(9, 10))
-def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(10, 11))
+def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, segments, kernels, spec):
   """(dQ, dK, dV) from the kernels, differentiable by the blockwise backward."""
   return kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                          q_lengths, kv_lengths, spec)
+                          q_lengths, kv_lengths, spec, segments=segments)
 
 
 @kernel_backward.defjvp
@@ -201,7 +207,9 @@ def _kernel_backward_jvp(kernels, spec, primals, tangents):
     raise NotImplementedError(f"{kernels.name}: second derivatives (jvp of grad, Hessians) are "
                               "not available for this call; ring attention has first ones only")
   out = kernel_backward(*primals, kernels, spec)
-  _, t_out = jax.jvp(functools.partial(backward, spec=spec), primals, tangents)
+  *arrays, segments = primals
+  _, t_out = jax.jvp(functools.partial(backward, spec=spec, segments=segments), tuple(arrays),
+                     tuple(tangents[:-1]))
   return out, t_out
 
 
@@ -211,18 +219,26 @@ tangent_p = jax.extend.core.Primitive("jaxflash_attention_tangent")
 tangent_p.multiple_results = True
 
 
-def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec):
+def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec,
+                    segments=None):
   """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
-  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
+  q_ids, kv_ids = segments if segments is not None else (reference.no_lengths(),) * 2
+  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv,
                               kernels=kernels, spec=spec))
 
 
-def _tangent_impl(*args, kernels, spec):
+def _segments_of(q_ids, kv_ids):
+  """The primitive's two id operands as the functions take them: None for none (empty)."""
+  return None if q_ids.size == 0 else (q_ids, kv_ids)
+
+
+def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv, *, kernels,
+                  spec):
   # Kernels with a tangent pass of their own (Pallas, ring attention's
   # shards) use it; for the others the blockwise jnp one is exact.
-  if hasattr(kernels, "tangent"):
-    return kernels.tangent(*args, spec=spec)
-  return tangent(*args, spec=spec)
+  fn = kernels.tangent if hasattr(kernels, "tangent") else tangent
+  return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+            segments=_segments_of(q_ids, kv_ids))
 
 
 def _tangent_abstract(*args, kernels, spec):
@@ -233,11 +249,13 @@ def _tangent_abstract(*args, kernels, spec):
   return o.update(weak_type=False), lse.update(weak_type=False)
 
 
-def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec):
+def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv, *,
+                       kernels, spec):
   """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
-  grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, kernels, spec)
-  return [None] * 7 + [g if ad.is_undefined_primal(t) else None
+  grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
+                          _segments_of(q_ids, kv_ids), kernels, spec)
+  return [None] * 9 + [g if ad.is_undefined_primal(t) else None
                        for g, t in zip(grads, (tq, tk, tv))]
 
 
@@ -249,8 +267,9 @@ def _tangent_batch(args, dims, *, kernels, spec):
     x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
     return x.reshape((size * x.shape[1],) + x.shape[2:])
 
-  t_o, t_lse = output_tangents(*(fold(x, d) for x, d in zip(args, dims)), kernels=kernels,
-                               spec=spec)
+  folded = [fold(x, d) for x, d in zip(args, dims)]
+  t_o, t_lse = output_tangents(*folded[:7], *folded[9:], kernels=kernels, spec=spec,
+                               segments=_segments_of(*folded[7:9]))
   unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
   return (unfold(t_o), unfold(t_lse)), (0, 0)
 
@@ -258,9 +277,13 @@ def _tangent_batch(args, dims, *, kernels, spec):
 def _tangent_jvp(primals, tangents, *, kernels, spec):
   """Forward over forward: the blockwise tangent differentiated like any jnp."""
   del kernels
-  tangents = tuple(np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
-                   else ad.instantiate_zeros(t) for x, t in zip(primals, tangents))
-  out, t_out = jax.jvp(functools.partial(tangent, spec=spec), tuple(primals), tangents)
+  tangents = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
+                   else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
+  primals = list(primals)
+  segments = _segments_of(*primals[7:9])
+  del primals[7:9], tangents[7:9]
+  out, t_out = jax.jvp(functools.partial(tangent, spec=spec, segments=segments), tuple(primals),
+                       tuple(tangents))
   return list(out), list(t_out)
 
 

@@ -40,6 +40,7 @@ attention weights are not supported and raise ``ValueError``.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from typing import Any, Callable
@@ -107,6 +108,8 @@ def dot_product_attention(
     key_value_seq_lengths=None,
     scale: float | None = None,
     logits_soft_cap: float | None = None,
+    query_segment_ids=None,
+    key_value_segment_ids=None,
 ):
   """Flax-compatible attention on jaxflash; use it as an ``attention_fn``.
 
@@ -137,8 +140,9 @@ def dot_product_attention(
     qk_attn_weights_einsum, attn_weights_value_einsum: custom einsums cannot
       be honoured; anything but None raises ``ValueError``.
     local_window_size, implementation, query_seq_lengths,
-      key_value_seq_lengths, scale, logits_soft_cap: passed to
-      :func:`jaxflash.dot_product_attention`.
+      key_value_seq_lengths, scale, logits_soft_cap, query_segment_ids,
+      key_value_segment_ids: passed to :func:`jaxflash.dot_product_attention`
+      (lengths and segment ids shaped by the batch axes).
 
   Returns:
     ``[batch..., T, N, H]`` in the compute dtype.
@@ -182,17 +186,22 @@ def dot_product_attention(
     mask4 = _flatten_batch(mask, batch_shape, 3)
     lengths = [None if x is None else jnp.reshape(jnp.broadcast_to(x, batch_shape), (-1,))
                for x in (query_seq_lengths, key_value_seq_lengths)]
+    ids = [None if x is None else jnp.reshape(jnp.broadcast_to(x, batch_shape + x.shape[-1:]),
+                                              (-1, x.shape[-1]))
+           for x in (query_segment_ids, key_value_segment_ids)]
     out = _attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=bool(is_causal),
                      query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1],
                      local_window_size=local_window_size, implementation=implementation,
-                     logits_soft_cap=logits_soft_cap)
+                     logits_soft_cap=logits_soft_cap, query_segment_ids=ids[0],
+                     key_value_segment_ids=ids[1])
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
   return _attention(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal),
                     query_seq_lengths=query_seq_lengths,
                     key_value_seq_lengths=key_value_seq_lengths,
                     local_window_size=local_window_size, implementation=implementation,
-                    logits_soft_cap=logits_soft_cap)
+                    logits_soft_cap=logits_soft_cap, query_segment_ids=query_segment_ids,
+                    key_value_segment_ids=key_value_segment_ids)
 
 
 def make_attention_fn(*, is_causal: bool = False,
@@ -230,6 +239,18 @@ def make_attention_fn(*, is_causal: bool = False,
 
 # ------------------------------------------------------------------ NNX layer
 
+# The segment ids of the NNX layer's call in progress: nnx.MultiHeadAttention's
+# __call__ hands its attention_fn a fixed set of arguments, so the layer leaves
+# its call's ids here for its own attention_fn to read (same trace, same thread).
+_CALL_SEGMENT_IDS: contextvars.ContextVar = contextvars.ContextVar("segment_ids", default=None)
+
+
+def _layer_attention(*args, **kwargs):
+  q_ids, kv_ids = _CALL_SEGMENT_IDS.get() or (None, None)
+  return dot_product_attention(*args, **kwargs, query_segment_ids=q_ids,
+                               key_value_segment_ids=kv_ids)
+
+
 class MultiHeadAttention(nnx.MultiHeadAttention):
   """``flax.nnx.MultiHeadAttention`` running on jaxflash, with the mask rule built in.
 
@@ -246,6 +267,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       :func:`jaxflash.dot_product_attention`.
     num_kv_heads: number of key/value heads (GQA); ``num_heads`` must be a
       multiple of it.
+
+  A call takes ``query_segment_ids`` / ``key_value_segment_ids`` (``[batch...,
+  length]`` integers) for packed sequences: a token attends only tokens of its
+  own segment (:func:`jaxflash.dot_product_attention`).
 
   Attention dropout is not supported (``dropout_rate`` must be 0). In decode
   mode (KV cache) the cache's own mask gives causality; a window is not
@@ -266,7 +291,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                       "nnx.MultiHeadAttention to pass another")
     if num_kv_heads is not None:
       kwargs["num_kv_heads"] = num_kv_heads   # nnx.MultiHeadAttention has it since flax 0.12.6
-    attention_fn = functools.partial(dot_product_attention, local_window_size=local_window_size,
+    attention_fn = functools.partial(_layer_attention, local_window_size=local_window_size,
                                      implementation=implementation, logits_soft_cap=logits_soft_cap)
     super().__init__(num_heads, in_features, qkv_features, out_features,
                      in_kv_features=in_kv_features, attention_fn=attention_fn, **kwargs)
@@ -274,17 +299,26 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.local_window_size = local_window_size
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, is_causal: bool | None = None,
-               decode: bool | None = None, **kwargs):
+               decode: bool | None = None, query_segment_ids=None, key_value_segment_ids=None,
+               **kwargs):
     causal = self.is_causal if is_causal is None else bool(is_causal)
     decoding = decode if decode is not None else self.decode
     if decoding:
       if self.local_window_size is not None:
         raise ValueError("jaxflash.flax.MultiHeadAttention: local_window_size is not supported "
                          "in decode mode")
+      if query_segment_ids is not None:
+        raise ValueError("jaxflash.flax.MultiHeadAttention: segment ids are not supported in "
+                         "decode mode")
       # One query against the whole cache: the cache mask is the causal rule.
       causal = False
-    return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode,
-                            **kwargs)
+    ids = None if query_segment_ids is None else (query_segment_ids, key_value_segment_ids)
+    token = _CALL_SEGMENT_IDS.set(ids)
+    try:
+      return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=causal, decode=decode,
+                              **kwargs)
+    finally:
+      _CALL_SEGMENT_IDS.reset(token)
 
 
 # ------------------------------------------------------------------ Linen layer
@@ -300,9 +334,10 @@ class LinenMultiHeadAttention(linen.Module):
   ``[in, num_kv_heads, head_dim]``.
 
   Call: ``layer(inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
-  query_seq_lengths=None, key_value_seq_lengths=None)``. Padding is best given
-  as sequence lengths (served by the fused kernels); a dense ``mask`` works but
-  goes through the ``xla`` implementation.
+  query_seq_lengths=None, key_value_seq_lengths=None, query_segment_ids=None,
+  key_value_segment_ids=None)``. Padding is best given as sequence lengths and
+  packed documents as segment ids (both served by the fused kernels); a dense
+  ``mask`` works but goes through the ``xla`` implementation.
   """
 
   num_heads: int
@@ -325,7 +360,8 @@ class LinenMultiHeadAttention(linen.Module):
 
   @linen.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
-               query_seq_lengths=None, key_value_seq_lengths=None):
+               query_seq_lengths=None, key_value_seq_lengths=None, query_segment_ids=None,
+               key_value_segment_ids=None):
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError("inputs_k cannot be None when inputs_v is given")
@@ -353,7 +389,9 @@ class LinenMultiHeadAttention(linen.Module):
                               implementation=self.implementation, scale=self.scale,
                               logits_soft_cap=self.logits_soft_cap,
                               query_seq_lengths=query_seq_lengths,
-                              key_value_seq_lengths=key_value_seq_lengths)
+                              key_value_seq_lengths=key_value_seq_lengths,
+                              query_segment_ids=query_segment_ids,
+                              key_value_segment_ids=key_value_segment_ids)
     return linen.DenseGeneral(features=self.out_features or inputs_q.shape[-1], axis=(-2, -1),
                               kernel_init=self.out_kernel_init or self.kernel_init,
                               bias_init=self.out_bias_init or self.bias_init,

@@ -57,13 +57,15 @@ def clamped_lengths(lengths, batch: int, limit: int) -> jax.Array:
 def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_seq_lengths=None,
                  window_left: int | None = None, window_right: int | None = None,
                  bottom_right: bool = False, batch: int = 1, keys=None,
-                 diagonal_offsets=None) -> jax.Array:
+                 diagonal_offsets=None, segment_ids=None) -> jax.Array:
   """Boolean [batch, 1, q_len, kv_len]: which keys each query row attends.
 
   `keys` (int32 key indices) restricts the columns to those keys: a block of
   a computation that walks the keys block by block (derivatives.py).
   `diagonal_offsets` ([batch] ints) moves each batch element's diagonal, as the
   kernels' argument of that name does (ring attention's blocks).
+  `segment_ids` (q_ids [batch, q_len], kv_ids [batch, kv_len], or None): a row
+  sees only keys of its own segment (packed sequences).
   """
   qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
         else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
@@ -80,6 +82,11 @@ def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_s
     visible &= j >= diag - window_left
   if window_right is not None:
     visible &= j <= diag + window_right
+  if segment_ids is not None:
+    q_ids, kv_ids = segment_ids
+    if keys is not None:
+      kv_ids = jnp.take(kv_ids, jnp.clip(keys, 0, kv_len - 1), axis=1)
+    visible &= q_ids[:, :, None] == kv_ids[:, None, :]
   return visible[:, None]
 
 
@@ -125,7 +132,7 @@ def soft_cap_slope(capped, cap):
 def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
               causal_alignment: str = "top_left", local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None,
-              diagonal_offsets=None, logits_soft_cap=None):
+              diagonal_offsets=None, logits_soft_cap=None, segment_ids=None):
   """Attention over [B, T, N, H] / [B, S, K, H] inputs; returns (out, lse).
 
   `out` has the query's dtype (or `compute_dtype`), `lse` is [B, N, T] in
@@ -144,7 +151,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
                          key_value_seq_lengths=key_value_seq_lengths, window_left=left,
                          window_right=right, bottom_right=causal_alignment == "bottom_right",
-                         batch=B, diagonal_offsets=diagonal_offsets)
+                         batch=B, diagonal_offsets=diagonal_offsets, segment_ids=segment_ids)
   if mask is not None:
     visible = visible & jnp.asarray(mask, bool)
   visible = jnp.broadcast_to(visible, (B, N, T, S))

@@ -292,7 +292,13 @@ class Ring:
           yield (a, c) + _block(spec, q0, hq, k0, hk, ql, kvl)
     return blocks
 
-  def forward(self, q, k, v, q_lengths, kv_lengths, spec):
+  @staticmethod
+  def _no_segments(segments):
+    if segments is not None:  # the partition rules keep such calls off the ring
+      raise NotImplementedError("ring attention does not take segment ids yet")
+
+  def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None):
+    self._no_segments(segments)
     """(o, lse) of the local query shard."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
@@ -318,7 +324,8 @@ class Ring:
     o = jnp.concatenate([a[0] for a in acc], axis=1).astype(_dtype(q))
     return o, jnp.concatenate([a[1] for a in acc], axis=2)
 
-  def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec):
+  def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None):
+    self._no_segments(segments)
     """(dq, dk, dv) of the local shards, from the global o and lse."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
@@ -357,7 +364,8 @@ class Ring:
     return jnp.concatenate(dq, axis=1).astype(_dtype(q)), dk, dv
 
 
-  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
+  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None):
+    self._no_segments(segments)
     """(tO, tLSE) of the local query shard (forward mode), from the global lse.
 
     Given the row's global LSE both sums of the tangent run over keys
@@ -456,5 +464,5 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     q_lengths = call.q_lengths if call.q_lengths is not None else _core.full_lengths(B, T * shards)
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else _core.full_lengths(B, S * shards))
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ring, call.spec)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, None, ring, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -17,6 +17,9 @@ runs the same kernels on the local block:
   replicated input needs that sum).
 * head_dim: never split; a sharded head_dim is gathered first (the sharding
   rule marks it need-replication).
+* segment ids shard with their rows and keys (batch); a call with segment ids
+  keeps the sequence axes whole (gathered), as ring attention does not take
+  them yet.
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
@@ -98,13 +101,19 @@ class _Plan:
   def lengths(self):
     return self._named(self.batch)
 
+  def q_ids(self):      # [B, T] segment ids
+    return self._named(self.batch, self.q_seq)
+
+  def kv_ids(self):     # [B, S]
+    return self._named(self.batch, self.kv_seq)
+
   @property
   def sliced_kv_heads(self) -> bool:
     return bool(self.heads) and not self.kv_heads
 
 
-def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
-  """The partition this rule runs for operands sharded like q and k."""
+def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding, segments: bool = False) -> _Plan:
+  """The partition this rule runs for operands sharded like q and k (and segment ids)."""
   if mesh is None or getattr(mesh, "empty", True):
     return _Plan(mesh)
   B, T, N, _ = q_shape
@@ -125,6 +134,8 @@ def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
   q_seq = kv_seq or (qd[1] if not set(qd[1]) & used else ())
   if T % size(q_seq) or S % size(kv_seq):
     kv_seq, q_seq = (), (qd[1] if T % size(qd[1]) == 0 and not set(qd[1]) & used else ())
+  if segments:
+    q_seq = kv_seq = ()
   n = size(kv_seq)
   causal = spec.window_right >= 0 and spec.window_left < 0
   zigzag = bool(kv_seq) and causal and T == S and (T // n) % 2 == 0 and n > 1
@@ -148,12 +159,12 @@ def _kv_head_slice(plan: _Plan, N: int, K: int):
 
 
 def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
-  def run(q, k, v, q_lengths, kv_lengths):
+  def run(q, k, v, q_lengths, kv_lengths, *ids):
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
-      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=tuple(ids) or None)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.zigzag:
       # As pieces: the ring slices a concatenation only inside a block's branch.
@@ -166,13 +177,14 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
 
 
 def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
-  def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths):
+  def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *ids):
     full_k, full_v = k, v
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
-      dq, dk, dv = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+      dq, dk, dv = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
+                                    segments=tuple(ids) or None)
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
       if plan.zigzag:
@@ -193,7 +205,7 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
 
 # ------------------------------------------------------------------ partition callbacks
 
-def _shardy_rule(backward: bool):
+def _shardy_rule(backward: bool, segments: bool):
   """The einsum-like Shardy rule of the forward or backward call.
 
   Every dimension gets its own factor, query and key/value heads and the two
@@ -212,40 +224,48 @@ def _shardy_rule(backward: bool):
       results = [rows, keys, keys]
     else:
       operands, results = [rows, keys, keys, "b", "b"], [rows, stats]
+    if segments:
+      operands += ["b t", "b s"]
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("d",)))
   return rule
 
 
-def _forward_shardings(plan: _Plan):
-  return (plan.rows(), plan.keys(), plan.keys(), plan.lengths(), plan.lengths()), \
-         (plan.rows(), plan.stats())
+def _id_shardings(plan: _Plan, segments: bool):
+  return (plan.q_ids(), plan.kv_ids()) if segments else ()
 
 
-def _backward_shardings(plan: _Plan):
+def _forward_shardings(plan: _Plan, segments: bool):
+  return (plan.rows(), plan.keys(), plan.keys(), plan.lengths(), plan.lengths(),
+          *_id_shardings(plan, segments)), (plan.rows(), plan.stats())
+
+
+def _backward_shardings(plan: _Plan, segments: bool):
   rows, keys, stats, lengths = plan.rows(), plan.keys(), plan.stats(), plan.lengths()
-  return (rows, keys, keys, rows, stats, rows, stats, lengths, lengths), (rows, keys, keys)
+  return ((rows, keys, keys, rows, stats, rows, stats, lengths, lengths,
+           *_id_shardings(plan, segments)), (rows, keys, keys))
 
 
-def _plan_of(spec, mesh, arg_shapes) -> _Plan:
+def _plan_of(spec, mesh, arg_shapes, segments: bool) -> _Plan:
   q, k = arg_shapes[0], arg_shapes[1]
-  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding)
+  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding, segments)
 
 
-def _partition(backward: bool):
+def _partition(backward: bool, segments: bool):
+  shardings = _backward_shardings if backward else _forward_shardings
+
   def partition(kernels, spec, mesh, arg_shapes, result_shape):
     del result_shape
-    plan = _plan_of(spec, mesh, arg_shapes)
+    plan = _plan_of(spec, mesh, arg_shapes, segments)
     q, k = arg_shapes[0].shape, arg_shapes[1].shape
     local = _local_backward if backward else _local_forward
     fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2])
-    args, results = (_backward_shardings if backward else _forward_shardings)(plan)
+    args, results = shardings(plan, segments)
     return plan.mesh, fn, results, args
 
   def infer(kernels, spec, mesh, arg_shapes, result_shape):
     del kernels, result_shape
-    plan = _plan_of(spec, mesh, arg_shapes)
-    return (_backward_shardings if backward else _forward_shardings)(plan)[1]
+    return shardings(_plan_of(spec, mesh, arg_shapes, segments), segments)[1]
   return partition, infer
 
 
@@ -257,16 +277,29 @@ def _backward_call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, sp
   return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
 
 
-def _partitioned_call(fn, static_argnums, backward: bool):
+def _forward_call_ids(q, k, v, q_lengths, kv_lengths, q_ids, kv_ids, kernels, spec):
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=(q_ids, kv_ids))
+
+
+def _backward_call_ids(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, q_ids, kv_ids, kernels,
+                       spec):
+  return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
+                          segments=(q_ids, kv_ids))
+
+
+def _partitioned_call(fn, static_argnums, backward: bool, segments: bool = False):
   op = custom_partitioning(fn, static_argnums=static_argnums)
-  partition, infer = _partition(backward)
+  partition, infer = _partition(backward, segments)
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=_shardy_rule(backward))
+                   sharding_rule=_shardy_rule(backward, segments))
   return op
 
 
+# One op per call shape: with segment ids the calls take two more operands.
 _forward_op = _partitioned_call(_forward_call, (5, 6), backward=False)
 _backward_op = _partitioned_call(_backward_call, (9, 10), backward=True)
+_forward_op_ids = _partitioned_call(_forward_call_ids, (7, 8), backward=False, segments=True)
+_backward_op_ids = _partitioned_call(_backward_call_ids, (11, 12), backward=True, segments=True)
 
 
 # ------------------------------------------------------------------ vmap
@@ -339,32 +372,35 @@ def partitioned(kernels):
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).
     @staticmethod
-    def forward(q, k, v, q_lengths, kv_lengths, spec):
+    def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None):
       if jax.device_count() == 1:
-        o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+        o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments)
       else:
-        run = _outside_explicit_axes(_vmappable(_forward_op, kernels, spec), q, k,
-                                     ("rows", "stats"))
-        o, lse = run(q, k, v, q_lengths, kv_lengths)
+        op = _forward_op if segments is None else _forward_op_ids
+        run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k, ("rows", "stats"))
+        o, lse = run(q, k, v, q_lengths, kv_lengths, *(segments or ()))
       return _varying_like((o, lse), (q, q))
 
     @staticmethod
-    def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec):
+    def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None):
       if jax.device_count() == 1:
-        grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+        grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
+                                 segments=segments)
       else:
-        run = _outside_explicit_axes(_vmappable(_backward_op, kernels, spec), q, k,
+        op = _backward_op if segments is None else _backward_op_ids
+        run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k,
                                      ("rows", "keys", "keys"))
-        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths)
+        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *(segments or ()))
       return _varying_like(grads, (q, k, v))
 
     if hasattr(kernels, "tangent"):
       # Forward mode on one device is the kernels' tangent pass; on several it
       # is the blockwise jnp tangent, which the partitioner splits like any jnp.
       @staticmethod
-      def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec):
+      def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None):
         fn = kernels.tangent if jax.device_count() == 1 else derivatives.tangent
-        return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec)
+        return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                  segments=segments)
 
   Partitioned.__name__ = Partitioned.__qualname__ = f"Partitioned{kernels.__name__}"
   return Partitioned

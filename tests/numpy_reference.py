@@ -13,8 +13,9 @@ EMPTY_LSE = float(np.finfo(np.float32).min)
 
 
 def visible(B, T, S, *, left=-1, right=-1, bottom_right=False, q_lengths=None, kv_lengths=None,
-            offsets=None):
-  """[B, T, S] bool. left/right < 0 mean unbounded; offsets[b] shifts the diagonal."""
+            offsets=None, segments=None):
+  """[B, T, S] bool. left/right < 0 mean unbounded; offsets[b] shifts the diagonal;
+  segments = (q_ids [B, T], kv_ids [B, S]): a row sees only keys with its id."""
   out = np.zeros((B, T, S), bool)
   for b in range(B):
     qv = T if q_lengths is None else int(np.clip(q_lengths[b], 0, T))
@@ -25,6 +26,9 @@ def visible(B, T, S, *, left=-1, right=-1, bottom_right=False, q_lengths=None, k
       hi = kv if right < 0 else min(kv, i + off + right + 1)
       if hi > lo:
         out[b, i, lo:hi] = True
+  if segments is not None:
+    q_ids, kv_ids = (np.asarray(x) for x in segments)
+    out &= q_ids[:, :, None] == kv_ids[:, None, :]
   return out
 
 

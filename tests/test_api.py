@@ -195,6 +195,23 @@ def _bad_cases(rng):
           *_inputs(rng, D=264), implementation="native"), ValueError, "head_dim"),
       ("cudnn extras", lambda: jaxflash.dot_product_attention(
           q, k, v, implementation="cudnn", causal_alignment="bottom_right"), ValueError, "cudnn"),
+      # Segment ids: [*batch, len] integers; key ids default to query ids only when T == S.
+      ("segment shape", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_segment_ids=np.zeros((2, 29), i32), key_value_segment_ids=np.zeros((2, 29), i32)),
+       ValueError, "query_segment_ids must have shape"),
+      ("segment dtype", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_segment_ids=np.zeros((2, 33)), key_value_segment_ids=np.zeros((2, 29), i32)),
+       TypeError, "query_segment_ids must be an integer"),
+      ("segment kv only", lambda: jaxflash.dot_product_attention(
+          q, k, v, key_value_segment_ids=np.zeros((2, 29), i32)), ValueError, "needs query_segment_ids"),
+      ("segment kv missing", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_segment_ids=np.zeros((2, 33), i32)), ValueError, "key_value_segment_ids must be"),
+      ("segment splits", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_segment_ids=np.zeros((2, 33), i32), key_value_segment_ids=np.zeros((2, 29), i32),
+          num_splits=2), ValueError, "split-KV"),
+      ("segment pallas", lambda: jaxflash.dot_product_attention(
+          q, k, v, query_segment_ids=np.zeros((2, 33), i32), key_value_segment_ids=np.zeros((2, 29), i32),
+          implementation="pallas"), ValueError, "segment ids"),
   ]
 
 
@@ -221,10 +238,12 @@ def test_handlers_revalidate_what_reaches_them(rng):
                bottom_right=False, tile=np.int64(0), num_splits=np.int64(1),
                softcap=np.float32(0))
 
-  def refused(outputs, match, diag=offsets, **changed):
+  no_ids = jnp.zeros((0,), jnp.int32)   # no segment tables
+
+  def refused(outputs, match, diag=offsets, tables=(no_ids, no_ids), **changed):
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, outputs)
     with pytest.raises(Exception, match=match):
-      jax.block_until_ready(call(q, k, v, lengths, lengths, diag, **{**attrs, **changed}))
+      jax.block_until_ready(call(q, k, v, lengths, lengths, diag, *tables, **{**attrs, **changed}))
 
   refused((o, wrong_lse) + empty, "jaxflash: lse")
   refused((o, lse) + empty, "jaxflash: scale", scale=np.float32(np.inf))
@@ -235,6 +254,16 @@ def test_handlers_revalidate_what_reaches_them(rng):
   refused((o, lse) + empty, "jaxflash: num_splits", num_splits=np.int64(0))
   # Three splits need [batch, 3, q_len, q_heads, head_dim] partials, not empty ones.
   refused((o, lse) + empty, "jaxflash: o_partial", num_splits=np.int64(3))
+  # Segment tables (segments.py): [batch, len, 8] int32, both or neither, one split.
+  table = lambda n, dtype=jnp.int32: jnp.zeros((2, n, 8), dtype)
+  refused((o, lse) + empty, "jaxflash: query segment table", tables=(table(32), table(29)))
+  refused((o, lse) + empty, "jaxflash: key segment table", tables=(table(33), table(33)))
+  refused((o, lse) + empty, "jaxflash: segment tables must be int32",
+          tables=(table(33, jnp.float32), table(29)))
+  split = (jax.ShapeDtypeStruct((2, 3, 33, 4, 16), jnp.float32),
+           jax.ShapeDtypeStruct((2, 3, 33, 4), jnp.float32))
+  refused((o, lse) + split, "jaxflash: split-KV", tables=(table(33), table(29)),
+          num_splits=np.int64(3))
 
   # The backward's workspaces: delta like lse; the dQ sums like q in float32,
   # or empty (last dimension 0), nothing else.
@@ -249,7 +278,7 @@ def test_handlers_revalidate_what_reaches_them(rng):
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, outputs)
     lse_value = jnp.zeros((2, 4, 33), jnp.float32)
     return jax.block_until_ready(call(q, k, v, q, lse_value, q, dlse, lengths, lengths, offsets,
-                                      **bwd_attrs))
+                                      no_ids, no_ids, **bwd_attrs))
 
   backward(grads + (lse, sums((2, 33, 4, 0))))
   backward(grads + (lse, sums(q.shape)))   # room the CPU kernels leave unused

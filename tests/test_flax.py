@@ -271,6 +271,23 @@ def test_layers_take_the_soft_cap(rng):
   _close(nnx_layer(x), manual(nnx_params, x), what="nnx forward")
 
 
+def test_layers_take_segment_ids_at_call_time(rng):
+  """Packed sequences: both layers given segment ids equal the documents run apart."""
+  B, D, N = 2, 32, 4
+  lengths = (7, 12, 5)
+  x = _x(rng, B, sum(lengths), D)
+  ids = jnp.asarray(np.repeat(np.arange(len(lengths)), lengths)[None].repeat(B, 0), jnp.int32)
+  apart = lambda layer: jnp.concatenate(  # noqa: E731
+      [layer(x[:, a:a + n]) for a, n in zip(np.cumsum((0,) + lengths[:-1]), lengths)], axis=1)
+  linen_layer = jf.LinenMultiHeadAttention(num_heads=N, is_causal=True)
+  params = linen_layer.init(jax.random.key(3), x)
+  run = lambda y, **kw: linen_layer.apply(params, y, **kw)  # noqa: E731
+  _close(run(x, query_segment_ids=ids), apart(run), what="linen packed")
+  nnx_layer = jf.MultiHeadAttention(N, D, is_causal=True, decode=False, rngs=nnx.Rngs(0))
+  _close(nnx_layer(x, query_segment_ids=ids), apart(nnx_layer), what="nnx packed")
+  assert not np.allclose(np.asarray(nnx_layer(x)), np.asarray(apart(nnx_layer)), atol=1e-3)
+
+
 # ------------------------------------------------------------------ the example, short
 
 @pytest.fixture(scope="module")

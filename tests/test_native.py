@@ -37,7 +37,24 @@ def baseline(q, k, v, compute_dtype=None, **kw):
       local_window_size=kw.get("local_window_size"),
       query_seq_lengths=kw.get("query_seq_lengths"),
       key_value_seq_lengths=kw.get("key_value_seq_lengths"),
-      logits_soft_cap=kw.get("logits_soft_cap"), compute_dtype=compute_dtype or q.dtype)
+      logits_soft_cap=kw.get("logits_soft_cap"), compute_dtype=compute_dtype or q.dtype,
+      segment_ids=_segment_ids(kw))
+
+
+def _segment_ids(kw):
+  """The (q_ids, kv_ids) of a call's keywords for reference.attention, or None."""
+  if kw.get("query_segment_ids") is None:
+    return None
+  q_ids = jnp.asarray(kw["query_segment_ids"], jnp.int32)
+  kv_ids = kw.get("key_value_segment_ids")
+  return q_ids, q_ids if kv_ids is None else jnp.asarray(kv_ids, jnp.int32)
+
+
+def with_segments(kw, segments):
+  """kw with the segment ids `segments` ((q_ids, kv_ids) or None) added."""
+  if segments is not None:
+    kw["query_segment_ids"], kw["key_value_segment_ids"] = segments
+  return kw
 
 
 def finite_baseline(compute, dtype):
@@ -59,13 +76,14 @@ def max_logit(q, k, scale) -> float:
 
 
 def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", inputs=None,
-                  softcap=0.0, **extra):
+                  softcap=0.0, segments=None, **extra):
   """`inputs(rng, shape, dtype)` replaces the random q, k, v (its scores may
   be large: the budget then counts the largest one, as for magnitude > 1);
-  `softcap` > 0 runs the call with that logit soft-cap."""
+  `softcap` > 0 runs the call with that logit soft-cap; `segments` a function
+  (rng, B, T, S) -> (q_ids, kv_ids) gives it segment ids."""
   B, T, S, N, K, D = shape
   q, k, v = inputs(rng, shape, dtype) if inputs else random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
-  kw = mask_kwargs(mask_name, rng, B, T, S)
+  kw = with_segments(mask_kwargs(mask_name, rng, B, T, S), segments and segments(rng, B, T, S))
   if softcap:
     kw["logits_soft_cap"] = softcap
   out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
@@ -87,10 +105,10 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
 
 
 def check_gradients(rng, shape, mask_name, dtype, implementation="native", magnitude=1.0,
-                    softcap=0.0, **extra):
+                    softcap=0.0, segments=None, **extra):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
-  kw = mask_kwargs(mask_name, rng, B, T, S)
+  kw = with_segments(mask_kwargs(mask_name, rng, B, T, S), segments and segments(rng, B, T, S))
   if softcap:
     kw["logits_soft_cap"] = softcap
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)

@@ -10,13 +10,14 @@ namespace jaxflash::handlers {
 namespace {
 
 ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                      ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                      SegmentTables segments,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
                        int64_t tile, int64_t num_splits, float softcap) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, {o, lse, o_partial, lse_partial},
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, segments, {o, lse, o_partial, lse_partial},
                                          scale, window_left, window_right, bottom_right, tile,
                                          num_splits, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -44,7 +45,7 @@ ffi::Error CudaPagedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
-                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets, SegmentTables segments,
                         ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
@@ -52,7 +53,7 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         bool deterministic, int64_t tile, float softcap) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
-                                           diag_offsets},
+                                           diag_offsets, segments},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -69,30 +70,53 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
-// v1: the same handlers for programs exported before the soft-cap attribute.
-constexpr auto CudaForwardV1 = [](auto... args) { return CudaForward(args..., 0.f); };
+// The target versions (decode.h): v3 passes the segment tables, v2 has none,
+// v1 neither them nor the soft-cap attribute.
+using Buf = ffi::AnyBuffer;
+constexpr auto CudaForwardV3 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
+                                 Buf kv_seg, auto... rest) {
+  return CudaForward(stream, q, k, v, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+};
+constexpr auto CudaForwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, auto... rest) {
+  return CudaForward(stream, q, k, v, ql, kvl, diag, SegmentTables{}, rest...);
+};
+constexpr auto CudaBackwardV3 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, auto... rest) {
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+};
+constexpr auto CudaBackwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, auto... rest) {
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{}, rest...);
+};
+constexpr auto CudaForwardV1 = [](auto... args) { return CudaForwardV2(args..., 0.f); };
 constexpr auto CudaPagedForwardV1 = [](auto... args) { return CudaPagedForward(args..., 0.f); };
-constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackward(args..., 0.f); };
+constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackwardV2(args..., 0.f); };
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForward,
-                              BindForward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForwardV3,
+                              BindForward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV1, CudaForwardV1,
-                              BindForward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackwardV3,
+                              BindBackward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV2, CudaForwardV2,
+                              BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForward,
-                              BindPagedForward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindPagedForward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV2, CudaBackwardV2,
+                              BindBackward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV1, CudaForwardV1,
+                              BindForward<1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV1, CudaPagedForwardV1,
-                              BindPagedForward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
-                              {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackward,
-                              BindBackward<true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindPagedForward<1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV1, CudaBackwardV1,
-                              BindBackward<false>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              BindBackward<1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxflash::handlers

@@ -26,6 +26,13 @@ namespace ffi = xla::ffi;
 constexpr int64_t kMaxSequence = int64_t{1} << 30;
 constexpr int64_t kMaxHeadDim = 256;
 
+#define JAXFLASH_RETURN_IF_ERROR(expr)     \
+  do {                                     \
+    if (auto _e = (expr); _e.failure()) {  \
+      return _e;                           \
+    }                                      \
+  } while (0)
+
 inline ffi::Error Invalid(const std::string& what) {
   return ffi::Error::InvalidArgument("jaxflash: " + what);
 }
@@ -152,6 +159,27 @@ inline const int32_t* PerBatch(ffi::AnyBuffer buf) {
   return buf.element_count() == 0 ? nullptr : static_cast<const int32_t*>(buf.untyped_data());
 }
 
+// The segment tables of the v3 targets (params.h, SegmentField): int32
+// [batch, q_len, kSegmentFields] and [batch, kv_len, kSegmentFields], both or
+// neither (empty arrays: no segment ids). Null: a target version without them.
+struct SegmentTables {
+  const ffi::AnyBuffer* q = nullptr;
+  const ffi::AnyBuffer* kv = nullptr;
+};
+inline ffi::Error DecodeSegments(SegmentTables t, const AttentionShape& s, int num_splits, MaskParams* mask) {
+  if (t.q == nullptr || t.kv == nullptr) return ffi::Error::Success();
+  if (t.q->element_type() != ffi::DataType::S32 || t.kv->element_type() != ffi::DataType::S32) {
+    return Invalid("segment tables must be int32");
+  }
+  if (t.q->element_count() == 0 && t.kv->element_count() == 0) return ffi::Error::Success();
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("query segment table", t.q->dimensions(), {s.q_len, kSegmentFields}, s.batch));
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("key segment table", t.kv->dimensions(), {s.kv_len, kSegmentFields}, s.batch));
+  if (num_splits > 1) return Invalid("split-KV (num_splits > 1) does not take segment ids");
+  mask->q_segments = static_cast<const int32_t*>(t.q->untyped_data());
+  mask->kv_segments = static_cast<const int32_t*>(t.kv->untyped_data());
+  return ffi::Error::Success();
+}
+
 inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer like) {
   if (buf.element_type() != like.element_type()) {
     return Invalid(std::string(name) + " dtype differs from its primal");
@@ -183,13 +211,6 @@ inline ffi::Error DecodeMask(float scale, int64_t window_left, int64_t window_ri
   mask->bottom_right = bottom_right;
   return ffi::Error::Success();
 }
-
-#define JAXFLASH_RETURN_IF_ERROR(expr)     \
-  do {                                     \
-    if (auto _e = (expr); _e.failure()) {  \
-      return _e;                           \
-    }                                      \
-  } while (0)
 
 // tile: see FwdParams::tile (python -m jaxflash.tune, the tile cache, the tile tests).
 inline ffi::Error DecodeTile(int64_t tile, int* out) {
@@ -239,7 +260,7 @@ inline ffi::Error DecodeOutputs(ForwardOutputs out, ffi::AnyBuffer q, int64_t nu
 // Everything both platforms decode for the forward call.
 inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                                ffi::AnyBuffer diag_offsets, ForwardOutputs out, float scale,
+                                ffi::AnyBuffer diag_offsets, SegmentTables segments, ForwardOutputs out, float scale,
                                 int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile,
                                 int64_t num_splits, FwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
@@ -249,6 +270,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(segments, p->shape, p->num_splits, &p->mask));
   p->mask.diag_offsets = PerBatch(diag_offsets);
   p->scale = scale;
   p->q = q.untyped_data();
@@ -314,6 +336,7 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
 
 struct BackwardBuffers {
   ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets;
+  SegmentTables segments;
 };
 
 // `delta` and `dq_accum` are outputs the caller never reads: the backward's
@@ -344,6 +367,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
                                        {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
                                        p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.segments, p->shape, 1, &p->mask));
   p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
   p->deterministic = deterministic;
@@ -377,36 +401,52 @@ auto WithForwardResults(Binding binding) {
       .template Ret<ffi::AnyBuffer>();           // lse_partial
 }
 
-// The attribute the v2 targets add to v1's (module.cc): the logit soft-cap.
-// (A binding cannot be moved, only built: `make` returns the v1 binding.)
-template <bool kSoftcap, typename Make>
+// The target versions (module.cc): v1; v2 = v1 + the `softcap` attribute;
+// v3 = v2 + the two segment-table operands after diagonal_offsets (forward
+// and backward; the paged forward stops at v2). A binding cannot be moved,
+// only built, so each step takes a function `make` that builds the one before.
+template <int kVersion, typename Make>
 auto WithSoftcap(Make make) {
-  if constexpr (kSoftcap) {
+  if constexpr (kVersion >= 2) {
     return make().template Attr<float>("softcap");
   } else {
     return make();
   }
 }
-
-template <bool kSoftcap, typename Binding>
-auto BindForward(Binding binding) {
-  return WithSoftcap<kSoftcap>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-                                .template Arg<ffi::AnyBuffer>()                // k
-                                .template Arg<ffi::AnyBuffer>()                // v
-                                .template Arg<ffi::AnyBuffer>()                // query_seq_lengths
-                                .template Arg<ffi::AnyBuffer>()                // key_value_seq_lengths
-                                .template Arg<ffi::AnyBuffer>())               // diagonal_offsets
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<int64_t>("tile")
-      .template Attr<int64_t>("num_splits"); });
+template <int kVersion, typename Make>
+auto WithSegments(Make make) {
+  if constexpr (kVersion >= 3) {
+    return make().template Arg<ffi::AnyBuffer>()  // query segment table
+        .template Arg<ffi::AnyBuffer>();          // key segment table
+  } else {
+    return make();
+  }
 }
 
-template <bool kSoftcap, typename Binding>
+template <int kVersion, typename Binding>
+auto BindForward(Binding binding) {
+  return WithSoftcap<kVersion>([&] {
+    return WithForwardResults(WithSegments<kVersion>([&] {
+             return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+                 .template Arg<ffi::AnyBuffer>()                       // k
+                 .template Arg<ffi::AnyBuffer>()                       // v
+                 .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
+                 .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
+                 .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
+           }))
+        .template Attr<float>("scale")
+        .template Attr<int64_t>("window_left")
+        .template Attr<int64_t>("window_right")
+        .template Attr<bool>("bottom_right")
+        .template Attr<int64_t>("tile")
+        .template Attr<int64_t>("num_splits");
+  });
+}
+
+template <int kVersion, typename Binding>
 auto BindPagedForward(Binding binding) {
-  return WithSoftcap<kSoftcap>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+  static_assert(kVersion <= 2, "the paged forward has no v3");
+  return WithSoftcap<kVersion>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                                 .template Arg<ffi::AnyBuffer>()                // key_pages
                                 .template Arg<ffi::AnyBuffer>()                // value_pages
                                 .template Arg<ffi::AnyBuffer>()                // page_table
@@ -418,29 +458,33 @@ auto BindPagedForward(Binding binding) {
       .template Attr<int64_t>("num_splits"); });
 }
 
-template <bool kSoftcap, typename Binding>
+template <int kVersion, typename Binding>
 auto BindBackward(Binding binding) {
-  return WithSoftcap<kSoftcap>([&] { return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-      .template Arg<ffi::AnyBuffer>()            // k
-      .template Arg<ffi::AnyBuffer>()            // v
-      .template Arg<ffi::AnyBuffer>()            // o
-      .template Arg<ffi::AnyBuffer>()            // lse
-      .template Arg<ffi::AnyBuffer>()            // dout
-      .template Arg<ffi::AnyBuffer>()            // dlse
-      .template Arg<ffi::AnyBuffer>()            // query_seq_lengths
-      .template Arg<ffi::AnyBuffer>()            // key_value_seq_lengths
-      .template Arg<ffi::AnyBuffer>()            // diagonal_offsets
-      .template Ret<ffi::AnyBuffer>()            // dq
-      .template Ret<ffi::AnyBuffer>()            // dk
-      .template Ret<ffi::AnyBuffer>()            // dv
-      .template Ret<ffi::AnyBuffer>()            // delta (workspace)
-      .template Ret<ffi::AnyBuffer>()            // dq_accum (workspace, may be empty)
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<bool>("deterministic")
-      .template Attr<int64_t>("tile"); });
+  return WithSoftcap<kVersion>([&] {
+    return WithSegments<kVersion>([&] {
+             return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+                 .template Arg<ffi::AnyBuffer>()                       // k
+                 .template Arg<ffi::AnyBuffer>()                       // v
+                 .template Arg<ffi::AnyBuffer>()                       // o
+                 .template Arg<ffi::AnyBuffer>()                       // lse
+                 .template Arg<ffi::AnyBuffer>()                       // dout
+                 .template Arg<ffi::AnyBuffer>()                       // dlse
+                 .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
+                 .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
+                 .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
+           })
+        .template Ret<ffi::AnyBuffer>()  // dq
+        .template Ret<ffi::AnyBuffer>()  // dk
+        .template Ret<ffi::AnyBuffer>()  // dv
+        .template Ret<ffi::AnyBuffer>()  // delta (workspace)
+        .template Ret<ffi::AnyBuffer>()  // dq_accum (workspace, may be empty)
+        .template Attr<float>("scale")
+        .template Attr<int64_t>("window_left")
+        .template Attr<int64_t>("window_right")
+        .template Attr<bool>("bottom_right")
+        .template Attr<bool>("deterministic")
+        .template Attr<int64_t>("tile");
+  });
 }
 
 }  // namespace jaxflash::handlers

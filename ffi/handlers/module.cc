@@ -16,17 +16,22 @@ nb::capsule Capsule(Fn* fn) {
 
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
-// One platform's targets: forward, paged forward and backward, each at v2
-// (v1 + the softcap attribute) and at v1, kept for programs exported before it.
-nb::dict Targets(Handler* fwd, Handler* paged, Handler* bwd, Handler* fwd_v1, Handler* paged_v1,
-                 Handler* bwd_v1) {
+// One platform's targets, newest first: forward and backward at v3 (v2 + the
+// segment tables) and v2 (v1 + the softcap attribute), the paged forward at
+// v2, and every v1, kept for programs exported before the versions after it.
+struct PlatformTargets {
+  Handler *fwd, *bwd, *fwd_v2, *paged, *bwd_v2, *fwd_v1, *paged_v1, *bwd_v1;
+};
+nb::dict Targets(const PlatformTargets& t) {
   nb::dict d;
-  d["jaxflash_fwd_v2"] = Capsule(fwd);
-  d["jaxflash_paged_fwd_v2"] = Capsule(paged);
-  d["jaxflash_bwd_v2"] = Capsule(bwd);
-  d["jaxflash_fwd_v1"] = Capsule(fwd_v1);
-  d["jaxflash_paged_fwd_v1"] = Capsule(paged_v1);
-  d["jaxflash_bwd_v1"] = Capsule(bwd_v1);
+  d["jaxflash_fwd_v3"] = Capsule(t.fwd);
+  d["jaxflash_bwd_v3"] = Capsule(t.bwd);
+  d["jaxflash_fwd_v2"] = Capsule(t.fwd_v2);
+  d["jaxflash_paged_fwd_v2"] = Capsule(t.paged);
+  d["jaxflash_bwd_v2"] = Capsule(t.bwd_v2);
+  d["jaxflash_fwd_v1"] = Capsule(t.fwd_v1);
+  d["jaxflash_paged_fwd_v1"] = Capsule(t.paged_v1);
+  d["jaxflash_bwd_v1"] = Capsule(t.bwd_v1);
   return d;
 }
 
@@ -40,13 +45,13 @@ nb::dict Targets(Handler* fwd, Handler* paged, Handler* bwd, Handler* fwd_v1, Ha
 NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
-    return Targets(JaxflashCpuForward, JaxflashCpuPagedForward, JaxflashCpuBackward, JaxflashCpuForwardV1,
-                   JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1);
+    return Targets({JaxflashCpuForward, JaxflashCpuBackward, JaxflashCpuForwardV2, JaxflashCpuPagedForward,
+                    JaxflashCpuBackwardV2, JaxflashCpuForwardV1, JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1});
   });
   m.def("cuda_targets", [] {
 #ifdef JAXFLASH_WITH_CUDA
-    return Targets(JaxflashCudaForward, JaxflashCudaPagedForward, JaxflashCudaBackward, JaxflashCudaForwardV1,
-                   JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1);
+    return Targets({JaxflashCudaForward, JaxflashCudaBackward, JaxflashCudaForwardV2, JaxflashCudaPagedForward,
+                    JaxflashCudaBackwardV2, JaxflashCudaForwardV1, JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1});
 #else
     return nb::dict();
 #endif

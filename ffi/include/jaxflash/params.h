@@ -66,11 +66,43 @@ inline const char* DTypeName(DType t) {
 // reaches row i's output (and the gradients through it) as in a dense
 // softmax, while a key row i cannot see never reaches it, not even as
 // 0 * NaN. Keys past kv_len_b and rows past q_len_b are never read.
+//
+// Segment ids (packed sequences) add one more condition: q_id_b[i] == kv_id_b[j].
+// The kernels never read the ids as given: the Python layer (jaxflash/segments.py)
+// turns them, once per call on the device, into a table of kSegmentFields int32
+// per query row and one per key (SegmentField), which say which keys a row
+// sees (and which rows a key is seen by) with the window and lengths applied.
 struct MaskParams {
   int64_t window_left = -1;   // < 0: unbounded
   int64_t window_right = -1;  // < 0: unbounded
   bool bottom_right = false;
   const int32_t* diag_offsets = nullptr;  // [batch], in the memory the kernel reads; null: all 0
+  const int32_t* q_segments = nullptr;    // [batch, q_len, kSegmentFields]; null: no segment ids
+  const int32_t* kv_segments = nullptr;   // [batch, kv_len, kSegmentFields]; set with q_segments
+};
+
+// The fields of one row of a segment table, for query row i (the "other side"
+// is the keys) or key j (the other side is the query rows), as
+// jaxflash/segments.py computes them:
+//   kSegId       the segment id
+//   kSegBegin,   the first and one past the last position of the other side it
+//   kSegEnd      sees (window, lengths and ids applied); begin >= end: none
+//   kSegGapFree  1 when every position in [begin, end) is seen (ids equal
+//                throughout), so the interval alone is exact; 0: compare ids
+//   kSegEnvBegin min of kSegBegin over this and every later position, and
+//   kSegEnvEnd   max of kSegEnd over this and every earlier one: non-decreasing
+//                bounds, so a block of positions [a0, a1) visits the other side's
+//                [EnvBegin(a0), EnvEnd(a1 - 1)) whatever order the ids come in
+//   kSegRunEnd   one past the last position of the run of equal ids holding this one
+enum SegmentField : int {
+  kSegId = 0,
+  kSegBegin = 1,
+  kSegEnd = 2,
+  kSegGapFree = 3,
+  kSegEnvBegin = 4,
+  kSegEnvEnd = 5,
+  kSegRunEnd = 6,
+  kSegmentFields = 8,  // (one pad field: a row is 32 bytes)
 };
 
 struct AttentionShape {

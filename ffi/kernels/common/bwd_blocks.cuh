@@ -21,6 +21,7 @@
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/score_mod.cuh"
+#include "common/segment_mask.cuh"
 #include "jaxflash/params.h"
 
 namespace jaxflash {
@@ -199,8 +200,8 @@ __device__ __forceinline__ QueryTiles QueryTileRange(const MaskPolicy& pol, int 
   QueryTiles tiles;
   const int c_end = MinInt(c0 + kN, pol.kv_valid);
   if (c_end > c0) {
-    const int row_begin = pol.RowBegin(c0);
-    const int row_end = pol.RowEnd(c_end - 1);
+    const int row_begin = pol.BlockRowBegin(c0);
+    const int row_end = pol.BlockRowEnd(c_end - 1);
     if (row_end > row_begin) {
       tiles.begin = row_begin / kM;
       tiles.count = (row_end + kM - 1) / kM - tiles.begin;
@@ -262,6 +263,7 @@ __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const Mask
     // three-consumer D 64 kernel).
     const int key = Unhoisted(key0 + g + half * 8);
     ZeroOutside(s, half, pol.RowBegin(key) - r0 - 2 * t, pol.RowEnd(key) - r0 - 2 * t);
+    HideOtherSegments<false>(s, half, pol, key, r0, t, 0.f);  // segment_mask.cuh
   }
 }
 
@@ -346,6 +348,7 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
     const int row = row0 + g + half * 8;
     const bool real = row < pol.q_valid;
     ZeroOutside(s, half, pol.KeyBegin(row) - c0 - 2 * t, real ? pol.KeyEnd(row) - c0 - 2 * t : 0);
+    HideOtherSegments<true>(s, half, pol, row, c0, t, 0.f);  // segment_mask.cuh
   }
 }
 

@@ -79,14 +79,16 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
 // the K and V rows of its head (FwdParams or BwdParams).
 template <typename T>
 struct ExactQueryRow {
-  int begin, end, dim;
+  int begin, end, dim, row;
   int64_t q_off, kv_stride;
   const T *k, *v;
+  MaskPolicy pol;
 
   template <typename Params>
-  __device__ __forceinline__ ExactQueryRow(const Params& p, int batch, int head, int row) {
+  __device__ __forceinline__ ExactQueryRow(const Params& p, int batch, int head, int row_) {
     const AttentionShape& sh = p.shape;
-    const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
+    row = row_;
+    pol = MaskPolicy::ForBatch(p, batch);
     begin = pol.KeyBegin(row);
     end = pol.KeyEnd(row);
     dim = static_cast<int>(sh.head_dim);
@@ -98,6 +100,8 @@ struct ExactQueryRow {
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
   __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
+  // Whether the row sees key j of [begin, end) (segment ids can leave gaps).
+  __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j); }
 };
 
 // One output row with the whole warp (lane = column; no shuffles), for the
@@ -113,6 +117,7 @@ __device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, floa
     const int d = c0 + lane;
     float acc = 0.f;
     for (int j = r.begin; j < r.end; ++j) {
+      if (!r.Sees(j)) continue;
       const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, softcap, lse, r.dim).prob;
       if (d < r.dim) acc += prob * At(r.Value(j), d);
     }
@@ -156,6 +161,7 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
     if (col >= r.dim) break;
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {
+      if (!r.Sees(j)) continue;
       const float prob = PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim).prob;
       acc.x += prob * At(r.Value(j), col);
       acc.y += prob * At(r.Value(j), col + 1);
@@ -178,6 +184,7 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
   for_columns([&](int, float& x, float& y) { x = y = 0.f; });
   for (int j = r.begin; j < r.end; ++j) {
+    if (!r.Sees(j)) continue;
     const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat).ds;
     const T* k = r.Key(j);
     for_columns([&](int col, float& x, float& y) {
@@ -224,6 +231,7 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const int row_begin = pol.RowBegin(key), rows = MaxInt(pol.RowEnd(key) - row_begin, 0);
   for (int i = 0; i < group * rows; ++i) {
     const int head = kv_head * group + i / rows, row = row_begin + i % rows;
+    if (!pol.SameSegment(row, key)) continue;
     const int64_t q_off = ExactQOffset(sh, batch, head, row);
     const T* q_row = static_cast<const T*>(p.q) + q_off;
     const T* do_row = static_cast<const T*>(p.dout) + q_off;

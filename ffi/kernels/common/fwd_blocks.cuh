@@ -18,6 +18,7 @@
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/score_mod.cuh"
+#include "common/segment_mask.cuh"
 #include "common/softmax.cuh"
 #include "jaxflash/params.h"
 
@@ -34,8 +35,8 @@ template <int kN>
 __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, int r_end) {
   KeyTiles tiles;
   if (r_end > r0) {
-    const int key_begin = pol.KeyBegin(r0);
-    const int key_end = pol.KeyEnd(r_end - 1);
+    const int key_begin = pol.BlockKeyBegin(r0);
+    const int key_end = pol.BlockKeyEnd(r_end - 1);
     if (key_end > key_begin) {
       tiles.begin = key_begin / kN;
       tiles.end = (key_end + kN - 1) / kN;
@@ -45,10 +46,8 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
 }
 
 // The key tiles, within `tiles`, that every row of [r0, r_end) sees whole
-// (no element masked): kernels run those without the mask. The visible
-// range of a row only moves right as the row grows, so they are contiguous:
-// from the first tile the last row's range starts at or before to the last
-// tile the first row's range covers. Empty (begin == end) when there is none,
+// (no element masked): kernels run those without the mask. They are the
+// tiles inside the policy's FullKeys, so contiguous. Empty (begin == end) when there is none,
 // and never past tiles.end: the last row's window can start beyond the keys
 // (a local window with q_len > kv_len), and a begin past tiles.end made the
 // warp-specialised forward's unmasked loop wait for a tile its producer never
@@ -57,8 +56,10 @@ __device__ __forceinline__ KeyTiles KeyTileRange(const MaskPolicy& pol, int r0, 
 template <int kN>
 __device__ __forceinline__ KeyTiles FullKeyTiles(const MaskPolicy& pol, int r0, int r_end, KeyTiles tiles) {
   KeyTiles full;
-  full.begin = MinInt(tiles.end, MaxInt(tiles.begin, (pol.KeyBegin(r_end - 1) + kN - 1) / kN));
-  full.end = MaxInt(full.begin, MinInt(tiles.end, pol.KeyEnd(r0) / kN));
+  const MaskPolicy::Keys keys = pol.FullKeys(r0, r_end);
+  if (keys.begin >= keys.end) return KeyTiles{tiles.begin, tiles.begin};
+  full.begin = MinInt(tiles.end, MaxInt(tiles.begin, (keys.begin + kN - 1) / kN));
+  full.end = MaxInt(full.begin, MinInt(tiles.end, keys.end / kN));
   return full;
 }
 
@@ -85,20 +86,21 @@ struct FwdBlock {
   // The row block a CTA of a grid-shaped kernel takes (grid (row blocks,
   // heads, batch), in the order of grid_order.cuh); the persistent kernels
   // name theirs from their scheduler.
-  template <int kM, int kN, typename Params>  // FwdParams or BwdParams
+  // kSegments: as MaskPolicy::For's (false in tiles that take no segment ids).
+  template <int kM, int kN, bool kSegments = true, typename Params>  // FwdParams or BwdParams
   __device__ __forceinline__ static FwdBlock OfGrid(const Params& p) {
     const GridTile t = OrderedGridTile<HeavyTiles::kLast>(p.mask);
-    return At<kM, kN>(p, t.tile, t.y, t.z);
+    return At<kM, kN, kSegments>(p, t.tile, t.y, t.z);
   }
-  template <int kM, int kN, typename Params>
+  template <int kM, int kN, bool kSegments = true, typename Params>
   __device__ __forceinline__ static FwdBlock At(const Params& p, int m_block, int head, int batch) {
     const AttentionShape& sh = p.shape;
     FwdBlock b;
     b.batch = batch;
     b.head = head;
     const int kv_head = b.head / static_cast<int>(sh.group_size());
-    b.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
-                            p.kv_lengths, b.batch);
+    b.pol = MaskPolicy::For<kSegments>(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len),
+                                       p.q_lengths, p.kv_lengths, b.batch);
     b.r0 = m_block * kM;
     b.r_end = MinInt(b.r0 + kM, b.pol.q_valid);
     b.tiles = KeyTileRange<kN>(b.pol, b.r0, b.r_end);
@@ -157,6 +159,7 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
         const int row = query_row(r0 + warp_row0 + mt * 16 + g + half * 8);
         lo = pol.KeyBegin(row) - c0 - 2 * t;
         hi = pol.KeyEnd(row) - c0 - 2 * t;
+        HideOtherSegments<true>(s[mt], half, pol, row, c0, t, -INFINITY);  // segment_mask.cuh
       }
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)

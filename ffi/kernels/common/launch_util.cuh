@@ -65,11 +65,38 @@ Status LaunchForwardGrid(const FwdParams& p, int rows, int threads, size_t smem,
   return CheckLaunch(what);
 }
 
+// Whether a tile serves a call's extras. A logit soft-cap (score_mod.cuh) and
+// segment ids (mask.h) cost registers some tiles do not have; those say so
+// (kTakesSoftCap, kTakesSegments: measured by building with spills as errors)
+// and their launchers route such calls to a tile that takes them.
+template <typename Tile, typename Params>
+bool TileTakes(const Params& p) {
+  return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments);
+}
+
 // A list of tile shapes a launcher may run: the candidates its tile table
 // picks from and the tuner sweeps (python -m jaxflash.tune).
 template <typename... Tiles>
 struct TileList {
   static constexpr int kSize = sizeof...(Tiles);
+
+  // Whether candidate `index` (0-based) takes call p (TileTakes).
+  template <typename Params>
+  static bool Takes(int index, const Params& p) {
+    bool takes = false;
+    int i = 0;
+    (void)((i++ == index ? (takes = TileTakes<Tiles>(p), true) : false) || ...);
+    return takes;
+  }
+  // `pick` if that candidate takes call p, else the first that does (-1: none).
+  template <typename Params>
+  static int PickTaking(int pick, const Params& p) {
+    if (Takes(pick, p)) return pick;
+    for (int i = 0; i < kSize; ++i) {
+      if (Takes(i, p)) return i;
+    }
+    return -1;
+  }
 
   // Calls launch(Tile{}) for the candidate `tile` names (FwdParams::tile with
   // the family bit cleared: k > 0 is 1-based, from the tuner and the tests,

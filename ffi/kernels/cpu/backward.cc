@@ -160,8 +160,8 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   std::fill(t.acc_a, t.acc_a + cols * dim, 0.f);
   std::fill(t.acc_b, t.acc_b + cols * dim, 0.f);
   const int valid_cols = std::min(cols, std::max(0, mask.kv_valid - c0));
-  const int row_begin = valid_cols > 0 ? mask.RowBegin(c0) : 0;
-  const int row_end = valid_cols > 0 ? mask.RowEnd(c0 + valid_cols - 1) : 0;
+  const int row_begin = valid_cols > 0 ? mask.BlockRowBegin(c0) : 0;
+  const int row_end = valid_cols > 0 ? mask.BlockRowEnd(c0 + valid_cols - 1) : 0;
   if (row_begin < row_end) {
     const int64_t kv_off = g.KvOffset(b, kv_head, c0);
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.kt);
@@ -181,8 +181,9 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
       Transpose(t.s, kKeysPerTile, rows, valid_cols, 1.f, t.st, kRowsPerTile);
       Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
       const auto rows_of = [&](int c) { return VisibleRowsOf(mask, c0 + c, r0, rows); };
-      AccumulateVisible(full, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of);
-      AccumulateVisible(full, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of);
+      const auto sees = [&](int c, int r) { return mask.SameSegment(r0 + r, c0 + c); };
+      AccumulateVisible(full, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of, sees);
+      AccumulateVisible(full, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of, sees);
     }
   }
   const int64_t kv_off = g.KvOffset(b, kv_head, c0);
@@ -204,8 +205,8 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
 
   std::fill(t.acc_a, t.acc_a + rows * dim, 0.f);
   const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
-  const int key_begin = valid_rows > 0 ? mask.KeyBegin(r0) : 0;
-  const int key_end = valid_rows > 0 ? mask.KeyEnd(r0 + valid_rows - 1) : 0;
+  const int key_begin = valid_rows > 0 ? mask.BlockKeyBegin(r0) : 0;
+  const int key_end = valid_rows > 0 ? mask.BlockKeyEnd(r0 + valid_rows - 1) : 0;
   const int64_t q_off = g.QOffset(b, h, r0);
   if (key_begin < key_end) {
     LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, p.scale * kLog2e, t.q);
@@ -220,7 +221,8 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
     const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
     // dQ += dS K, over each row's visible keys when the tile is partly masked.
     AccumulateVisible(full, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
-                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); });
+                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); },
+                      [&](int r, int c) { return mask.SameSegment(r0 + r, c0 + c); });
   }
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);

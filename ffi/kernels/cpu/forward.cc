@@ -73,8 +73,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
 
   // Packed rows of padding queries (past q_lengths) come last in the tile.
   const int valid_rows = std::min(rows, std::max(0, mask.q_valid * packed.group - r0));
-  const int key_begin = valid_rows > 0 ? mask.KeyBegin(packed.QueryRow(r0)) : 0;
-  const int key_end = valid_rows > 0 ? mask.KeyEnd(packed.QueryRow(r0 + valid_rows - 1)) : 0;
+  const int key_begin = valid_rows > 0 ? mask.BlockKeyBegin(packed.QueryRow(r0)) : 0;
+  const int key_end = valid_rows > 0 ? mask.BlockKeyEnd(packed.QueryRow(r0 + valid_rows - 1)) : 0;
   // This split's key tiles, counted from key_begin (one split: all of them).
   const Span span = SplitSpan(0, (std::max(0, key_end - key_begin) + kKeysPerTile - 1) / kKeysPerTile, split,
                               p.num_splits);
@@ -122,7 +122,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     // O += P V; in a partly visible tile each row multiplies only the keys it
     // sees, so a NaN or Inf in the value of a masked key never reaches it.
     AccumulateVisible(full, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim,
-                      [&](int r) { return VisibleColsOf(mask, packed.QueryRow(r0 + r), c0, cols); });
+                      [&](int r) { return VisibleColsOf(mask, packed.QueryRow(r0 + r), c0, cols); },
+                      [&](int r, int c) { return mask.SameSegment(packed.QueryRow(r0 + r), c0 + c); });
   }
 
   // The rows' results, by the rules of params.h and common/decode.h: one

@@ -338,36 +338,49 @@ JAXFLASH_CPU_INLINE void RowsTimesTransposed(const float* a, int rows, int dim, 
   AccumulateProduct(a, dim, rows, dim, bt, bt_stride, cols, scores, scores_stride);
 }
 
-// Visible keys of a row form one interval, and so do the rows that see a key,
-// so a partly masked tile product can run over exactly the visible pairs and
-// never multiply a masked pair's zero weight into a NaN or Inf. (Span is
-// common/decode.h's [begin, end).)
-// The columns of the tile [c0, c0 + cols) that `row` sees, relative to c0.
-JAXFLASH_CPU_INLINE Span VisibleColsOf(const MaskPolicy& mask, int row, int c0, int cols) {
-  if (!mask.HasKeys(row)) return {0, 0};
+// Visible keys of a row lie in one interval, and so do the rows that see a
+// key, so a partly masked tile product can run over exactly the visible pairs
+// and never multiply a masked pair's zero weight into a NaN or Inf. Segment
+// ids can leave gaps in an interval (`exact` false): then each index of it is
+// asked (`sees`).
+struct VisibleSpan {
+  int begin, end;  // relative to the tile's first column (row)
+  bool exact;
+};
+// The columns of the tile [c0, c0 + cols) that `row` sees.
+JAXFLASH_CPU_INLINE VisibleSpan VisibleColsOf(const MaskPolicy& mask, int row, int c0, int cols) {
+  if (!mask.HasKeys(row)) return {0, 0, true};
   const int begin = std::max(mask.KeyBegin(row) - c0, 0);
-  return {begin, std::max(begin, std::min(mask.KeyEnd(row) - c0, cols))};
+  return {begin, std::max(begin, std::min(mask.KeyEnd(row) - c0, cols)), mask.KeysExact(row)};
 }
-// The rows of the tile [r0, r0 + rows) that see key `col`, relative to r0.
-JAXFLASH_CPU_INLINE Span VisibleRowsOf(const MaskPolicy& mask, int col, int r0, int rows) {
+// The rows of the tile [r0, r0 + rows) that see key `col`.
+JAXFLASH_CPU_INLINE VisibleSpan VisibleRowsOf(const MaskPolicy& mask, int col, int r0, int rows) {
   const int begin = std::max(mask.RowBegin(col) - r0, 0);
-  return {begin, std::max(begin, std::min(mask.RowEnd(col) - r0, rows))};
+  return {begin, std::max(begin, std::min(mask.RowEnd(col) - r0, rows)), mask.RowsExact(col)};
 }
 
 // AccumulateProduct over `rows` x `inner` of a partly masked tile: output row m
-// sums only the inner indices span_of(m) (all of them when the tile is full).
-template <typename SpanOf>
+// sums only the inner indices span_of(m) (all of them when the tile is full),
+// and of a span with gaps only those i for which sees(m, i).
+template <typename SpanOf, typename Sees>
 JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stride, int rows, int inner,
                                            const float* b, int b_stride, int n, float* out, int out_stride,
-                                           SpanOf&& span_of) {
+                                           SpanOf&& span_of, Sees&& sees) {
   if (full) {
     AccumulateProduct(a, a_stride, rows, inner, b, b_stride, n, out, out_stride);
     return;
   }
   for (int m = 0; m < rows; ++m) {
-    const Span s = span_of(m);
-    AccumulateProduct(a + m * a_stride + s.begin, a_stride, 1, s.end - s.begin, b + s.begin * b_stride, b_stride,
-                      n, out + m * out_stride, out_stride);
+    const VisibleSpan s = span_of(m);
+    if (s.exact) {
+      AccumulateProduct(a + m * a_stride + s.begin, a_stride, 1, s.end - s.begin, b + s.begin * b_stride,
+                        b_stride, n, out + m * out_stride, out_stride);
+      continue;
+    }
+    for (int i = s.begin; i < s.end; ++i) {
+      if (sees(m, i)) AccumulateProduct(a + m * a_stride + i, a_stride, 1, 1, b + i * b_stride, b_stride, n,
+                                        out + m * out_stride, out_stride);
+    }
   }
 }
 

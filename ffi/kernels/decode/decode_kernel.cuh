@@ -113,8 +113,9 @@ __device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const Pac
 // rows addressed through PagedKv::Row: the row type tc::ExactOutputOf takes.
 template <typename T>
 struct ExactPackedRow {
-  int begin, end, dim, batch;
+  int begin, end, dim, batch, row;
   const FwdParams& p;
+  const MaskPolicy& pol;
   const T *k, *v;
 
   __device__ __forceinline__ ExactPackedRow(const FwdParams& p_, const MaskPolicy& pol, const PackedRows& rows,
@@ -123,7 +124,9 @@ struct ExactPackedRow {
         end(MinInt(pol.KeyEnd(rows.QueryRow(r)), k1)),
         dim(static_cast<int>(p_.shape.head_dim)),
         batch(batch_),
+        row(rows.QueryRow(r)),
         p(p_),
+        pol(pol),
         k(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
         v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim) {}
   __device__ __forceinline__ int64_t RowOf(int j) const {
@@ -131,6 +134,7 @@ struct ExactPackedRow {
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j); }
   __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
+  __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j); }
 };
 
 // Shared memory of a decode CTA with loader Kv: the K/V stages (aligned as

@@ -127,8 +127,8 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
   const T* v = static_cast<const T*>(p.v);
 
   const int rows_valid = min(kWarps, mask.q_valid - r0);
-  const int key_begin = rows_valid > 0 ? mask.KeyBegin(r0) : 0;
-  const int key_end = rows_valid > 0 ? mask.KeyEnd(r0 + rows_valid - 1) : 0;
+  const int key_begin = rows_valid > 0 ? mask.BlockKeyBegin(r0) : 0;
+  const int key_end = rows_valid > 0 ? mask.BlockKeyEnd(r0 + rows_valid - 1) : 0;
   const bool live = row < mask.q_valid;
   if (live) WarpLoadRow(q + g.Q(b, h, row), dim, p.scale * kLog2e, qs + warp * dim);
 
@@ -225,8 +225,8 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
   const T* v = static_cast<const T*>(p.v);
 
   const int rows_valid = min(kWarps, mask.q_valid - r0);
-  const int key_begin = rows_valid > 0 ? mask.KeyBegin(r0) : 0;
-  const int key_end = rows_valid > 0 ? mask.KeyEnd(r0 + rows_valid - 1) : 0;
+  const int key_begin = rows_valid > 0 ? mask.BlockKeyBegin(r0) : 0;
+  const int key_end = rows_valid > 0 ? mask.BlockKeyEnd(r0 + rows_valid - 1) : 0;
   const bool live = row < mask.q_valid;
   float lse2 = 0.f, row_delta = 0.f;
   if (live) {
@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, c
   const MaskPolicy mask = MaskPolicy::For(p.mask, p.shape.q_len, p.shape.kv_len, p.q_lengths,
                                           p.kv_lengths, b);
   const int keys_valid = min(kWarps, mask.kv_valid - c0);
-  const int row_begin = keys_valid > 0 ? mask.RowBegin(c0) : 0;
-  const int row_end = keys_valid > 0 ? mask.RowEnd(c0 + keys_valid - 1) : 0;
+  const int row_begin = keys_valid > 0 ? mask.BlockRowBegin(c0) : 0;
+  const int row_end = keys_valid > 0 ? mask.BlockRowEnd(c0 + keys_valid - 1) : 0;
   const bool live = key < mask.kv_valid;
   if (live) {
     WarpLoadRow(static_cast<const T*>(p.k) + g.Kv(b, kv_head, key), dim, 1.f, ks + warp * dim);

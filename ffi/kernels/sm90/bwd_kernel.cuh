@@ -30,6 +30,7 @@
 #include "common/launch_util.cuh"
 #include "common/mask.h"
 #include "jaxflash/params.h"
+#include "sm80/launch_sm80.h"
 #include "sm90/bwd_steps.cuh"
 #include "sm90/bwd_ws_dq.cuh"
 #include "sm90/bwd_ws_kernel.cuh"
@@ -65,6 +66,7 @@ struct DkDvTile {
   // (score_mod.cuh) would spill them. These candidates run only when a tile is
   // forced (LaunchBackward); forced with a cap, they refuse the call.
   static constexpr bool kTakesSoftCap = !(kD == 64 && kM == 128);
+  static constexpr bool kTakesSegments = kTakesSoftCap;  // their tables spilled the same tiles (20 bytes)
 };
 
 template <typename T, typename Tile>
@@ -100,8 +102,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   const int q_len = static_cast<int>(sh.q_len);
   const int64_t q_row_stride = sh.q_row_stride(), kv_row_stride = sh.kv_row_stride();
 
-  const MaskPolicy pol =
-      MaskPolicy::For(p.mask, q_len, static_cast<int>(sh.kv_len), p.q_lengths, p.kv_lengths, batch);
+  const MaskPolicy pol = MaskPolicy::For<Tile::kTakesSegments>(p.mask, q_len, static_cast<int>(sh.kv_len),
+                                                               p.q_lengths, p.kv_lengths, batch);
   const int c0 = at.tile * kN;
   const tc::QueryTiles q_tiles = tc::QueryTileRange<kM, kN>(pol, c0);
   const int n_iters = group * q_tiles.count;
@@ -201,6 +203,8 @@ struct DqTile {
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kThreads = 128 * kWarpGroups;
   static constexpr int kStages = 2;
+  static constexpr bool kTakesSoftCap = true;
+  static constexpr bool kTakesSegments = true;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   // Q, dO, then two stages of K and V; +1024 for the alignment of the base.
@@ -310,6 +314,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
 template <typename DkDv_, typename Dq_>
 struct BwdTile {
   using DkDv = DkDv_;
+  static constexpr bool kTakesSoftCap = DkDv_::kTakesSoftCap && Dq_::kTakesSoftCap;
+  static constexpr bool kTakesSegments = DkDv_::kTakesSegments && Dq_::kTakesSegments;
   using Dq = Dq_;
 };
 template <int kD>
@@ -348,8 +354,8 @@ template <typename T, typename Tile>
 Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename Tile::DkDv;
   using Dq = typename Tile::Dq;
-  if (!DkDv::kTakesSoftCap && p.softcap > 0.f) {
-    return Status::Unimplemented("this forced sm90 backward tile does not take a logit soft-cap");
+  if (!TileTakes<Tile>(p)) {
+    return Status::Unimplemented("this forced sm90 backward tile takes no logit soft-cap or segment ids");
   }
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
       p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::kSmemBytes}, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes},
@@ -417,24 +423,30 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
-  // A logit soft-cap runs the first of the passes below whose tiles take it
-  // (kTakesSoftCap: at D 128 the dK/dV pass and the dQ pass, at D 64 and 256
-  // the two cp.async kernels); the others have no registers to spare for it.
-  const bool capped = p.softcap > 0.f;
+  // A logit soft-cap or segment ids run the first of the passes below whose
+  // tiles take them (TileTakes: a cap at D 128 the dK/dV pass and the dQ pass,
+  // at D 64 and 256 the two cp.async kernels); the others have no registers
+  // to spare for them. With no sm90 tile that does, the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
   using DqPass = typename DqPassTile<kD>::type;
-  if ((!capped || Fused::kTakesSoftCap) && tc::UseFusedBackward(p)) {
+  if (TileTakes<Fused>(p) && tc::UseFusedBackward(p)) {
     return LaunchWsBackward<T, Fused>(p, device, stream);
   }
-  const bool split_takes_cap = KeyGrads::kTakesSoftCap && DqPass::kTakesSoftCap;
-  if ((!capped || split_takes_cap) && !tc::TileForced(p) && p.shape.q_len > 0) {
+  if (TileTakes<KeyGrads>(p) && TileTakes<DqPass>(p) && !tc::TileForced(p) && p.shape.q_len > 0) {
     return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);
   }
-  // A cached preference was measured on the warp-specialised passes, without a cap.
-  const int requested = capped && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
-  const bool causal = p.mask.window_right >= 0;
-  return BwdCandidates<kD>::type::With(requested, BwdTilePick(kD, causal),
-                                       [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
+  // A cached preference was measured on the warp-specialised passes, without extras.
+  const bool extras = p.softcap > 0.f || p.mask.q_segments != nullptr;
+  const int requested = extras && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
+  using Candidates = typename BwdCandidates<kD>::type;
+  const int pick = Candidates::PickTaking(BwdTilePick(kD, p.mask.window_right >= 0), p);
+  if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
+    BwdParams any_tile = p;
+    any_tile.tile = 0;
+    return sm80::LaunchBackward<T, kD>(any_tile, device, stream);
+  }
+  return Candidates::With(requested, pick,
+                          [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 
 }  // namespace sm90

@@ -38,6 +38,7 @@ template <int kD_, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdColumnTile {
   static constexpr bool kSharedKeys = true;
   static constexpr bool kTakesSoftCap = false;  // as WsBwdTile's: D 256 has no registers to spare
+  static constexpr bool kTakesSegments = true;
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
   static constexpr int kD = kD_;

@@ -59,6 +59,7 @@ struct WsDqTile {
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = 64 * kConsumers;  // query rows per CTA
   static constexpr bool kTakesSoftCap = kD_ == 128;  // as WsBwdTile's
+  static constexpr bool kTakesSegments = true;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;

@@ -68,6 +68,7 @@ struct WsBwdTile {
   // pass without dQ. The fused D 128 pass (12 bytes) and the D 64 tiles spilled
   // with the cap's code; capped calls there take another pass (LaunchBackward).
   static constexpr bool kTakesSoftCap = kD_ == 128 && !kWithDq_;
+  static constexpr bool kTakesSegments = true;
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
   static constexpr int kD = kD_;

@@ -32,6 +32,10 @@ struct FwdTile {
   static constexpr int kN = kN_;  // keys per K/V tile
   // CTAs that must fit on one SM (registers are capped to allow it): several
   // independent CTAs overlap one another's softmax, loads and barriers.
+  // Takes every logit soft-cap; segment ids except with three CTAs an SM at
+  // D 64, whose register cap their code spilled (88 bytes).
+  static constexpr bool kTakesSoftCap = true;
+  static constexpr bool kTakesSegments = !(kD_ == 64 && kCtasPerSm_ == 3);
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kM = 64 * kWarpGroups;
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -62,7 +66,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   // Stage of K or V (base sK0 / sV0) holding the tile `it` steps into the walk.
   auto stage = [](uint32_t base, unsigned it) { return base + (it % Tile::kStages) * KVTile::kBytes; };
 
-  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN>(p);
+  const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN, Tile::kTakesSegments>(p);
   const MaskPolicy& pol = blk.pol;
   const tc::KeyTiles tiles = blk.tiles;
   const int r0 = blk.r0, r_end = blk.r_end;

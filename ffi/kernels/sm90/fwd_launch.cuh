@@ -11,6 +11,7 @@
 #include "common/launch_util.cuh"
 #include "sm90/fwd_kernel.cuh"
 #include "sm90/fwd_ws_kernel.cuh"
+#include "sm80/launch_sm80.h"
 #include "sm90/launch_sm90.h"
 
 namespace jaxflash {
@@ -103,24 +104,36 @@ inline int FwdSoftCapPick(int head_dim_bucket, int pick) {
   return head_dim_bucket == 128 ? pick : head_dim_bucket == 64 ? 3 : 1;
 }
 
+// A call with segment ids (or a soft-cap) runs the pick if that tile takes it
+// (TileTakes), else the first candidate that does; with none (D 64 with both),
+// the sm80 kernels, which take everything.
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  using Candidates = typename FwdCandidates<kD>::type;
   int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len), requested = p.tile;
+  // A cached preference (`python -m jaxflash.tune`) was measured without a cap
+  // or segment ids, on grids that fill the GPU: it yields to those; a forced
+  // tile does not.
+  bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr;
   if (p.softcap > 0.f) {
     pick = FwdSoftCapPick(kD, pick);
-    if (requested & FwdParams::kTilePreferred) requested = 0;  // measured without a cap
   } else if (SmallGrid<kD>(p, device, pick)) {
     pick = FwdCandidates<kD>::kSmallGrid;
-    // A cached preference (`python -m jaxflash.tune`) was measured on grids
-    // that fill the GPU, so it yields here; a forced tile does not.
-    if (requested & FwdParams::kTilePreferred) requested = 0;
+    yield = true;
   }
-  return FwdCandidates<kD>::type::With(requested, pick, [&](auto tile) {
+  if (yield && (requested & FwdParams::kTilePreferred)) requested = 0;
+  pick = Candidates::PickTaking(pick, p);
+  if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
+    FwdParams any_tile = p;
+    any_tile.tile = 0;
+    return sm80::LaunchForward<T, kD>(any_tile, device, stream);
+  }
+  return Candidates::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);
+    if (!TileTakes<Tile>(p)) {
+      return Status::Unimplemented("this forced sm90 forward tile takes no logit soft-cap or segment ids");
+    }
     if constexpr (Tile::kWarpSpecialised) {
-      if (p.softcap > 0.f && !Tile::kTakesSoftCap) {
-        return Status::Unimplemented("this warp-specialised forward tile takes no logit soft-cap");
-      }
       return LaunchWsForward<T, Tile>(p, device, stream);
     } else {
       return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::kSmemBytes, device, stream,

@@ -81,6 +81,10 @@ struct WsFwdTile {
   // the cap's code spilled the consumers' registers (68-148 and 28 bytes), so
   // capped calls there run the cp.async kernel (fwd_launch.cuh).
   static constexpr bool kTakesSoftCap = kD == 128;
+  // Whether it takes segment ids (mask.h's tables): at D 128, and at D 64 with
+  // three consumers of 128-key tiles, their code spilled the consumers'
+  // registers (24-56 bytes), so such calls run another candidate.
+  static constexpr bool kTakesSegments = kD != 128 && !(kConsumers == 3 && kN == 128);
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -159,12 +163,12 @@ struct WsWork {
   int r0, r_end;
   tc::KeyTiles keys;
 
-  template <int kM, int kN>
+  template <int kM, int kN, bool kSegments>
   __device__ __forceinline__ static WsWork At(const FwdParams& p, const WorkTile& tile) {
     WsWork w;
     w.tile = tile;
     const AttentionShape& sh = p.shape;
-    w.pol = MaskPolicy::For(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
+    w.pol = MaskPolicy::For<kSegments>(p.mask, static_cast<int>(sh.q_len), static_cast<int>(sh.kv_len), p.q_lengths,
                             p.kv_lengths, w.tile.batch);
     w.r0 = w.tile.m_block * kM;
     w.r_end = MinInt(w.r0 + kM, w.pol.q_valid);
@@ -176,11 +180,11 @@ struct WsWork {
 
 // The CTA's next work tile after position *index (TileScheduler::Next); the
 // producer and the consumers walk the same sequence through it.
-template <int kM, int kN>
+template <int kM, int kN, bool kSegments>
 __device__ __forceinline__ bool NextWork(const FwdParams& p, const TileScheduler& sched, int* index, WsWork* w) {
   WorkTile tile;
   if (!sched.Next(index, &tile)) return false;
-  *w = WsWork::At<kM, kN>(p, tile);
+  *w = WsWork::At<kM, kN, kSegments>(p, tile);
   return true;
 }
 
@@ -209,7 +213,7 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
   uint32_t tail_parity = 0;
   int index = blockIdx.x - gridDim.x;
   WsWork w;
-  while (NextWork<kM, kN>(p, sched, &index, &w)) {
+  while (NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &w)) {
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
     if (lane == 0) {
@@ -293,7 +297,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   // arrive together.
   int index = blockIdx.x - gridDim.x;
   WsWork next;
-  bool more = NextWork<kM, kN>(p, sched, &index, &next);
+  bool more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
   while (more) {
     const WsWork w = next;
     const int r0 = w.r0;
@@ -304,7 +308,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
 
     if (w.Empty()) {
-      more = NextWork<kM, kN>(p, sched, &index, &next);
+      more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
       softmax.Totals(inv, lse);
     } else {
       const int qb = q_ring.stage;
@@ -431,7 +435,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
         WgmmaCommit();
         pass_turn();
-        more = NextWork<kM, kN>(p, sched, &index, &next);
+        more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
         softmax.Totals(inv, lse);
         WgmmaWait<0>();
         FenceAccumulator(o[0]);
@@ -442,7 +446,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
         await_turn();
         pass_turn();
-        more = NextWork<kM, kN>(p, sched, &index, &next);
+        more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
         softmax.Totals(inv, lse);
       }
 #pragma unroll 1

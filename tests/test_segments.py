@@ -1,0 +1,199 @@
+"""Segment ids (packed sequences): the native kernels against float64 truth.
+
+`query_segment_ids` / `key_value_segment_ids` let row i see key j only where the
+ids agree (numpy_reference.visible's `segments`). The kernels find their tiles
+from the tables of jaxflash/segments.py; these tests give them ids of every
+kind: documents packed in order (exact intervals, tiles of other documents
+skipped), runs in shuffled order (exact intervals that are not monotone) and
+ids drawn at random (intervals with gaps: the per-element comparison), with
+every mask, GQA 1/4/8, ragged lengths and both alignments.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from conftest import HAS_GPU, random_inputs
+from jaxflash import segments as seg_lib
+from jaxflash._core import MaskSpec
+from test_native import check_forward, check_gradients
+
+
+def packed(rng, B, T, S, documents=4):
+  """Documents of random lengths one after another; query and key rows of a
+  self-attention call (T == S) share them, a cross-attention call splits both
+  sides into the same number of documents."""
+  def cut(n):
+    edges = np.sort(rng.choice(np.arange(1, max(n, 2)), size=min(documents, max(n - 1, 1)) - 1,
+                               replace=False)) if n > 1 else np.zeros(0, int)
+    return np.stack([np.searchsorted(edges, np.arange(n), side="right") for _ in range(B)])
+  q_ids = cut(T).astype(np.int32)
+  return q_ids, (q_ids if S == T else cut(S).astype(np.int32))
+
+
+def shuffled_runs(rng, B, T, S):
+  """Packed documents whose ids run in a random order (each id one run)."""
+  q_ids, kv_ids = packed(rng, B, T, S)
+  perm = rng.permutation(8).astype(np.int32)
+  return perm[q_ids], perm[kv_ids]
+
+
+def scattered(rng, B, T, S):
+  """Ids drawn at random from three values: every interval has gaps."""
+  return (rng.integers(0, 3, (B, T)).astype(np.int32), rng.integers(0, 3, (B, S)).astype(np.int32))
+
+
+KINDS = {"packed": packed, "shuffled_runs": shuffled_runs, "scattered": scattered}
+# (B, T, S, N, K, D): GQA 1, 4 and 8; self- and cross-attention; ragged sizes.
+SHAPES = [(2, 70, 70, 4, 4, 32), (1, 45, 83, 8, 2, 40), (2, 64, 64, 8, 1, 64)]
+MASKS = ["none", "causal", "window", "lengths_causal_bottom_right"]
+
+
+# Every kind of ids with every mask, each mask on its own shape (the CPU suite stays lean).
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("mask, shape", list(zip(MASKS, SHAPES + SHAPES[:1])))
+def test_native_forward(rng, shape, mask, kind):
+  check_forward(rng, shape, mask, jnp.float32, segments=KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("mask, shape, dtype", [("lengths_causal_bottom_right", SHAPES[1], jnp.bfloat16),
+                                                ("window", SHAPES[2], jnp.float32)])
+def test_native_gradients(rng, kind, mask, shape, dtype):
+  check_gradients(rng, shape, mask, dtype, segments=KINDS[kind])
+
+
+def test_with_soft_cap(rng):
+  check_forward(rng, SHAPES[0], "causal", jnp.bfloat16, magnitude=2.0, softcap=5.0, segments=packed)
+  check_gradients(rng, SHAPES[0], "causal", jnp.float32, magnitude=2.0, softcap=5.0,
+                  segments=scattered)
+
+
+def test_forward_mode_and_vmap(rng):
+  q, k, v = random_inputs(rng, 2, 33, 33, 4, 2, 16, jnp.float32)
+  q_ids, _ = packed(rng, 2, 33, 33)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, query_segment_ids=q_ids, implementation=impl)
+  _, got = jax.jvp(f("native"), (q, k, v), tangents)
+  _, want = jax.jvp(f("xla"), (q, k, v), tangents)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  # vmap over a leading axis, the ids mapped with the inputs.
+  ids = np.stack([q_ids, q_ids[::-1]])
+  g = lambda impl: jax.vmap(lambda q, k, v, i: jaxflash.dot_product_attention(
+      q, k, v, query_segment_ids=i, implementation=impl))
+  stacked = tuple(jnp.stack([x, x]) for x in (q, k, v))
+  np.testing.assert_allclose(g("native")(*stacked, ids), g("xla")(*stacked, ids), rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_leading_batch_axes(rng):
+  q, k, v = random_inputs(rng, 6, 20, 20, 2, 2, 16, jnp.float32)
+  q_ids, _ = packed(rng, 6, 20, 20)
+  shaped = lambda x: x.reshape((2, 3) + x.shape[1:])
+  f = lambda impl: jaxflash.dot_product_attention(*(shaped(x) for x in (q, k, v)), is_causal=True,
+                                                  query_segment_ids=shaped(q_ids), implementation=impl)
+  np.testing.assert_allclose(f("native"), f("xla"), rtol=1e-5, atol=1e-5)
+
+
+def test_nan_in_another_segment_reaches_nothing(rng):
+  """A NaN in one document's keys and values stays there, sorted ids or not."""
+  B, T, N, D = 1, 48, 2, 16
+  q, k, v = random_inputs(rng, B, T, T, N, N, D, jnp.float32)
+  for q_ids in (np.repeat(np.arange(3, dtype=np.int32), 16)[None],
+                np.tile(np.arange(3, dtype=np.int32), 16)[None]):
+    poisoned = q_ids[0] == 1
+    k_bad = jnp.where(poisoned[None, :, None, None], jnp.nan, k)
+    v_bad = jnp.where(poisoned[None, :, None, None], jnp.nan, v)
+    f = lambda k, v: jaxflash.dot_product_attention(q, k, v, query_segment_ids=q_ids,
+                                                    implementation="native")
+    out = np.asarray(f(k_bad, v_bad))
+    assert np.all(np.isnan(out[0, poisoned])), "the poisoned document sees its NaN"
+    np.testing.assert_allclose(out[0, ~poisoned], np.asarray(f(k, v))[0, ~poisoned], rtol=1e-6)
+    grads = jax.grad(lambda k, v: jnp.sum(jnp.where(poisoned[None, :, None, None], 0, f(k, v))),
+                     argnums=(0, 1))(k_bad, v_bad)
+    for g in grads:
+      assert np.all(np.isfinite(np.asarray(g)[0, ~poisoned]))
+
+
+def test_rows_without_a_key_of_their_segment(rng):
+  """Query ids with no key of their id are empty rows: zeros, the empty LSE."""
+  q, k, v = random_inputs(rng, 1, 12, 10, 2, 1, 16, jnp.float32)
+  q_ids = np.array([[0, 0, 5, 5, 1, 1, 1, 7, 7, 2, 2, 2]], np.int32)
+  kv_ids = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]], np.int32)
+  for impl in ("native", "xla"):
+    out, lse = jaxflash.dot_product_attention(q, k, v, query_segment_ids=q_ids,
+                                              key_value_segment_ids=kv_ids, return_residual=True,
+                                              residual_dtype=jnp.float32, implementation=impl)
+    empty = np.isin(q_ids[0], [5, 7])
+    assert np.all(np.asarray(out)[0, empty] == 0)
+    assert np.all(np.asarray(lse)[0, empty] == np.finfo(np.float32).min)
+
+
+def test_tables_against_brute_force(rng):
+  """segments.tables: each position's exact interval, gap flag, non-decreasing
+  envelopes and run ends, against the dense mask, over random calls."""
+  for _ in range(40):
+    B, T, S = 2, int(rng.integers(1, 30)), int(rng.integers(1, 30))
+    kind = KINDS[list(KINDS)[int(rng.integers(0, 3))]]
+    q_ids, kv_ids = kind(rng, B, T, S) if T == S or kind is not packed else packed(rng, B, T, S)
+    spec = MaskSpec(scale=1.0, window_left=int(rng.integers(-1, 6)),
+                    window_right=int(rng.integers(-1, 6)), bottom_right=bool(rng.integers(0, 2)))
+    q_len = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32)
+    tables = seg_lib.tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), q_len, jnp.zeros(0, jnp.int32),
+                            spec)
+    vis = np.asarray(jaxflash.reference.visible_mask(
+        T, S, query_seq_lengths=q_len, window_left=None if spec.window_left < 0 else spec.window_left,
+        window_right=None if spec.window_right < 0 else spec.window_right,
+        bottom_right=spec.bottom_right, batch=B, segment_ids=(q_ids, kv_ids)))[:, 0]
+    for table, v in zip(tables, (vis, vis.transpose(0, 2, 1))):
+      table = np.asarray(table)
+      for b in range(B):
+        for i in range(v.shape[1]):
+          seen = np.nonzero(v[b, i])[0]
+          f = table[b, i]
+          assert f[seg_lib.ID] == (q_ids if v is vis else kv_ids)[b, i]
+          if len(seen):
+            assert (f[seg_lib.BEGIN], f[seg_lib.END]) == (seen[0], seen[-1] + 1)
+            assert f[seg_lib.GAP_FREE] == (len(seen) == seen[-1] + 1 - seen[0])
+          else:
+            assert f[seg_lib.BEGIN] >= f[seg_lib.END]
+          later = [np.nonzero(v[b, j])[0][0] for j in range(i, v.shape[1]) if v[b, j].any()]
+          earlier = [np.nonzero(v[b, j])[0][-1] + 1 for j in range(i + 1) if v[b, j].any()]
+          assert f[seg_lib.ENV_BEGIN] <= min(later, default=v.shape[2])
+          assert f[seg_lib.ENV_END] >= max(earlier, default=0)
+        ids = (q_ids if v is vis else kv_ids)[b]
+        for i in range(len(ids)):
+          end = f_end = table[b, i, seg_lib.RUN_END]
+          assert np.all(ids[i:end] == ids[i]) and (f_end == len(ids) or ids[f_end] != ids[i])
+
+
+# On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the
+# SIMT kernels (float32) and a decode step, forward and backward.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+def test_gpu_kernels(rng, dtype, kind, mask):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in [(2, 300, 300, 4, 2, 64), (1, 333, 333, 8, 1, 128), (1, 200, 260, 2, 2, 256),
+                (2, 190, 190, 4, 4, 96)]:
+    check_forward(rng, shape, mask, dtype, segments=KINDS[kind])
+    check_gradients(rng, shape, mask, dtype, segments=KINDS[kind])
+  check_forward(rng, (2, 4, 700, 8, 1, 128), mask, dtype, segments=KINDS[kind])   # decode
+
+
+@pytest.mark.gpu
+def test_gpu_sm80_kernels(rng):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  from jaxflash import _native
+  with _native.forced_tile(0, sm80=True):
+    for kind in KINDS.values():
+      check_forward(rng, (1, 300, 300, 4, 2, 64), "causal", jnp.bfloat16, segments=kind)
+      check_gradients(rng, (1, 300, 300, 4, 2, 128), "causal", jnp.bfloat16, segments=kind)
