@@ -60,9 +60,10 @@ def test_the_extension_registers_the_python_side_target_names():
     assert set(ext.cuda_targets()) == set(_native.TARGETS)
 
 
-def test_a_program_of_the_v1_targets_still_runs(rng):
-  """An artifact exported before the soft-cap attribute calls jaxflash_fwd_v1 / _bwd_v1
-  without it: those targets stay registered and compute what v2 computes with no cap."""
+def test_programs_of_older_targets_still_run(rng):
+  """An artifact exported before the soft-cap attribute calls jaxflash_fwd_v1, one
+  exported before the segment tables jaxflash_fwd_v2: both stay registered and compute
+  what the newest target computes with no cap and no segment ids."""
   if _native.unavailable_reason("cpu"):
     pytest.skip("the extension is not built")
   q, k, v = random_inputs(rng, 2, 24, 30, 4, 2, 16, jnp.float32)
@@ -71,7 +72,10 @@ def test_a_program_of_the_v1_targets_still_runs(rng):
                bottom_right=False, tile=np.int64(0), num_splits=np.int64(1))
   outs = jaxflash._core.NativeKernels.out_types(q, 1)
   v1 = jax.ffi.ffi_call("jaxflash_fwd_v1", outs)(q, k, v, none, none, none, **attrs)
-  v2 = jax.ffi.ffi_call(_native.FORWARD_TARGET, outs)(q, k, v, none, none, none, **attrs,
-                                                      softcap=np.float32(0))
-  for a, b in zip(v1[:2], v2[:2]):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  v2 = jax.ffi.ffi_call("jaxflash_fwd_v2", outs)(q, k, v, none, none, none, **attrs,
+                                                 softcap=np.float32(0))
+  v3 = jax.ffi.ffi_call(_native.FORWARD_TARGET, outs)(q, k, v, none, none, none, none, none,
+                                                      **attrs, softcap=np.float32(0))
+  for old in (v1, v2):
+    for a, b in zip(old[:2], v3[:2]):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -331,3 +331,12 @@ def test_example_losses_agree_bfloat16(example):
   err = np.max(np.abs(l_flash - truth))
   budget = 2 * np.max(np.abs(l_jax - truth)) + 2e-2
   assert err <= budget, (l_flash, l_jax, truth)
+
+
+def test_example_packed_documents_train_as_unpacked(example):
+  """--pack: documents packed with segment ids give the losses of one document a padded row."""
+  cfg, data = _tiny(example, "float32", steps=5)
+  runs = example.train_packed(cfg, data, documents=3)
+  packed, unpacked = runs["packed"][0], runs["unpacked"][0]
+  assert packed[-1] < packed[0]
+  np.testing.assert_allclose(packed, unpacked, rtol=1e-5, atol=1e-6)

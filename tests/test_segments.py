@@ -174,10 +174,14 @@ def test_tables_against_brute_force(rng):
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the
 # SIMT kernels (float32) and a decode step, forward and backward.
+GPU_CASES = ([(jnp.bfloat16, kind, mask) for kind in KINDS
+              for mask in ("causal", "lengths_causal_bottom_right", "window")] +
+             [(jnp.float16, "packed", "causal"), (jnp.float16, "scattered", "window"),
+              (jnp.float32, "packed", "causal"), (jnp.float32, "scattered", "lengths_causal_bottom_right")])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+@pytest.mark.parametrize("dtype, kind, mask", GPU_CASES)
 def test_gpu_kernels(rng, dtype, kind, mask):
   if not HAS_GPU:
     pytest.skip("needs a GPU")

@@ -269,6 +269,28 @@ def test_sequence_sharded_call_runs_the_ring(rng, partitioner, case):
 
 
 @child_only
+def test_segment_ids_shard_with_their_rows(rng, partitioner):
+  """Packed sequences: ids sharded with the batch run locally (no collective) and give
+  the unsharded result; sharded along the sequence they are gathered, still exact."""
+  shape = (4, 32, 32, 8, 2, 16)
+  ids = jnp.asarray(np.sort(rng.integers(0, 4, (4, 32)), axis=1), jnp.int32)
+  kw = dict(is_causal=True, query_segment_ids=ids)
+  inputs = _inputs(rng, shape, jnp.float32, kw)
+  f = jax.jit(lambda ids, *xs: _call(dict(kw, query_segment_ids=ids))(*xs))
+  unsharded = f(ids, *inputs)
+  for spec, id_spec in ((P("x", None, "y"), P("x")), (P("x", "y"), P("x", "y"))):
+    mesh = _mesh((4, 2), ("x", "y"))
+    rows = NamedSharding(mesh, spec)
+    stats = NamedSharding(mesh, P(*spec[:3]))   # dlse [B, T, N]
+    placed = [jax.device_put(x, s) for x, s in zip(inputs, (rows, rows, rows, rows, stats))]
+    placed_ids = jax.device_put(ids, NamedSharding(mesh, id_spec))
+    if len(spec) > 2:
+      assert _collectives(f.lower(placed_ids, *placed).compile()) == []
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), f(placed_ids, *placed), unsharded):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@child_only
 def test_data_times_sequence_parallel(rng):
   """Batch over one mesh axis, sequence over the other (the trainer's --mesh)."""
   mesh = _mesh((2, 4), ("data", "seq"))

@@ -136,7 +136,7 @@ if has newest-jax; then
       "cpu tests on jax $jax_version" 540 newest_jax.log -n 8 --dist worksteal -rfE \
       "$repo/tests/test_api.py" "$repo/tests/test_native.py" "$repo/tests/test_sharding.py" \
       "$repo/tests/test_pallas.py" "$repo/tests/test_export.py" "$repo/tests/test_choice.py" \
-      "$repo/tests/test_softcap.py"
+      "$repo/tests/test_softcap.py" "$repo/tests/test_segments.py"
 fi
 
 # The slow tier in two stages, each one call's worth; the contract fuzz is the

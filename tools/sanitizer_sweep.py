@@ -32,7 +32,10 @@ SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (
           (3, 300, 260, 32, 4, 64)]
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1]),
-         dict(key_value_seq_lengths=None)]  # ragged keys: padding inside the tensor
+         dict(key_value_seq_lengths=None),  # ragged keys: padding inside the tensor
+         # segment ids: packed documents (sorted), and ids at random (intervals with gaps)
+         dict(is_causal=True, segments="packed", key_value_seq_lengths=None),
+         dict(local_window_size=(9, 4), segments="scattered")]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
@@ -63,6 +66,12 @@ def training_sweep(rng, dims):
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
     if "key_value_seq_lengths" in mask:
       mask = dict(mask, key_value_seq_lengths=rng.integers(1, S + 1, B).astype(np.int32))
+    if "segments" in mask:
+      kind = mask.pop("segments")
+      ids = [np.sort(rng.integers(0, 4, (B, L)), axis=1) if kind == "packed" else rng.integers(0, 3, (B, L))
+             for L in (T, S)]
+      mask = dict(mask, query_segment_ids=ids[0].astype(np.int32),
+                  key_value_segment_ids=ids[1].astype(np.int32))
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)

@@ -76,8 +76,9 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
 }
 
 // Query row `row` of (batch, head) with the keys it sees, [begin, end), and
-// the K and V rows of its head (FwdParams or BwdParams).
-template <typename T>
+// the K and V rows of its head (FwdParams or BwdParams). kSegments: as
+// MaskPolicy::For's (false in a kernel that never takes segment ids).
+template <typename T, bool kSegments = true>
 struct ExactQueryRow {
   int begin, end, dim, row;
   int64_t q_off, kv_stride;
@@ -88,7 +89,7 @@ struct ExactQueryRow {
   __device__ __forceinline__ ExactQueryRow(const Params& p, int batch, int head, int row_) {
     const AttentionShape& sh = p.shape;
     row = row_;
-    pol = MaskPolicy::ForBatch(p, batch);
+    pol = MaskPolicy::ForBatch<kSegments>(p, batch);
     begin = pol.KeyBegin(row);
     end = pol.KeyEnd(row);
     dim = static_cast<int>(sh.head_dim);
@@ -150,10 +151,10 @@ __device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
 // as x.x, x.y. One column pair at a time, in a loop the compiler keeps rolled,
 // so the registers stay few: the callers hold a whole accumulator tile or have
 // just staged it.
-template <typename T, int kDT, typename Store>
+template <typename T, int kDT, bool kSegments = true, typename Store>
 __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, int head, int row, float lse, int t,
                                                 Store&& store) {
-  const ExactQueryRow<T> r(p, batch, head, row);
+  const ExactQueryRow<T, kSegments> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
 #pragma unroll 1
   for (int dt = 0; dt < kDT; ++dt) {

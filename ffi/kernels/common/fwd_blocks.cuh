@@ -57,7 +57,6 @@ template <int kN>
 __device__ __forceinline__ KeyTiles FullKeyTiles(const MaskPolicy& pol, int r0, int r_end, KeyTiles tiles) {
   KeyTiles full;
   const MaskPolicy::Keys keys = pol.FullKeys(r0, r_end);
-  if (keys.begin >= keys.end) return KeyTiles{tiles.begin, tiles.begin};
   full.begin = MinInt(tiles.end, MaxInt(tiles.begin, (keys.begin + kN - 1) / kN));
   full.end = MaxInt(full.begin, MinInt(tiles.end, keys.end / kN));
   return full;

@@ -498,7 +498,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     for (int half = 0; half < 2; ++half) {
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDT>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
+      tc::ExactOutputLane<T, kDT, Tile::kTakesSegments>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
         StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
       });
     }
