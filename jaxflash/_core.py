@@ -291,11 +291,9 @@ class NativeKernels:
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
   @staticmethod
-  def _segment_tables(segments, q_lengths, kv_lengths, spec, offsets):
-    """The kernels' segment tables (segments.py), or two empty arrays for no ids."""
-    if segments is None:
-      return reference.no_lengths(), reference.no_lengths()
-    return _segments.tables(*segments, q_lengths, kv_lengths, spec, offsets)
+  def _segment_tables(segments):
+    """The call's segment tables, or two empty arrays for no ids."""
+    return (reference.no_lengths(),) * 2 if segments is None else segments
 
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
@@ -306,8 +304,7 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
-                        *cls._segment_tables(segments, q_lengths, kv_lengths, spec, offsets),
-                        **cls._attrs(spec),
+                        *cls._segment_tables(segments), **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
     return o, lse
@@ -326,8 +323,7 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets),
-                         *cls._segment_tables(segments, q_lengths, kv_lengths, spec, offsets),
-                         **cls._attrs(spec),
+                         *cls._segment_tables(segments), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
@@ -374,7 +370,9 @@ class PallasKernels:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
 def fused(q, k, v, q_lengths, kv_lengths, segments, kernels, spec):
-  """`segments`: None, or the (q_ids, kv_ids) of a call with segment ids."""
+  """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a
+  call with segment ids: `segments.tables`, computed once for the forward and the
+  backward; everything below reads the ids from them (`segments.ids_of`)."""
   return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments)
 
 

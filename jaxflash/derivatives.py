@@ -40,7 +40,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching, mlir
 
-from jaxflash import reference
+from jaxflash import reference, segments as _segments
 
 _BLOCK = 128  # keys per scan step
 _HIGHEST = lax.Precision.HIGHEST
@@ -62,7 +62,8 @@ class _KeyBlocks:
     self.kv_lengths = reference.given_lengths(kv_lengths)
     self.spec = spec
     self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
-    self.segments = segments  # (q_ids, kv_ids) or None
+    # The segment tables' (q_ids, kv_ids), or None.
+    self.segments = None if segments is None else _segments.ids_of(segments)
 
   def grouped(self, x):
     """[B, T, N, H] -> [B, T, K, G, H] float32."""
@@ -158,7 +159,7 @@ def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets
   """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
 
   `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0;
-  `segments` the call's (q_ids, kv_ids), None without. Only o's dtype is read
+  `segments` the call's segment tables (segments.py), None without. Only o's dtype is read
   (see `finish_tangent`).
   """
   sums, t_lse, o_sum = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
@@ -222,23 +223,23 @@ tangent_p.multiple_results = True
 def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec,
                     segments=None):
   """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
-  q_ids, kv_ids = segments if segments is not None else (reference.no_lengths(),) * 2
-  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv,
-                              kernels=kernels, spec=spec))
+  q_table, kv_table = segments if segments is not None else (reference.no_lengths(),) * 2
+  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk,
+                              tv, kernels=kernels, spec=spec))
 
 
-def _segments_of(q_ids, kv_ids):
-  """The primitive's two id operands as the functions take them: None for none (empty)."""
-  return None if q_ids.size == 0 else (q_ids, kv_ids)
+def _segments_of(q_table, kv_table):
+  """The primitive's two table operands as the functions take them: None for none (empty)."""
+  return None if q_table.size == 0 else (q_table, kv_table)
 
 
-def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv, *, kernels,
+def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk, tv, *, kernels,
                   spec):
   # Kernels with a tangent pass of their own (Pallas, ring attention's
   # shards) use it; for the others the blockwise jnp one is exact.
   fn = kernels.tangent if hasattr(kernels, "tangent") else tangent
   return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-            segments=_segments_of(q_ids, kv_ids))
+            segments=_segments_of(q_table, kv_table))
 
 
 def _tangent_abstract(*args, kernels, spec):
@@ -249,12 +250,12 @@ def _tangent_abstract(*args, kernels, spec):
   return o.update(weak_type=False), lse.update(weak_type=False)
 
 
-def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_ids, kv_ids, tq, tk, tv, *,
+def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk, tv, *,
                        kernels, spec):
   """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
   grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                          _segments_of(q_ids, kv_ids), kernels, spec)
+                          _segments_of(q_table, kv_table), kernels, spec)
   return [None] * 9 + [g if ad.is_undefined_primal(t) else None
                        for g, t in zip(grads, (tq, tk, tv))]
 

@@ -44,7 +44,8 @@ def validate(query_segment_ids, key_value_segment_ids, batch: tuple[int, ...], q
     if key_value_segment_ids is not None:
       raise ValueError("key_value_segment_ids needs query_segment_ids")
     return None
-  if key_value_segment_ids is None:
+  self_attention = key_value_segment_ids is None or key_value_segment_ids is query_segment_ids
+  if self_attention:
     if q_len != kv_len:
       raise ValueError("key_value_segment_ids must be given when the query and key lengths "
                        f"differ ({q_len} and {kv_len})")
@@ -62,6 +63,8 @@ def validate(query_segment_ids, key_value_segment_ids, batch: tuple[int, ...], q
       raise ValueError(f"{name} must have shape [*batch, {'q_len' if length == q_len else 'kv_len'}]"
                        f" = {batch + (length,)}, got {x.shape}")
     ids.append(x.reshape(-1, length).astype(jnp.int32))
+    if self_attention:   # one array both sides: `tables` sorts it once
+      return ids[0], ids[0]
   return tuple(ids)
 
 
@@ -93,27 +96,33 @@ def _window_spans(B, T, S, q_lengths, kv_lengths, spec, offsets):
 
 
 def _lower_bound(sorted_ids, sorted_pos, ids, pos):
-  """Per position: how many (id, position) pairs of a row sort before (ids, pos)."""
-  n = sorted_ids.shape[1]
+  """Per position: how many (id, position) pairs of a row sort before (ids, pos).
 
-  def step(_, bounds):
-    lo, hi = bounds
+  A binary search unrolled in Python (log2 n + 1 steps): XLA fuses the steps into
+  one kernel, where a loop would launch a few small kernels per step."""
+  n = sorted_ids.shape[1]
+  lo = jnp.zeros(ids.shape, jnp.int32)
+  hi = jnp.full(ids.shape, n, jnp.int32)
+  for _ in range(n.bit_length() + 1):
     mid = (lo + hi) // 2
     at = jnp.minimum(mid, n - 1)
     mid_id = jnp.take_along_axis(sorted_ids, at, axis=1)
     mid_pos = jnp.take_along_axis(sorted_pos, at, axis=1)
     before = (mid_id < ids) | ((mid_id == ids) & (mid_pos < pos))
     live = lo < hi
-    return jnp.where(live & before, mid + 1, lo), jnp.where(live & ~before, mid, hi)
-
-  lo = jnp.zeros(ids.shape, jnp.int32)
-  lo, _ = lax.fori_loop(0, n.bit_length() + 1, step, (lo, jnp.full(ids.shape, n, jnp.int32)))
+    lo, hi = jnp.where(live & before, mid + 1, lo), jnp.where(live & ~before, mid, hi)
   return lo
 
 
-def _side(ids, other_ids, begin, end):
+def _sorted(ids):
+  """(ids, positions) of each row sorted by id, then position."""
+  positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+  return lax.sort((ids, positions), dimension=1, num_keys=2)
+
+
+def _side(ids, other_ids, other_sorted, begin, end):
   """The table of one side: [B, L, FIELDS] for positions with `ids` that see the
-  positions of `other_ids` in [begin, end) whose id equals theirs."""
+  positions of `other_ids` (sorted: `other_sorted`) in [begin, end) whose id equals theirs."""
   B, L = ids.shape
   n = other_ids.shape[1]
   if n == 0:
@@ -121,18 +130,19 @@ def _side(ids, other_ids, begin, end):
     first = last = empty
     count = empty
   else:
-    positions = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, n))
-    sorted_ids, sorted_pos = lax.sort((other_ids, positions), dimension=1, num_keys=2)
+    sorted_ids, sorted_pos = other_sorted
     lo = _lower_bound(sorted_ids, sorted_pos, ids, begin)
     hi = _lower_bound(sorted_ids, sorted_pos, ids, jnp.maximum(begin, end))
     count = hi - lo
     first = jnp.take_along_axis(sorted_pos, jnp.minimum(lo, n - 1), axis=1)
     last = jnp.take_along_axis(sorted_pos, jnp.clip(hi - 1, 0, n - 1), axis=1)
   seen = count > 0
-  span_begin = jnp.where(seen, first, 0)
+  # A position that sees nothing gets [n, 0): as the first or the last row of a
+  # block it empties the keys the block sees whole (mask.h, FullKeys).
+  span_begin = jnp.where(seen, first, n)
   span_end = jnp.where(seen, last + 1, 0)
   gap_free = (~seen | (count == span_end - span_begin)).astype(jnp.int32)
-  env_begin = lax.cummin(jnp.where(seen, span_begin, n), axis=1, reverse=True)
+  env_begin = lax.cummin(span_begin, axis=1, reverse=True)
   env_end = lax.cummax(span_end, axis=1)
   index = jnp.arange(L, dtype=jnp.int32)
   starts = jnp.concatenate([jnp.ones((B, min(L, 1)), bool), ids[:, 1:] != ids[:, :-1]], axis=1)
@@ -146,11 +156,20 @@ def _side(ids, other_ids, begin, end):
 def tables(q_ids, kv_ids, q_lengths, kv_lengths, spec, offsets=None):
   """(query table [B, T, FIELDS], key table [B, S, FIELDS]) int32 for the native kernels.
 
-  `q_lengths` / `kv_lengths` as the kernels take them (empty: none), `offsets` the
-  per-batch diagonal offsets (None: 0), `spec` the call's MaskSpec (window, alignment).
+  `q_lengths` / `kv_lengths` as the kernels take them (None or empty: none), `offsets`
+  the per-batch diagonal offsets (None: 0), `spec` the call's MaskSpec (window,
+  alignment). Self-attention's ids (the same array both sides) are sorted once.
   """
   B, T = q_ids.shape
   S = kv_ids.shape[1]
   (key_begin, key_end), (row_begin, row_end) = _window_spans(B, T, S, q_lengths, kv_lengths, spec,
                                                              offsets)
-  return _side(q_ids, kv_ids, key_begin, key_end), _side(kv_ids, q_ids, row_begin, row_end)
+  kv_sorted = _sorted(kv_ids) if S else None
+  q_sorted = kv_sorted if q_ids is kv_ids else (_sorted(q_ids) if T else None)
+  return (_side(q_ids, kv_ids, kv_sorted, key_begin, key_end),
+          _side(kv_ids, q_ids, q_sorted, row_begin, row_end))
+
+
+def ids_of(tables):
+  """(q_ids, kv_ids) of a call's segment tables (their first field)."""
+  return tables[0][..., ID], tables[1][..., ID]

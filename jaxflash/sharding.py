@@ -17,7 +17,7 @@ runs the same kernels on the local block:
   replicated input needs that sum).
 * head_dim: never split; a sharded head_dim is gathered first (the sharding
   rule marks it need-replication).
-* segment ids shard with their rows and keys (batch); a call with segment ids
+* segment tables ([B, T, 8], [B, S, 8]) shard with their rows and keys (batch); a call with them
   keeps the sequence axes whole (gathered), as ring attention does not take
   them yet.
 * sequence: queries sharded along the sequence with the keys replicated run
@@ -101,11 +101,11 @@ class _Plan:
   def lengths(self):
     return self._named(self.batch)
 
-  def q_ids(self):      # [B, T] segment ids
-    return self._named(self.batch, self.q_seq)
+  def q_table(self):    # [B, T, 8] segment table (segments.py)
+    return self._named(self.batch, self.q_seq, ())
 
-  def kv_ids(self):     # [B, S]
-    return self._named(self.batch, self.kv_seq)
+  def kv_table(self):   # [B, S, 8]
+    return self._named(self.batch, self.kv_seq, ())
 
   @property
   def sliced_kv_heads(self) -> bool:
@@ -225,14 +225,14 @@ def _shardy_rule(backward: bool, segments: bool):
     else:
       operands, results = [rows, keys, keys, "b", "b"], [rows, stats]
     if segments:
-      operands += ["b t", "b s"]
+      operands += ["b t f", "b s f"]
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("d",)))
   return rule
 
 
 def _id_shardings(plan: _Plan, segments: bool):
-  return (plan.q_ids(), plan.kv_ids()) if segments else ()
+  return (plan.q_table(), plan.kv_table()) if segments else ()
 
 
 def _forward_shardings(plan: _Plan, segments: bool):
@@ -277,14 +277,14 @@ def _backward_call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, sp
   return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
 
 
-def _forward_call_ids(q, k, v, q_lengths, kv_lengths, q_ids, kv_ids, kernels, spec):
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=(q_ids, kv_ids))
+def _forward_call_ids(q, k, v, q_lengths, kv_lengths, q_table, kv_table, kernels, spec):
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=(q_table, kv_table))
 
 
-def _backward_call_ids(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, q_ids, kv_ids, kernels,
+def _backward_call_ids(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, q_table, kv_table, kernels,
                        spec):
   return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                          segments=(q_ids, kv_ids))
+                          segments=(q_table, kv_table))
 
 
 def _partitioned_call(fn, static_argnums, backward: bool, segments: bool = False):

@@ -11,6 +11,9 @@ every mask, GQA 1/4/8, ragged lengths and both alignments.
 
 from __future__ import annotations
 
+import functools
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,9 +31,11 @@ def packed(rng, B, T, S, documents=4):
   self-attention call (T == S) share them, a cross-attention call splits both
   sides into the same number of documents."""
   def cut(n):
-    edges = np.sort(rng.choice(np.arange(1, max(n, 2)), size=min(documents, max(n - 1, 1)) - 1,
-                               replace=False)) if n > 1 else np.zeros(0, int)
-    return np.stack([np.searchsorted(edges, np.arange(n), side="right") for _ in range(B)])
+    def row():
+      edges = np.sort(rng.choice(np.arange(1, max(n, 2)), size=min(documents, max(n - 1, 1)) - 1,
+                                 replace=False)) if n > 1 else np.zeros(0, int)
+      return np.searchsorted(edges, np.arange(n), side="right")
+    return np.stack([row() for _ in range(B)])
   q_ids = cut(T).astype(np.int32)
   return q_ids, (q_ids if S == T else cut(S).astype(np.int32))
 
@@ -134,18 +139,25 @@ def test_rows_without_a_key_of_their_segment(rng):
     assert np.all(np.asarray(lse)[0, empty] == np.finfo(np.float32).min)
 
 
+# Windows (left, right; -1 unbounded) of the table checks: none, causal, both sides, left only.
+WINDOWS = [(-1, -1), (-1, 0), (5, 2), (3, -1)]
+
+
+@functools.cache
+def _tables(spec):
+  return jax.jit(lambda q_ids, kv_ids, q_len: seg_lib.tables(q_ids, kv_ids, q_len, None, spec))
+
+
 def test_tables_against_brute_force(rng):
   """segments.tables: each position's exact interval, gap flag, non-decreasing
   envelopes and run ends, against the dense mask, over random calls."""
-  for _ in range(40):
-    B, T, S = 2, int(rng.integers(1, 30)), int(rng.integers(1, 30))
-    kind = KINDS[list(KINDS)[int(rng.integers(0, 3))]]
-    q_ids, kv_ids = kind(rng, B, T, S) if T == S or kind is not packed else packed(rng, B, T, S)
-    spec = MaskSpec(scale=1.0, window_left=int(rng.integers(-1, 6)),
-                    window_right=int(rng.integers(-1, 6)), bottom_right=bool(rng.integers(0, 2)))
+  for (T, S), (left, right), kind in itertools.product(((1, 1), (21, 21), (13, 29)), WINDOWS,
+                                                      KINDS.values()):
+    B = 2
+    q_ids, kv_ids = kind(rng, B, T, S)
+    spec = MaskSpec(scale=1.0, window_left=left, window_right=right, bottom_right=left == 3)
     q_len = jnp.asarray(rng.integers(0, T + 1, B), jnp.int32)
-    tables = seg_lib.tables(jnp.asarray(q_ids), jnp.asarray(kv_ids), q_len, jnp.zeros(0, jnp.int32),
-                            spec)
+    tables = _tables(spec)(jnp.asarray(q_ids), jnp.asarray(kv_ids), q_len)
     vis = np.asarray(jaxflash.reference.visible_mask(
         T, S, query_seq_lengths=q_len, window_left=None if spec.window_left < 0 else spec.window_left,
         window_right=None if spec.window_right < 0 else spec.window_right,
@@ -170,6 +182,30 @@ def test_tables_against_brute_force(rng):
         for i in range(len(ids)):
           end = f_end = table[b, i, seg_lib.RUN_END]
           assert np.all(ids[i:end] == ids[i]) and (f_end == len(ids) or ids[f_end] != ids[i])
+
+
+def test_full_tiles_hide_nothing(rng):
+  """MaskPolicy::FullKeys with segment tables (mask.h), mirrored here: over random
+  ids, windows and lengths, a block of rows it calls full on some keys sees all of
+  them. (A row that sees nothing once bounded the block with an empty interval
+  of [0, 0): 630 false blocks in 400 random calls; now its [S, 0) empties it.)"""
+  for (T, S), (left, right), kind in itertools.product(((24, 24), (19, 27)), WINDOWS, KINDS.values()):
+    q_ids, kv_ids = kind(rng, 1, T, S)
+    spec = MaskSpec(scale=1.0, window_left=left, window_right=right)
+    q_len = jnp.asarray(rng.integers(0, T + 1, 1), jnp.int32)
+    table = np.asarray(_tables(spec)(jnp.asarray(q_ids), jnp.asarray(kv_ids), q_len)[0])[0]
+    vis = np.asarray(jaxflash.reference.visible_mask(
+        T, S, query_seq_lengths=q_len, window_left=None if spec.window_left < 0 else spec.window_left,
+        window_right=None if spec.window_right < 0 else spec.window_right,
+        segment_ids=(q_ids, kv_ids)))[0, 0]
+    for r0 in range(T):
+      for r1 in range(r0 + 1, int(q_len[0]) + 1):
+        last = r1 - 1
+        if (table[r0, seg_lib.RUN_END] < r1 or not table[r0, seg_lib.GAP_FREE] or
+            not table[last, seg_lib.GAP_FREE]):
+          continue
+        begin, end = table[last, seg_lib.BEGIN], table[r0, seg_lib.END]
+        assert begin >= end or vis[r0:r1, begin:end].all(), (q_ids, kv_ids, spec, r0, r1)
 
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the

@@ -44,24 +44,27 @@ def main():
   ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all)")
   ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
+  ap.add_argument("--segments-only", action="store_true",
+                  help="the training sweep's calls with segment ids only")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   if not args.decode_only:
     dims = {int(d) for d in args.head_dims.split(",") if d}
-    print(f"sanitizer sweep: {training_sweep(rng, dims)} configurations, forward and backward")
+    masks = [m for m in MASKS if "segments" in m] if args.segments_only else MASKS
+    print(f"sanitizer sweep: {training_sweep(rng, dims, masks)} configurations, forward and backward")
     if args.training_only:
       return
     print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
   print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
 
 
-def training_sweep(rng, dims):
+def training_sweep(rng, dims, masks=MASKS):
   """Forward and backward (default and deterministic) of every shape whose head
-  dim is in `dims` (all when empty), mask and dtype; returns the count."""
+  dim is in `dims` (all when empty), mask of `masks` and dtype; returns the count."""
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   n = 0
   shapes = [s for s in SHAPES if not dims or s[-1] in dims]
-  for (B, T, S, N, K, D), mask, dtype in itertools.product(shapes, MASKS, DTYPES):
+  for (B, T, S, N, K, D), mask, dtype in itertools.product(shapes, masks, DTYPES):
     if "query_seq_lengths" in mask:
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
     if "key_value_seq_lengths" in mask:
@@ -82,7 +85,7 @@ def training_sweep(rng, dims):
         q, k, v, implementation="native", deterministic=True, **mask).astype(jnp.float32))
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
-    if n % (len(MASKS) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
+    if n % (len(masks) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
       print(f"sanitizer sweep: shape {(B, T, S, N, K, D)} done", flush=True)
   return n
 

@@ -86,7 +86,7 @@ struct MaskParams {
 // jaxflash/segments.py computes them:
 //   kSegId       the segment id
 //   kSegBegin,   the first and one past the last position of the other side it
-//   kSegEnd      sees (window, lengths and ids applied); begin >= end: none
+//   kSegEnd      sees (window, lengths and ids applied); none: [other side's length, 0)
 //   kSegGapFree  1 when every position in [begin, end) is seen (ids equal
 //                throughout), so the interval alone is exact; 0: compare ids
 //   kSegEnvBegin min of kSegBegin over this and every later position, and

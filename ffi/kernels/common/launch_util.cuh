@@ -1,6 +1,8 @@
 // Host-side helpers shared by the kernel launchers.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -74,6 +76,13 @@ bool TileTakes(const Params& p) {
   return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments);
 }
 
+// Tile::kWarpSpecialised where a tile family says it, else false.
+template <typename Tile, typename = void>
+struct WarpSpecialisedTile : std::false_type {};
+template <typename Tile>
+struct WarpSpecialisedTile<Tile, std::void_t<decltype(Tile::kWarpSpecialised)>>
+    : std::integral_constant<bool, Tile::kWarpSpecialised> {};
+
 // A list of tile shapes a launcher may run: the candidates its tile table
 // picks from and the tuner sweeps (python -m jaxflash.tune).
 template <typename... Tiles>
@@ -88,14 +97,24 @@ struct TileList {
     (void)((i++ == index ? (takes = TileTakes<Tiles>(p), true) : false) || ...);
     return takes;
   }
-  // `pick` if that candidate takes call p, else the first that does (-1: none).
+  // `pick` if that candidate takes call p, else the first warp-specialised one
+  // that does, else the first that does (-1: none).
   template <typename Params>
   static int PickTaking(int pick, const Params& p) {
     if (Takes(pick, p)) return pick;
+    int first = -1, first_ws = -1;
     for (int i = 0; i < kSize; ++i) {
-      if (Takes(i, p)) return i;
+      if (!Takes(i, p)) continue;
+      if (first < 0) first = i;
+      if (first_ws < 0 && WarpSpecialised(i)) first_ws = i;
     }
-    return -1;
+    return first_ws >= 0 ? first_ws : first;
+  }
+  static bool WarpSpecialised(int index) {
+    bool ws = false;
+    int i = 0;
+    (void)((i++ == index ? (ws = WarpSpecialisedTile<Tiles>::value, true) : false) || ...);
+    return ws;
   }
 
   // Calls launch(Tile{}) for the candidate `tile` names (FwdParams::tile with

@@ -130,9 +130,11 @@ struct MaskPolicy {
   // Keys every row of [r0, r_end) sees (r0 < r_end), as [begin, end); empty
   // when begin >= end. Without ids: from where the last row's keys start to
   // where the first row's end. With ids the rows must be one run of one id
-  // whose first and last rows see gap-free keys: those rows' keys are then
-  // runs of the same id in windows that only move right, and every row
-  // between sees at least their overlap.
+  // whose first and last rows see keys, without gaps: those rows' keys are
+  // then runs of the same id in windows that only move right, and every row
+  // between sees at least their overlap. (A row that sees nothing has the
+  // table's empty interval [kv_len, 0), which makes the block's empty as
+  // first row or as last; [0, 0) once made a block full that was not.)
   struct Keys {
     int begin, end;
   };

@@ -35,7 +35,7 @@ struct FwdCandidates<64> {
 template <>
 struct FwdCandidates<128> {
   using type = TileList<WsFwdTile<128, 128, 2, 2, false>, FwdTile<128, 2, 128>,
-                        WsFwdTile<128, 128, 2, 2, false, true>>;
+                        WsFwdTile<128, 128, 2, 2, false, true>, WsFwdTile<128, 64, 4, 2, false, true>>;
   static constexpr int kSmallGrid = -1;
 };
 template <>

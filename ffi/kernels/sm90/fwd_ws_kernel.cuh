@@ -81,10 +81,11 @@ struct WsFwdTile {
   // the cap's code spilled the consumers' registers (68-148 and 28 bytes), so
   // capped calls there run the cp.async kernel (fwd_launch.cuh).
   static constexpr bool kTakesSoftCap = kD == 128;
-  // Whether it takes segment ids (mask.h's tables): at D 128, and at D 64 with
-  // three consumers of 128-key tiles, their code spilled the consumers'
-  // registers (24-56 bytes), so such calls run another candidate.
-  static constexpr bool kTakesSegments = kD != 128 && !(kConsumers == 3 && kN == 128);
+  // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
+  // and at D 64 with three consumers of them, their code spilled the
+  // consumers' registers (24-56 bytes), so such calls run another candidate
+  // (at D 128 the one of 64-key tiles, whose scores take half the registers).
+  static constexpr bool kTakesSegments = !(kN == 128 && (kD == 128 || kConsumers == 3));
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
