@@ -110,10 +110,9 @@ def main():
         print(f"  {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0][:100]})")
     rates = {n: work / t / 1e12 for n, t in times.items()}
     if "unpacked" in peers:
-      rows = B * S // mean
-      shaped = lambda x: x.reshape((rows, mean) + x.shape[2:])
-      unpacked = (shaped(q[:, :S // mean * mean]) if S % mean else shaped(q),) * 3 + (
-          shaped(do) if S % mean == 0 else shaped(do[:, :S // mean * mean]),)
+      rows = B * (S // mean)
+      shaped = lambda x: x[:, :S // mean * mean].reshape((rows, mean) + x.shape[2:])
+      unpacked = tuple(shaped(x) for x in inputs)
       t = timed(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal), unpacked,
                 backward, args.reps, args.repeats)
       rates["unpacked"] = _measure.attention_flops(rows, H, mean, mean, D, causal, backward) / t / 1e12

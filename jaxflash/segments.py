@@ -20,7 +20,6 @@ O((T + S) log S) integer work, next to the O(T S H) of the attention.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
