@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _core, checks, reference, segments as _segments, sharding
+from jaxflash import _core, checks, reference, sharding
 from jaxflash._core import Implementation
 
 
@@ -149,8 +149,8 @@ def dot_product_attention(
     kv_lengths = call.kv_lengths if call.kv_lengths is not None else _no_lengths(B, call.k.shape[1])
     # The partition rules (sharding.py) keep a sharded call on its shards under jit.
     kernels = sharding.partitioned(_core.KERNELS[chosen])
-    tables = None if call.segments is None else _segments.tables(
-        *call.segments, call.q_lengths, call.kv_lengths, call.spec)
+    tables = None if call.segments is None else sharding.segment_tables(
+        call.segments, call.q_lengths, call.kv_lengths, call.spec)
     out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, tables, kernels,
                            call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxflash import _core, derivatives, reference
+from jaxflash import _core, derivatives, reference, segments as _segments
 
 Layout = Literal["contiguous", "zigzag"]
 LAYOUTS = ("contiguous", "zigzag")
@@ -293,16 +293,26 @@ class Ring:
     return blocks
 
   @staticmethod
-  def _no_segments(segments):
-    if segments is not None:  # the partition rules keep such calls off the ring
-      raise NotImplementedError("ring attention does not take segment ids yet")
+  def _ids(segments):
+    """The local (q_ids, kv_ids) of the call's segment tables (their first field), or
+    (None, None). A block's own tables come from these (`_block_tables`)."""
+    return (None, None) if segments is None else _segments.ids_of(segments)
+
+  @staticmethod
+  def _block_tables(q_ids, kv_ids_c, a, m, lq, lk, block_spec, off):
+    """The segment tables of the block of query piece a (of m) and the key piece whose
+    ids are `kv_ids_c` ([] without ids: None), with the block's lengths and diagonal
+    offset, as the kernels take them for the block alone."""
+    if not kv_ids_c:
+      return None
+    return _segments.tables(_piece(q_ids, a, m, 1), kv_ids_c[0], lq, lk, block_spec, off)
 
   def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None):
-    self._no_segments(segments)
-    """(o, lse) of the local query shard."""
+    """(o, lse) of the local query shard; segment ids' key side travels with K/V."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
     m, ks = self.q_seq.pieces, self.kv_seq
+    q_ids, kv_ids = self._ids(segments)
 
     def step(r, carry, first, last):
       del first
@@ -311,25 +321,27 @@ class Ring:
       acc = list(acc)
       for a, c, lq, lk, off, visible in blocks(r):
         def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
-          k_c, v_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          k_c, v_c, *ids_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           return _merge(acc, *self.kernels.forward(_piece(q, a, m, 1), k_c, v_c, lq, lk,
-                                                   block_spec, off))
+                                                   block_spec, off, segments=tables))
         acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
 
     q_a = _piece(q, 0, m, 1)    # only its shape and type are used
     acc = tuple((_like(q_a, 0, jnp.float32),
                  _like(q_a[..., 0], _EMPTY, jnp.float32).transpose(0, 2, 1)) for _ in range(m))
-    _, acc = _steps(ks.shards, step, ((k, v), acc))
+    kv = (k, v) if kv_ids is None else (k, v, kv_ids)
+    _, acc = _steps(ks.shards, step, (kv, acc))
     o = jnp.concatenate([a[0] for a in acc], axis=1).astype(_dtype(q))
     return o, jnp.concatenate([a[1] for a in acc], axis=2)
 
   def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None):
-    self._no_segments(segments)
     """(dq, dk, dv) of the local shards, from the global o and lse."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
     m, ks = self.q_seq.pieces, self.kv_seq
+    q_ids, kv_ids = self._ids(segments)
 
     def step(r, carry, first, last):
       kv, pending, dq = carry
@@ -342,9 +354,10 @@ class Ring:
         def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
           q_a, o_a, do_a = (_piece(x, a, m, 1) for x in (q, o, do))
           lse_a, dlse_a = (_piece(x, a, m, 2) for x in (lse, dlse))
-          k_c, v_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          k_c, v_c, *ids_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           grads = self.kernels.backward(q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk,
-                                        block_spec, off)
+                                        block_spec, off, segments=tables)
           return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, grads))
         dq[a], *dkv[c] = _accumulate(visible, update, (dq[a],) + tuple(dkv[c]))
         dkv[c] = tuple(dkv[c])
@@ -354,7 +367,8 @@ class Ring:
     pending = tuple(tuple(_like(_piece(x, 0, ks.pieces, 1), 0, jnp.float32) for x in (k, v))
                     for _ in range(ks.pieces))
     dq = tuple(_like(q_a, 0, jnp.float32) for _ in range(m))
-    _, pending, dq = _steps(ks.shards, step, ((k, v), pending, dq))
+    kv = (k, v) if kv_ids is None else (k, v, kv_ids)
+    _, pending, dq = _steps(ks.shards, step, (kv, pending, dq))
     # The finished sums return to their owner in the input dtype (they are
     # rounded to it there anyway): half the bytes of the last hop.
     pending = jax.tree.map(lambda x: x.astype(_dtype(k)), pending)
@@ -365,17 +379,17 @@ class Ring:
 
 
   def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None):
-    self._no_segments(segments)
     """(tO, tLSE) of the local query shard (forward mode), from the global lse.
 
     Given the row's global LSE both sums of the tangent run over keys
     (derivatives.tangent_sums), so every block adds its share, computed
     blockwise in jnp with the block's diagonal offset; K/V and their tangents
-    travel around the ring as in the forward.
+    travel around the ring as in the forward (with the keys' segment ids).
     """
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
     m, ks = self.q_seq.pieces, self.kv_seq
+    q_ids, kv_ids = self._ids(segments)
 
     def step(r, carry, first, last):
       del first
@@ -385,9 +399,11 @@ class Ring:
       for a, c, lq, lk, off, visible in blocks(r):
         def update(acc, a=a, c=c, kv=kv, lq=lq, lk=lk, off=off):
           q_a, tq_a = (_piece(x, a, m, 1) for x in (q, tq))
-          k_c, v_c, tk_c, tv_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          k_c, v_c, tk_c, tv_c, *ids_c = (_piece(x, c, ks.pieces, 1) for x in kv)
+          tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           sums = derivatives.tangent_sums(q_a, k_c, v_c, _piece(lse, a, m, 2), lq, lk, tq_a,
-                                          tk_c, tv_c, spec=block_spec, offsets=off)
+                                          tk_c, tv_c, spec=block_spec, offsets=off,
+                                          segments=tables)
           return tuple(x + y for x, y in zip(acc, sums))
         acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
@@ -395,7 +411,8 @@ class Ring:
     q_a, lse_a = _piece(q, 0, m, 1), _piece(lse, 0, m, 2)   # shapes and types only
     acc = tuple((_like(q_a, 0, jnp.float32), _like(lse_a, 0, jnp.float32),
                  _like(q_a, 0, jnp.float32)) for _ in range(m))
-    _, acc = _steps(ks.shards, step, ((k, v, tk, tv), acc))
+    kv = (k, v, tk, tv) if kv_ids is None else (k, v, tk, tv, kv_ids)
+    _, acc = _steps(ks.shards, step, (kv, acc))
     sums, t_lse, o_sum = (jnp.concatenate([a[i] for a in acc], axis=2 if i == 1 else 1)
                           for i in range(3))
     return derivatives.finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
@@ -413,7 +430,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
                    causal_alignment: str = "top_left", layout: Layout = "contiguous",
                    implementation: str | None = None, return_residual: bool = False,
                    residual_dtype=None, differentiable_residual: bool = False,
-                   logits_soft_cap: float | None = None):
+                   logits_soft_cap: float | None = None, query_segment_ids=None,
+                   key_value_segment_ids=None):
   """Exact attention over a sequence sharded along the mesh axis `axis_name`.
 
   Call it inside `jax.shard_map` with the local shards: ``query`` is this
@@ -434,7 +452,9 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   a Pallas call inside `shard_map` needs ``check_vma=False``), else pallas.
   Differentiable in reverse mode; the residual (``return_residual=True``)
   carries a gradient only with ``differentiable_residual=True``, as in
-  `dot_product_attention`.
+  `dot_product_attention`. Segment ids (packed sequences) are this shard's
+  ``[batch, q_len / n]`` / ``[batch, kv_len / n]`` ids in the same layout; the
+  key ids travel with their keys.
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -443,7 +463,8 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
                      f"'native' or 'pallas', got {implementation!r}")
   call = _core.validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
                         key_value_seq_lengths, local_window_size, causal_alignment, False,
-                        logits_soft_cap=logits_soft_cap)
+                        logits_soft_cap=logits_soft_cap, query_segment_ids=query_segment_ids,
+                        key_value_segment_ids=key_value_segment_ids)
   shards = lax.axis_size(axis_name)
   B, T = call.q.shape[:2]
   S = call.k.shape[1]
@@ -464,5 +485,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     q_lengths = call.q_lengths if call.q_lengths is not None else _core.full_lengths(B, T * shards)
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else _core.full_lengths(B, S * shards))
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, None, ring, call.spec)
+    ids = None if call.segments is None else _segments.id_tables(*call.segments)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ids, ring, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -172,3 +172,9 @@ def tables(q_ids, kv_ids, q_lengths, kv_lengths, spec, offsets=None):
 def ids_of(tables):
   """(q_ids, kv_ids) of a call's segment tables (their first field)."""
   return tables[0][..., ID], tables[1][..., ID]
+
+
+def id_tables(q_ids, kv_ids):
+  """The ids in the tables' form, for code that reads nothing but them: ring attention,
+  which builds each block's tables from its own ids, lengths and offset."""
+  return q_ids[..., None], kv_ids[..., None]

@@ -17,9 +17,8 @@ runs the same kernels on the local block:
   replicated input needs that sum).
 * head_dim: never split; a sharded head_dim is gathered first (the sharding
   rule marks it need-replication).
-* segment tables ([B, T, 8], [B, S, 8]) shard with their rows and keys (batch); a call with them
-  keeps the sequence axes whole (gathered), as ring attention does not take
-  them yet.
+* segment tables ([B, T, 8], [B, S, 8]) shard with their rows and keys; under
+  sequence sharding the ring reads their ids and builds each block's own.
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
@@ -43,7 +42,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflash import derivatives, ring as ring_lib
+from jaxflash import derivatives, reference, ring as ring_lib, segments as _segments
 
 
 # ------------------------------------------------------------------ the plan
@@ -112,8 +111,8 @@ class _Plan:
     return bool(self.heads) and not self.kv_heads
 
 
-def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding, segments: bool = False) -> _Plan:
-  """The partition this rule runs for operands sharded like q and k (and segment ids)."""
+def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
+  """The partition this rule runs for operands sharded like q and k."""
   if mesh is None or getattr(mesh, "empty", True):
     return _Plan(mesh)
   B, T, N, _ = q_shape
@@ -134,8 +133,6 @@ def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding, segments: bool =
   q_seq = kv_seq or (qd[1] if not set(qd[1]) & used else ())
   if T % size(q_seq) or S % size(kv_seq):
     kv_seq, q_seq = (), (qd[1] if T % size(qd[1]) == 0 and not set(qd[1]) & used else ())
-  if segments:
-    q_seq = kv_seq = ()
   n = size(kv_seq)
   causal = spec.window_right >= 0 and spec.window_left < 0
   zigzag = bool(kv_seq) and causal and T == S and (T // n) % 2 == 0 and n > 1
@@ -169,7 +166,8 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
     if plan.zigzag:
       # As pieces: the ring slices a concatenation only inside a block's branch.
       q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True, pieces=True) for x in (q, k, v))
-    o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec)
+      ids = tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+    o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=tuple(ids) or None)
     if plan.zigzag:
       o, lse = ring_lib.relayout(o, ring.q_seq, 1, False), ring_lib.relayout(lse, ring.q_seq, 2, False)
     return o, lse
@@ -190,7 +188,9 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
       if plan.zigzag:
         to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True, pieces=True)
         q, k, v, o, do, lse, dlse = to(q), to(k), to(v), to(o), to(do), to(lse, 2), to(dlse, 2)
-      dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
+        ids = tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+      dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
+                                 segments=tuple(ids) or None)
       if plan.zigzag:
         dq, dk, dv = (ring_lib.relayout(x, ring.q_seq, 1, False) for x in (dq, dk, dv))
     if plan.sliced_kv_heads:
@@ -246,9 +246,9 @@ def _backward_shardings(plan: _Plan, segments: bool):
            *_id_shardings(plan, segments)), (rows, keys, keys))
 
 
-def _plan_of(spec, mesh, arg_shapes, segments: bool) -> _Plan:
+def _plan_of(spec, mesh, arg_shapes) -> _Plan:
   q, k = arg_shapes[0], arg_shapes[1]
-  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding, segments)
+  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding)
 
 
 def _partition(backward: bool, segments: bool):
@@ -256,7 +256,7 @@ def _partition(backward: bool, segments: bool):
 
   def partition(kernels, spec, mesh, arg_shapes, result_shape):
     del result_shape
-    plan = _plan_of(spec, mesh, arg_shapes, segments)
+    plan = _plan_of(spec, mesh, arg_shapes)
     q, k = arg_shapes[0].shape, arg_shapes[1].shape
     local = _local_backward if backward else _local_forward
     fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2])
@@ -265,7 +265,7 @@ def _partition(backward: bool, segments: bool):
 
   def infer(kernels, spec, mesh, arg_shapes, result_shape):
     del kernels, result_shape
-    return shardings(_plan_of(spec, mesh, arg_shapes, segments), segments)[1]
+    return shardings(_plan_of(spec, mesh, arg_shapes), segments)[1]
   return partition, infer
 
 
@@ -360,6 +360,25 @@ def _outside_explicit_axes(fn, q, k, results):
   spec = tuple(qs.spec) + (None,) * (4 - len(qs.spec))
   layouts = dict(rows=qs, keys=ks, stats=NamedSharding(mesh, P(spec[0], spec[2], spec[1])))
   return jax.sharding.auto_axes(fn, out_sharding=tuple(layouts[r] for r in results))
+
+
+def segment_tables(ids, q_lengths, kv_lengths, spec):
+  """segments.tables of a call's (q_ids, kv_ids), sharded like the ids.
+
+  Under explicit mesh axes a sort or gather along a sharded sequence axis is refused
+  at trace time; the tables are then computed with those axes made automatic (the
+  partitioner gathers the ids, each [B, S] int32) and handed back sharded like them.
+  """
+  none = reference.no_lengths()
+  args = (*ids, none if q_lengths is None else q_lengths, none if kv_lengths is None else kv_lengths)
+  fn = lambda q_ids, kv_ids, ql, kvl: _segments.tables(q_ids, kv_ids, ql, kvl, spec)  # noqa: E731
+  typed = [_typed_sharding(x) for x in args]
+  if all(t is None for t in typed):
+    return fn(*args)
+  mesh = next(t for t in typed if t is not None).mesh
+  out = tuple(NamedSharding(mesh, P(*((tuple(t.spec) + (None, None))[:2] if t else ()), None))
+              for t in typed[:2])
+  return jax.sharding.auto_axes(fn, out_sharding=out)(*args)
 
 
 @functools.cache

@@ -271,7 +271,7 @@ def test_sequence_sharded_call_runs_the_ring(rng, partitioner, case):
 @child_only
 def test_segment_ids_shard_with_their_rows(rng, partitioner):
   """Packed sequences: ids sharded with the batch run locally (no collective) and give
-  the unsharded result; sharded along the sequence they are gathered, still exact."""
+  the unsharded result; sharded along the sequence they run the ring, still exact."""
   shape = (4, 32, 32, 8, 2, 16)
   ids = jnp.asarray(np.sort(rng.integers(0, 4, (4, 32)), axis=1), jnp.int32)
   kw = dict(is_causal=True, query_segment_ids=ids)
@@ -337,6 +337,52 @@ def test_ring_attention_in_shard_map(rng, case):
     return [back(x) for x in local(*(seq(x) for x in (q, k, v, do, dlse)))]
 
   _check_against_truth(run(*inputs), inputs, kw, blocks=2 * shards)
+
+
+@child_only
+@pytest.mark.parametrize("layout, kw", [("zigzag", dict(is_causal=True)),
+                                        ("contiguous", dict(local_window_size=(9, 4)))])
+def test_ring_attention_takes_segment_ids(rng, layout, kw):
+  """Packed documents over 4 shards: the key ids travel with their keys; outputs and
+  gradients equal the unsharded call's."""
+  shards, shape = 4, (2, 64, 64, 4, 2, 16)
+  mesh = _mesh((shards,), ("s",), auto=True)
+  ids = jnp.asarray(np.sort(rng.integers(0, 5, (2, 64)), axis=1), jnp.int32)
+  inputs = _inputs(rng, shape, jnp.float32, kw)
+  seq = lambda x, axis=1: jaxflash.zigzag_order(x, shards, axis) if layout == "zigzag" else x
+  back = lambda x, axis=1: jaxflash.zigzag_restore(x, shards, axis) if layout == "zigzag" else x
+
+  @jax.jit
+  def run(ids, q, k, v, do, dlse):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "s"), out_specs=P(None, "s"))
+    def local(ids, q, k, v, do, dlse):
+      f = lambda q, k, v: jaxflash.ring_attention(
+          q, k, v, axis_name="s", layout=layout, return_residual=True, residual_dtype=jnp.float32,
+          differentiable_residual=True, query_segment_ids=ids, **kw)
+      (o, lse), vjp = jax.vjp(f, q, k, v)
+      return (o, lse) + vjp((do, dlse))
+    return [back(x) for x in local(*(seq(x) for x in (ids, q, k, v, do, dlse)))]
+
+  unsharded = jax.jit(_call(dict(kw, query_segment_ids=ids)))(*inputs)
+  for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), run(ids, *inputs), unsharded):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+  # Forward mode: the ring's tangent pass builds the same block tables.
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in inputs[:3])
+
+  @jax.jit
+  def jvp(ids, q, k, v, tq, tk, tv):
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(None, "s"), out_specs=P(None, "s"))
+    def local(ids, q, k, v, tq, tk, tv):
+      f = lambda q, k, v: jaxflash.ring_attention(q, k, v, axis_name="s", layout=layout,
+                                                  query_segment_ids=ids, **kw)
+      return jax.jvp(f, (q, k, v), (tq, tk, tv))[1]
+    return back(local(*(seq(x) for x in (ids, q, k, v, tq, tk, tv))))
+
+  want = jax.jvp(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, query_segment_ids=ids, **kw),
+                 inputs[:3], tangents)[1]
+  np.testing.assert_allclose(np.asarray(jvp(ids, *inputs[:3], *tangents)), np.asarray(want),
+                             rtol=1e-4, atol=1e-4)
 
 
 def _same_nonfinite_and_close(actual, expected, name):
