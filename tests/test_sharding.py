@@ -269,7 +269,7 @@ def test_sequence_sharded_call_runs_the_ring(rng, partitioner, case):
 
 
 @child_only
-def test_segment_ids_shard_with_their_rows(rng, partitioner):
+def test_segment_ids_shard_with_their_rows(rng):
   """Packed sequences: ids sharded with the batch run locally (no collective) and give
   the unsharded result; sharded along the sequence they run the ring, still exact."""
   shape = (4, 32, 32, 8, 2, 16)
