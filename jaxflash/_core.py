@@ -290,11 +290,6 @@ class NativeKernels:
             jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
-  @staticmethod
-  def _segment_tables(segments):
-    """The call's segment tables, or two empty arrays for no ids."""
-    return (reference.no_lengths(),) * 2 if segments is None else segments
-
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
     splits = (1 if segments is not None else
@@ -304,7 +299,7 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
-                        *cls._segment_tables(segments), **cls._attrs(spec),
+                        *_segments.operands(segments), **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
     return o, lse
@@ -323,7 +318,7 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets),
-                         *cls._segment_tables(segments), **cls._attrs(spec),
+                         *_segments.operands(segments), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv

@@ -223,14 +223,8 @@ tangent_p.multiple_results = True
 def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec,
                     segments=None):
   """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
-  q_table, kv_table = segments if segments is not None else (reference.no_lengths(),) * 2
-  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk,
-                              tv, kernels=kernels, spec=spec))
-
-
-def _segments_of(q_table, kv_table):
-  """The primitive's two table operands as the functions take them: None for none (empty)."""
-  return None if q_table.size == 0 else (q_table, kv_table)
+  return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths,
+                              *_segments.operands(segments), tq, tk, tv, kernels=kernels, spec=spec))
 
 
 def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk, tv, *, kernels,
@@ -239,7 +233,7 @@ def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq,
   # shards) use it; for the others the blockwise jnp one is exact.
   fn = kernels.tangent if hasattr(kernels, "tangent") else tangent
   return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-            segments=_segments_of(q_table, kv_table))
+            segments=_segments.from_operands(q_table, kv_table))
 
 
 def _tangent_abstract(*args, kernels, spec):
@@ -255,7 +249,7 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
   """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
   grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                          _segments_of(q_table, kv_table), kernels, spec)
+                          _segments.from_operands(q_table, kv_table), kernels, spec)
   return [None] * 9 + [g if ad.is_undefined_primal(t) else None
                        for g, t in zip(grads, (tq, tk, tv))]
 
@@ -270,7 +264,7 @@ def _tangent_batch(args, dims, *, kernels, spec):
 
   folded = [fold(x, d) for x, d in zip(args, dims)]
   t_o, t_lse = output_tangents(*folded[:7], *folded[9:], kernels=kernels, spec=spec,
-                               segments=_segments_of(*folded[7:9]))
+                               segments=_segments.from_operands(*folded[7:9]))
   unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
   return (unfold(t_o), unfold(t_lse)), (0, 0)
 
@@ -281,7 +275,7 @@ def _tangent_jvp(primals, tangents, *, kernels, spec):
   tangents = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
                    else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
   primals = list(primals)
-  segments = _segments_of(*primals[7:9])
+  segments = _segments.from_operands(*primals[7:9])
   del primals[7:9], tangents[7:9]
   out, t_out = jax.jvp(functools.partial(tangent, spec=spec, segments=segments), tuple(primals),
                        tuple(tangents))

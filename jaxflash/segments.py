@@ -169,6 +169,17 @@ def tables(q_ids, kv_ids, q_lengths, kv_lengths, spec, offsets=None):
           _side(kv_ids, q_ids, q_sorted, row_begin, row_end))
 
 
+def operands(tables):
+  """The tables as the two operands the FFI targets and the tangent primitive take: empty
+  arrays for a call without ids."""
+  return (reference.no_lengths(),) * 2 if tables is None else tables
+
+
+def from_operands(q_table, kv_table):
+  """The inverse of `operands`: the tables, or None for the empty pair."""
+  return None if q_table.size == 0 else (q_table, kv_table)
+
+
 def ids_of(tables):
   """(q_ids, kv_ids) of a call's segment tables (their first field)."""
   return tables[0][..., ID], tables[1][..., ID]

@@ -49,11 +49,15 @@ def numpy_mask(kw: dict) -> dict:
     left, right = kw["local_window_size"]
   if kw.get("is_causal"):
     right = 0 if right < 0 else min(right, 0)
-  segments = None
-  if kw.get("query_segment_ids") is not None:
-    q_ids = np.asarray(kw["query_segment_ids"])
-    kv_ids = kw.get("key_value_segment_ids")
-    segments = (q_ids, q_ids if kv_ids is None else np.asarray(kv_ids))
   return dict(left=left, right=right, bottom_right=kw.get("causal_alignment") == "bottom_right",
               q_lengths=kw.get("query_seq_lengths"), kv_lengths=kw.get("key_value_seq_lengths"),
-              segments=segments)
+              segments=segment_ids(kw))
+
+
+def segment_ids(kw: dict):
+  """(q_ids, kv_ids) of a call's keywords (the key ids default to the query ids), or None."""
+  if kw.get("query_segment_ids") is None:
+    return None
+  q_ids = np.asarray(kw["query_segment_ids"], np.int32)
+  kv_ids = kw.get("key_value_segment_ids")
+  return q_ids, q_ids if kv_ids is None else np.asarray(kv_ids, np.int32)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxflash
-from cases import MASKS, SHAPES, mask_kwargs, numpy_mask
+from cases import MASKS, SHAPES, mask_kwargs, numpy_mask, segment_ids
 from conftest import assert_within_budget, numpy_reference, random_inputs
 
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -38,16 +38,7 @@ def baseline(q, k, v, compute_dtype=None, **kw):
       query_seq_lengths=kw.get("query_seq_lengths"),
       key_value_seq_lengths=kw.get("key_value_seq_lengths"),
       logits_soft_cap=kw.get("logits_soft_cap"), compute_dtype=compute_dtype or q.dtype,
-      segment_ids=_segment_ids(kw))
-
-
-def _segment_ids(kw):
-  """The (q_ids, kv_ids) of a call's keywords for reference.attention, or None."""
-  if kw.get("query_segment_ids") is None:
-    return None
-  q_ids = jnp.asarray(kw["query_segment_ids"], jnp.int32)
-  kv_ids = kw.get("key_value_segment_ids")
-  return q_ids, q_ids if kv_ids is None else jnp.asarray(kv_ids, jnp.int32)
+      segment_ids=segment_ids(kw))
 
 
 def with_segments(kw, segments):
