@@ -193,6 +193,7 @@ class Call:
   q_lengths: jax.Array | None
   kv_lengths: jax.Array | None
   segments: tuple[jax.Array, jax.Array] | None  # (q_ids [B, T], kv_ids [B, S]) int32
+  alibi: jax.Array | None                       # ALiBi slopes [B, N] float32 (`alibi_slopes`)
   is_causal: bool
   window: tuple[int, int] | None
   spec: MaskSpec
@@ -215,10 +216,25 @@ def resolve_softcap(logits_soft_cap) -> float:
   return value
 
 
+def resolve_alibi(alibi_slopes, batch: tuple[int, ...], heads: int) -> jax.Array | None:
+  """ALiBi slopes `[heads]` or `[*batch, heads]` as the kernels read them: float32
+  [prod(batch), heads], not differentiated (ALiBi's slopes are constants of a model)."""
+  if alibi_slopes is None:
+    return None
+  x = as_array(alibi_slopes, "alibi_slopes")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must be a floating-point array, got dtype {x.dtype}")
+  if x.shape not in ((heads,), batch + (heads,)):
+    raise ValueError(f"alibi_slopes must have shape [q_heads] = {(heads,)} or [*batch, q_heads] "
+                     f"= {batch + (heads,)}, got {x.shape}")
+  x = jnp.broadcast_to(jax.lax.stop_gradient(x).astype(jnp.float32), batch + (heads,))
+  return x.reshape(-1, heads)
+
+
 def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
              num_splits=None, logits_soft_cap=None, query_segment_ids=None,
-             key_value_segment_ids=None) -> Call:
+             key_value_segment_ids=None, alibi_slopes=None) -> Call:
   q = as_array(query, "query")
   k = as_array(key, "key")
   v = as_array(value, "value")
@@ -249,11 +265,13 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   segments = _segments.validate(query_segment_ids, key_value_segment_ids, batch, T, S)
   if segments is not None and spec.num_splits > 1:
     raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
+  if alibi_slopes is not None and spec.num_splits > 1:
+    raise ValueError("num_splits > 1 (split-KV) does not take alibi_slopes")
   return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
               mask=_dense_term(mask, "mask", batch, (N, T, S)),
               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
-              segments=segments,
+              segments=segments, alibi=resolve_alibi(alibi_slopes, batch, N),
               is_causal=bool(is_causal), window=window, spec=spec,
               output_shape=output_shape)
 
@@ -291,22 +309,23 @@ class NativeKernels:
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
-    splits = (1 if segments is not None else
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None,
+              alibi=None):
+    splits = (1 if segments is not None or alibi is not None else
               _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform()))
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
-                        *_segments.operands(segments), **cls._attrs(spec),
+                        *_segments.operands(segments), reference.alibi_operand(alibi), **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
     return o, lse
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None):
+               offsets=None, segments=None, alibi=None):
     # The last two results are the kernels' workspaces: delta (O(B * N * T))
     # and room for the fused backward's float32 dQ sums (like q, or with a
     # last dimension of 0); as outputs they keep the handlers free of run-time
@@ -318,7 +337,7 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets),
-                         *_segments.operands(segments), **cls._attrs(spec),
+                         *_segments.operands(segments), reference.alibi_operand(alibi), **cls._attrs(spec),
                          deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
@@ -336,50 +355,54 @@ class PallasKernels:
                 softcap=float(spec.softcap))
 
   @staticmethod
-  def _no_segments(segments):
-    if segments is not None:  # fused_unsupported refuses such calls first
-      raise NotImplementedError("the Pallas kernels do not take segment ids yet")
+  def _no_segments(segments, alibi=None):
+    if segments is not None or alibi is not None:  # fused_unsupported refuses such calls first
+      raise NotImplementedError("the Pallas kernels take neither segment ids nor ALiBi yet")
 
   @classmethod
-  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None):
-    cls._no_segments(segments)
+  def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None,
+              alibi=None):
+    cls._no_segments(segments, alibi)
     return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
                                   diagonal_offsets=offsets, num_splits=spec.num_splits or None)
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None):
+               offsets=None, segments=None, alibi=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
-    cls._no_segments(segments)
+    cls._no_segments(segments, alibi)
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                                    **cls._kw(spec), diagonal_offsets=offsets)
 
   @classmethod
   def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
-              offsets=None, segments=None):
+              offsets=None, segments=None, alibi=None):
     """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
-    cls._no_segments(segments)
+    cls._no_segments(segments, alibi)
     return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
                                   **cls._kw(spec), diagonal_offsets=offsets)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(6, 7))
-def fused(q, k, v, q_lengths, kv_lengths, segments, kernels, spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
+def fused(q, k, v, q_lengths, kv_lengths, segments, alibi, kernels, spec):
   """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a
   call with segment ids: `segments.tables`, computed once for the forward and the
-  backward; everything below reads the ids from them (`segments.ids_of`)."""
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments)
+  backward; everything below reads the ids from them (`segments.ids_of`).
+  `alibi`: None, or the ALiBi slopes [B, N] float32 (`resolve_alibi`; constants,
+  their tangent is dropped)."""
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments, alibi=alibi)
 
 
 @fused.defjvp
 def _fused_jvp(kernels, spec, primals, tangents):
-  q, k, v, q_lengths, kv_lengths, segments = primals
-  tq, tk, tv = tangents[:3]  # the lengths' and ids' tangents are float0
+  q, k, v, q_lengths, kv_lengths, segments, alibi = primals
+  tq, tk, tv = tangents[:3]  # the lengths' and ids' tangents are float0, the slopes' dropped
   # The value through fused itself, so that an outer jvp (a Hessian-vector
   # product) differentiates it by this rule rather than the FFI call.
-  o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, kernels, spec)
+  o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, alibi, kernels, spec)
   return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
-                                               kernels=kernels, spec=spec, segments=segments)
+                                               kernels=kernels, spec=spec, segments=segments,
+                                               alibi=alibi)
 
 
 KERNELS = {"native": NativeKernels, "pallas": PallasKernels}
@@ -401,6 +424,8 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
     return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
   if call.segments is not None and name == "pallas":
     return "implementation='pallas' does not take segment ids yet; use 'native' or 'xla'"
+  if call.alibi is not None and name == "pallas":
+    return "implementation='pallas' does not take alibi_slopes yet; use 'native' or 'xla'"
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")

@@ -20,10 +20,10 @@ from jaxflash import tile_cache
 # the `softcap` attribute to v1's, v3 the two segment-table operands to v2's
 # forward and backward (jaxflash/segments.py); calls are traced with the newest,
 # and the older ones stay registered for programs exported before them.
-FORWARD_TARGET = "jaxflash_fwd_v3"
-BACKWARD_TARGET = "jaxflash_bwd_v3"
+FORWARD_TARGET = "jaxflash_fwd_v4"
+BACKWARD_TARGET = "jaxflash_bwd_v4"
 PAGED_TARGET = "jaxflash_paged_fwd_v2"
-LEGACY_TARGETS = ("jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
+LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
                   "jaxflash_paged_fwd_v1")
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
 

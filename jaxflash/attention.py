@@ -36,6 +36,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     query_segment_ids=None,
     key_value_segment_ids=None,
+    alibi_slopes=None,
 ):
   r"""Scaled dot-product attention that never materialises the score matrix.
 
@@ -105,6 +106,13 @@ def dot_product_attention(
       ids sorted within a row (documents one after another) skip the most,
       any other order is as correct. Native (GPU and CPU) and ``xla``; not with
       ``num_splits`` > 1.
+    alibi_slopes: float ``[heads]`` (or ``[*batch, heads]``) ALiBi slopes: the
+      score of row ``i`` and key ``j`` gets ``-slope * |i + offset - j|`` added,
+      where ``i + offset`` is the row's diagonal under ``causal_alignment`` (and
+      the lengths, for bottom-right), after the soft-cap and before masking.
+      Computed in the kernels, never materialised; the slopes are constants
+      (no gradient flows to them). Native (GPU and CPU) and ``xla``; not with
+      ``num_splits`` > 1.
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple
@@ -113,7 +121,8 @@ def dot_product_attention(
   """
   call = _core.validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
                         key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
-                        num_splits, logits_soft_cap, query_segment_ids, key_value_segment_ids)
+                        num_splits, logits_soft_cap, query_segment_ids, key_value_segment_ids,
+                        alibi_slopes)
   if not isinstance(differentiable_residual, (bool, np.bool_)):
     raise TypeError(f"differentiable_residual must be a bool, got {differentiable_residual!r}")
   if differentiable_residual and not return_residual:
@@ -124,7 +133,8 @@ def dot_product_attention(
   checks.lengths_in_range(call.kv_lengths, "key_value_seq_lengths", call.k.shape[1])
   chosen = _core.choose(call, implementation, _cudnn_unsupported(
       call, residual_dtype is not None or deterministic or differentiable_residual
-      or num_splits is not None or logits_soft_cap is not None or call.segments is not None))
+      or num_splits is not None or logits_soft_cap is not None or call.segments is not None
+      or call.alibi is not None))
 
   if chosen == "cudnn":
     return jax.nn.dot_product_attention(
@@ -142,7 +152,7 @@ def dot_product_attention(
         causal_alignment="bottom_right" if call.spec.bottom_right else "top_left",
         local_window_size=call.window, query_seq_lengths=call.q_lengths,
         key_value_seq_lengths=call.kv_lengths, logits_soft_cap=call.spec.softcap or None,
-        segment_ids=call.segments)
+        segment_ids=call.segments, alibi_slopes=call.alibi)
   else:
     B, T = call.q.shape[:2]
     q_lengths = call.q_lengths if call.q_lengths is not None else _no_lengths(B, T)
@@ -151,8 +161,8 @@ def dot_product_attention(
     kernels = sharding.partitioned(_core.KERNELS[chosen])
     tables = None if call.segments is None else sharding.segment_tables(
         call.segments, call.q_lengths, call.kv_lengths, call.spec)
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, tables, kernels,
-                           call.spec)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, tables, call.alibi,
+                           kernels, call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 
 

@@ -25,7 +25,7 @@ log, scale c, sums over visible keys j):
 
     P = exp(S - LSE),  S = c Q Kᵀ,  tS = c (tQ Kᵀ + Q tKᵀ),
     (with a logit soft-cap S and tS are the capped score and its tangent:
-    reference.soft_cap, times its slope)
+    reference.soft_cap, times its slope; ALiBi adds a constant to S)
     tLSE = Σ_j P tS,   tO = Σ_j P (tS V_j + tV_j) - tLSE O.
 """
 
@@ -52,7 +52,7 @@ class _KeyBlocks:
   """A call's geometry, cut into blocks of keys, in float32 with the query
   heads grouped over their key/value head ([B, T, K, G, H])."""
 
-  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None):
+  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None, alibi=None):
     self.B, self.T, self.N, self.H = q.shape
     self.S, self.K = k.shape[1], k.shape[2]
     self.G = self.N // self.K
@@ -64,6 +64,7 @@ class _KeyBlocks:
     self.offsets = offsets   # the kernels' diagonal offsets (params.h); None: 0
     # The segment tables' (q_ids, kv_ids), or None.
     self.segments = None if segments is None else _segments.ids_of(segments)
+    self.alibi = alibi       # ALiBi slopes [B, N] float32, or None
 
   def grouped(self, x):
     """[B, T, N, H] -> [B, T, K, G, H] float32."""
@@ -98,19 +99,28 @@ class _KeyBlocks:
   def starts(self):
     return jnp.arange(self.count, dtype=jnp.int32) * self.block
 
-  def probabilities(self, q, k, lse, vis):
+  def probabilities(self, q, k, lse, vis, j0):
     """(P, slope) [B, K, G, T, block]: P = exp(S - LSE) of the visible pairs, with S the
-    (soft-capped) scores, and dS / d(c q.k), the cap's slope (None without a cap)."""
+    (soft-capped, ALiBi-biased) scores of key block j0, and dS / d(c q.k), the cap's
+    slope (None without a cap)."""
     s = reference.soft_cap(jnp.einsum("btkgh,bskh->bkgts", q, k, precision=_HIGHEST)
                            * self.spec.scale, self.spec.softcap)
+    slope = reference.soft_cap_slope(s, self.spec.softcap)
+    if self.alibi is not None:
+      bias = reference.alibi_bias(
+          self.alibi, self.T, self.S, query_seq_lengths=self.q_lengths,
+          key_value_seq_lengths=self.kv_lengths, bottom_right=self.spec.bottom_right,
+          batch=self.B, keys=j0 + jnp.arange(self.block, dtype=jnp.int32),
+          diagonal_offsets=self.offsets)
+      s = s + bias.reshape(self.B, self.K, self.G, self.T, self.block)
     # exp sees visible pairs only; rows with no key (LSE = the empty value)
     # have none, so nothing overflows.
     p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
-    return p, reference.soft_cap_slope(s, self.spec.softcap)
+    return p, slope
 
 
 def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
-                 segments=None):
+                 segments=None, alibi=None):
   """The three sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
   [B, T, N, H], tLSE = Σ_j P tS [B, N, T], O = Σ_j P V_j [B, T, N, H]).
 
@@ -118,14 +128,14 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
   part of the keys (a ring block, placed by `offsets`, the kernels' per-batch
   diagonal offsets; None for 0) gives that part's share exactly.
   """
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments)
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
     acc, t_lse, o_sum = carry
     kb, vb, tkb, tvb, j0 = block
     vis = g.visible(j0)
-    p, slope = g.probabilities(qg, kb, g.rows(lse), vis)
+    p, slope = g.probabilities(qg, kb, g.rows(lse), vis, j0)
     ts = spec.scale * (jnp.einsum("btkgh,bskh->bkgts", tqg, kb, precision=_HIGHEST) +
                        jnp.einsum("btkgh,bskh->bkgts", qg, tkb, precision=_HIGHEST))
     ts = ts if slope is None else ts * slope
@@ -155,23 +165,23 @@ def finish_tangent(sums, t_lse, o_sum, dtype):
 
 
 def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
-            segments=None):
+            segments=None, alibi=None):
   """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
 
   `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0;
-  `segments` the call's segment tables (segments.py), None without. Only o's dtype is read
-  (see `finish_tangent`).
+  `segments` the call's segment tables (segments.py), None without; `alibi` its ALiBi
+  slopes [B, N], None without. Only o's dtype is read (see `finish_tangent`).
   """
   sums, t_lse, o_sum = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-                                    offsets=offsets, segments=segments)
+                                    offsets=offsets, segments=segments, alibi=alibi)
   return finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
 
 
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
-             segments=None):
-  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets` and
-  `segments` as for `tangent`)."""
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments)
+             segments=None, alibi=None):
+  """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets`,
+  `segments` and `alibi` as for `tangent`)."""
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi)
   qg, dog = g.grouped(q), g.grouped(do)
   lse_g = g.rows(lse)
   delta = jnp.einsum("btkgh,btkgh->bkgt", dog, g.grouped(o), precision=_HIGHEST) - g.rows(dlse)
@@ -180,7 +190,7 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
   def step(dq, block):
     kb, vb, j0 = block
     vis = g.visible(j0)
-    p, slope = g.probabilities(qg, kb, lse_g, vis)
+    p, slope = g.probabilities(qg, kb, lse_g, vis, j0)
     dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, precision=_HIGHEST)
     ds = p * (dp - delta[..., None])
     ds = jnp.where(vis, ds if slope is None else ds * slope, 0)
@@ -195,11 +205,12 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
 
 # ------------------------------------------------------------------ the kernels' backward, differentiable
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(10, 11))
-def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, segments, kernels, spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(11, 12))
+def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, segments, alibi, kernels,
+                    spec):
   """(dQ, dK, dV) from the kernels, differentiable by the blockwise backward."""
   return kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                          q_lengths, kv_lengths, spec, segments=segments)
+                          q_lengths, kv_lengths, spec, segments=segments, alibi=alibi)
 
 
 @kernel_backward.defjvp
@@ -208,9 +219,9 @@ def _kernel_backward_jvp(kernels, spec, primals, tangents):
     raise NotImplementedError(f"{kernels.name}: second derivatives (jvp of grad, Hessians) are "
                               "not available for this call; ring attention has first ones only")
   out = kernel_backward(*primals, kernels, spec)
-  *arrays, segments = primals
-  _, t_out = jax.jvp(functools.partial(backward, spec=spec, segments=segments), tuple(arrays),
-                     tuple(tangents[:-1]))
+  *arrays, segments, alibi = primals
+  _, t_out = jax.jvp(functools.partial(backward, spec=spec, segments=segments, alibi=alibi),
+                     tuple(arrays), tuple(tangents[:-2]))
   return out, t_out
 
 
@@ -221,19 +232,31 @@ tangent_p.multiple_results = True
 
 
 def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec,
-                    segments=None):
+                    segments=None, alibi=None):
   """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
   return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths,
-                              *_segments.operands(segments), tq, tk, tv, kernels=kernels, spec=spec))
+                              *_segments.operands(segments), reference.alibi_operand(alibi), tq, tk, tv,
+                              kernels=kernels, spec=spec))
 
 
-def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk, tv, *, kernels,
-                  spec):
+# The primitive's operands: q, k, v, o, lse, the lengths, the two segment tables
+# and the ALiBi slopes (empty arrays for none), then tq, tk, tv.
+_EXTRAS = slice(7, 10)
+
+
+def _extras(q_table, kv_table, slopes):
+  """(segments, alibi) keywords from the primitive's three extra operands."""
+  return dict(segments=_segments.from_operands(q_table, kv_table),
+              alibi=None if slopes.size == 0 else slopes)
+
+
+def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes, tq, tk, tv, *,
+                  kernels, spec):
   # Kernels with a tangent pass of their own (Pallas, ring attention's
   # shards) use it; for the others the blockwise jnp one is exact.
   fn = kernels.tangent if hasattr(kernels, "tangent") else tangent
   return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-            segments=_segments.from_operands(q_table, kv_table))
+            **_extras(q_table, kv_table, slopes))
 
 
 def _tangent_abstract(*args, kernels, spec):
@@ -244,13 +267,14 @@ def _tangent_abstract(*args, kernels, spec):
   return o.update(weak_type=False), lse.update(weak_type=False)
 
 
-def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, tq, tk, tv, *,
-                       kernels, spec):
+def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes, tq, tk,
+                       tv, *, kernels, spec):
   """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
+  extras = _extras(q_table, kv_table, slopes)
   grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                          _segments.from_operands(q_table, kv_table), kernels, spec)
-  return [None] * 9 + [g if ad.is_undefined_primal(t) else None
+                          extras["segments"], extras["alibi"], kernels, spec)
+  return [None] * 10 + [g if ad.is_undefined_primal(t) else None
                        for g, t in zip(grads, (tq, tk, tv))]
 
 
@@ -263,8 +287,8 @@ def _tangent_batch(args, dims, *, kernels, spec):
     return x.reshape((size * x.shape[1],) + x.shape[2:])
 
   folded = [fold(x, d) for x, d in zip(args, dims)]
-  t_o, t_lse = output_tangents(*folded[:7], *folded[9:], kernels=kernels, spec=spec,
-                               segments=_segments.from_operands(*folded[7:9]))
+  t_o, t_lse = output_tangents(*folded[:7], *folded[10:], kernels=kernels, spec=spec,
+                               **_extras(*folded[_EXTRAS]))
   unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
   return (unfold(t_o), unfold(t_lse)), (0, 0)
 
@@ -275,9 +299,9 @@ def _tangent_jvp(primals, tangents, *, kernels, spec):
   tangents = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
                    else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
   primals = list(primals)
-  segments = _segments.from_operands(*primals[7:9])
-  del primals[7:9], tangents[7:9]
-  out, t_out = jax.jvp(functools.partial(tangent, spec=spec, segments=segments), tuple(primals),
+  extras = _extras(*primals[_EXTRAS])
+  del primals[_EXTRAS], tangents[_EXTRAS]
+  out, t_out = jax.jvp(functools.partial(tangent, spec=spec, **extras), tuple(primals),
                        tuple(tangents))
   return list(out), list(t_out)
 

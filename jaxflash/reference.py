@@ -41,6 +41,12 @@ def no_lengths() -> jax.Array:
   return jnp.zeros((0,), jnp.int32)
 
 
+def alibi_operand(slopes) -> jax.Array:
+  """ALiBi slopes as the native targets and the tangent primitive take them: [B, N]
+  float32, or an empty array for none (as for lengths)."""
+  return jnp.zeros((0,), jnp.float32) if slopes is None else slopes
+
+
 def given_lengths(lengths):
   """`lengths`, or None where none were given (None, or `no_lengths()`)."""
   return None if lengths is None or jnp.size(lengths) == 0 else lengths
@@ -67,16 +73,8 @@ def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_s
   `segment_ids` (q_ids [batch, q_len], kv_ids [batch, kv_len], or None): a row
   sees only keys of its own segment (packed sequences).
   """
-  qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
-        else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
-  kv = (jnp.full((batch,), kv_len, jnp.int32) if key_value_seq_lengths is None
-        else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, kv_len))
-  i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
-  j = (jnp.arange(kv_len, dtype=jnp.int32) if keys is None else keys)[None, None, :]
-  qv3, kv3 = qv[:, None, None], kv[:, None, None]
-  diag = i + (kv3 - qv3 if bottom_right else 0)
-  if diagonal_offsets is not None:
-    diag = diag + jnp.asarray(diagonal_offsets, jnp.int32)[:, None, None]
+  i, j, qv3, kv3, diag = _positions(q_len, kv_len, query_seq_lengths, key_value_seq_lengths,
+                                     bottom_right, batch, keys, diagonal_offsets)
   visible = (i < qv3) & (j < kv3)
   if window_left is not None:
     visible &= j >= diag - window_left
@@ -88,6 +86,41 @@ def visible_mask(q_len: int, kv_len: int, *, query_seq_lengths=None, key_value_s
       kv_ids = jnp.take(kv_ids, jnp.clip(keys, 0, kv_len - 1), axis=1)
     visible &= q_ids[:, :, None] == kv_ids[:, None, :]
   return visible[:, None]
+
+
+def _positions(q_len, kv_len, query_seq_lengths, key_value_seq_lengths, bottom_right, batch, keys,
+               diagonal_offsets):
+  """(i [1, T, 1], j [1, 1, S], q lengths, kv lengths, diagonal [B, T, 1]) int32: the
+  diagonal is the key position row i is aligned with (i + offset_b in params.h)."""
+  qv = (jnp.full((batch,), q_len, jnp.int32) if query_seq_lengths is None
+        else jnp.clip(jnp.asarray(query_seq_lengths, jnp.int32), 0, q_len))
+  kv = (jnp.full((batch,), kv_len, jnp.int32) if key_value_seq_lengths is None
+        else jnp.clip(jnp.asarray(key_value_seq_lengths, jnp.int32), 0, kv_len))
+  i = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]
+  j = (jnp.arange(kv_len, dtype=jnp.int32) if keys is None else keys)[None, None, :]
+  qv3, kv3 = qv[:, None, None], kv[:, None, None]
+  diag = i + (kv3 - qv3 if bottom_right else 0)
+  if diagonal_offsets is not None:
+    diag = diag + jnp.asarray(diagonal_offsets, jnp.int32)[:, None, None]
+  return i, j, qv3, kv3, diag
+
+
+def alibi_bias(slopes, q_len: int, kv_len: int, *, query_seq_lengths=None,
+               key_value_seq_lengths=None, bottom_right: bool = False, batch: int = 1, keys=None,
+               diagonal_offsets=None, dtype=jnp.float32) -> jax.Array:
+  """ALiBi's [batch, heads, q_len, kv_len] bias: -slopes[b, n] * |i + offset_b - j|
+  (`slopes` [heads] or [batch, heads]).
+
+  The distance is measured from the diagonal of the call's causal alignment
+  (offset_b as in `visible_mask`, ring attention's diagonal offsets included),
+  so a causal row's own position is distance 0 under either alignment. Every
+  implementation adds it after the soft-cap, like a dense bias.
+  """
+  _, j, _, _, diag = _positions(q_len, kv_len, query_seq_lengths, key_value_seq_lengths,
+                                bottom_right, batch, keys, diagonal_offsets)
+  distance = jnp.abs(diag - j).astype(dtype)[:, None]                     # [B, 1, T, S]
+  slopes = jnp.asarray(slopes, dtype)
+  return -slopes.reshape(-1, slopes.shape[-1], 1, 1) * distance
 
 
 def window_bounds(is_causal: bool, local_window_size) -> tuple[int | None, int | None]:
@@ -132,7 +165,7 @@ def soft_cap_slope(capped, cap):
 def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causal: bool = False,
               causal_alignment: str = "top_left", local_window_size=None,
               query_seq_lengths=None, key_value_seq_lengths=None, compute_dtype=None,
-              diagonal_offsets=None, logits_soft_cap=None, segment_ids=None):
+              diagonal_offsets=None, logits_soft_cap=None, segment_ids=None, alibi_slopes=None):
   """Attention over [B, T, N, H] / [B, S, K, H] inputs; returns (out, lse).
 
   `out` has the query's dtype (or `compute_dtype`), `lse` is [B, N, T] in
@@ -173,6 +206,11 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
                       preferred_element_type=compute_dtype, precision=precision)
   logits = soft_cap(logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype),
                     logits_soft_cap)
+  if alibi_slopes is not None:
+    logits = logits + alibi_bias(alibi_slopes, T, S, query_seq_lengths=query_seq_lengths,
+                                 key_value_seq_lengths=key_value_seq_lengths,
+                                 bottom_right=causal_alignment == "bottom_right", batch=B,
+                                 diagonal_offsets=diagonal_offsets, dtype=compute_dtype)
   if bias is not None:
     logits = logits + jnp.asarray(bias).astype(compute_dtype)
 

@@ -307,7 +307,7 @@ class Ring:
       return None
     return _segments.tables(_piece(q_ids, a, m, 1), kv_ids_c[0], lq, lk, block_spec, off)
 
-  def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None):
+  def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None):
     """(o, lse) of the local query shard; segment ids' key side travels with K/V."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
@@ -324,7 +324,8 @@ class Ring:
           k_c, v_c, *ids_c = (_piece(x, c, ks.pieces, 1) for x in kv)
           tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           return _merge(acc, *self.kernels.forward(_piece(q, a, m, 1), k_c, v_c, lq, lk,
-                                                   block_spec, off, segments=tables))
+                                                   block_spec, off, segments=tables,
+                                                   alibi=alibi))
         acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
 
@@ -336,7 +337,8 @@ class Ring:
     o = jnp.concatenate([a[0] for a in acc], axis=1).astype(_dtype(q))
     return o, jnp.concatenate([a[1] for a in acc], axis=2)
 
-  def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None):
+  def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
+               alibi=None):
     """(dq, dk, dv) of the local shards, from the global o and lse."""
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
@@ -357,7 +359,7 @@ class Ring:
           k_c, v_c, *ids_c = (_piece(x, c, ks.pieces, 1) for x in kv)
           tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           grads = self.kernels.backward(q_a, k_c, v_c, o_a, lse_a, do_a, dlse_a, lq, lk,
-                                        block_spec, off, segments=tables)
+                                        block_spec, off, segments=tables, alibi=alibi)
           return tuple(s + g.astype(jnp.float32) for s, g in zip(acc, grads))
         dq[a], *dkv[c] = _accumulate(visible, update, (dq[a],) + tuple(dkv[c]))
         dkv[c] = tuple(dkv[c])
@@ -378,7 +380,8 @@ class Ring:
     return jnp.concatenate(dq, axis=1).astype(_dtype(q)), dk, dv
 
 
-  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None):
+  def tangent(self, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None,
+              alibi=None):
     """(tO, tLSE) of the local query shard (forward mode), from the global lse.
 
     Given the row's global LSE both sums of the tangent run over keys
@@ -403,7 +406,7 @@ class Ring:
           tables = self._block_tables(q_ids, ids_c, a, m, lq, lk, block_spec, off)
           sums = derivatives.tangent_sums(q_a, k_c, v_c, _piece(lse, a, m, 2), lq, lk, tq_a,
                                           tk_c, tv_c, spec=block_spec, offsets=off,
-                                          segments=tables)
+                                          segments=tables, alibi=alibi)
           return tuple(x + y for x, y in zip(acc, sums))
         acc[a] = _accumulate(visible, update, acc[a])
       return nxt, tuple(acc)
@@ -431,7 +434,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
                    implementation: str | None = None, return_residual: bool = False,
                    residual_dtype=None, differentiable_residual: bool = False,
                    logits_soft_cap: float | None = None, query_segment_ids=None,
-                   key_value_segment_ids=None):
+                   key_value_segment_ids=None, alibi_slopes=None):
   """Exact attention over a sequence sharded along the mesh axis `axis_name`.
 
   Call it inside `jax.shard_map` with the local shards: ``query`` is this
@@ -454,7 +457,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   carries a gradient only with ``differentiable_residual=True``, as in
   `dot_product_attention`. Segment ids (packed sequences) are this shard's
   ``[batch, q_len / n]`` / ``[batch, kv_len / n]`` ids in the same layout; the
-  key ids travel with their keys.
+  key ids travel with their keys. ALiBi distances are global positions.
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -464,7 +467,7 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
   call = _core.validate(query, key, value, None, None, scale, is_causal, query_seq_lengths,
                         key_value_seq_lengths, local_window_size, causal_alignment, False,
                         logits_soft_cap=logits_soft_cap, query_segment_ids=query_segment_ids,
-                        key_value_segment_ids=key_value_segment_ids)
+                        key_value_segment_ids=key_value_segment_ids, alibi_slopes=alibi_slopes)
   shards = lax.axis_size(axis_name)
   B, T = call.q.shape[:2]
   S = call.k.shape[1]
@@ -486,5 +489,6 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else _core.full_lengths(B, S * shards))
     ids = None if call.segments is None else _segments.id_tables(*call.segments)
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ids, ring, call.spec)
+    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ids, call.alibi, ring,
+                           call.spec)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

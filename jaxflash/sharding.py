@@ -19,6 +19,7 @@ runs the same kernels on the local block:
   rule marks it need-replication).
 * segment tables ([B, T, 8], [B, S, 8]) shard with their rows and keys; under
   sequence sharding the ring reads their ids and builds each block's own.
+  ALiBi slopes ([B, N]) shard with the batch and the query heads.
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
@@ -106,6 +107,9 @@ class _Plan:
   def kv_table(self):   # [B, S, 8]
     return self._named(self.batch, self.kv_seq, ())
 
+  def slopes(self):     # [B, N] ALiBi slopes
+    return self._named(self.batch, self.heads)
+
   @property
   def sliced_kv_heads(self) -> bool:
     return bool(self.heads) and not self.kv_heads
@@ -155,42 +159,52 @@ def _kv_head_slice(plan: _Plan, N: int, K: int):
   return lax.axis_index(_axis(plan.heads)) * local // (N // K)
 
 
-def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
-  def run(q, k, v, q_lengths, kv_lengths, *ids):
+def _extras(extras, segments: bool):
+  """(segment tables or None, slopes or None) from a call's extra operands."""
+  ids = tuple(extras[:2]) if segments else None
+  return ids, (extras[-1] if len(extras) > (2 if segments else 0) else None)
+
+
+def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
+                   segments: bool):
+  def run(q, k, v, q_lengths, kv_lengths, *extras):
+    ids, alibi = _extras(extras, segments)
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
-      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=tuple(ids) or None)
+      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.zigzag:
       # As pieces: the ring slices a concatenation only inside a block's branch.
       q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True, pieces=True) for x in (q, k, v))
-      ids = tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
-    o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=tuple(ids) or None)
+      ids = ids and tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+    o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     if plan.zigzag:
       o, lse = ring_lib.relayout(o, ring.q_seq, 1, False), ring_lib.relayout(lse, ring.q_seq, 2, False)
     return o, lse
   return run
 
 
-def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int):
-  def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *ids):
+def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
+                    segments: bool):
+  def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *extras):
+    ids, alibi = _extras(extras, segments)
     full_k, full_v = k, v
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
       dq, dk, dv = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                    segments=tuple(ids) or None)
+                                    segments=ids, alibi=alibi)
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
       if plan.zigzag:
         to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True, pieces=True)
         q, k, v, o, do, lse, dlse = to(q), to(k), to(v), to(o), to(do), to(lse, 2), to(dlse, 2)
-        ids = tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+        ids = ids and tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                 segments=tuple(ids) or None)
+                                 segments=ids, alibi=alibi)
       if plan.zigzag:
         dq, dk, dv = (ring_lib.relayout(x, ring.q_seq, 1, False) for x in (dq, dk, dv))
     if plan.sliced_kv_heads:
@@ -205,7 +219,7 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
 
 # ------------------------------------------------------------------ partition callbacks
 
-def _shardy_rule(backward: bool, segments: bool):
+def _shardy_rule(backward: bool, segments: bool, alibi: bool):
   """The einsum-like Shardy rule of the forward or backward call.
 
   Every dimension gets its own factor, query and key/value heads and the two
@@ -226,24 +240,26 @@ def _shardy_rule(backward: bool, segments: bool):
       operands, results = [rows, keys, keys, "b", "b"], [rows, stats]
     if segments:
       operands += ["b t f", "b s f"]
+    if alibi:
+      operands += ["b n"]
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("d",)))
   return rule
 
 
-def _id_shardings(plan: _Plan, segments: bool):
-  return (plan.q_table(), plan.kv_table()) if segments else ()
+def _extra_shardings(plan: _Plan, segments: bool, alibi: bool):
+  return ((plan.q_table(), plan.kv_table()) if segments else ()) + ((plan.slopes(),) if alibi else ())
 
 
-def _forward_shardings(plan: _Plan, segments: bool):
+def _forward_shardings(plan: _Plan, segments: bool, alibi: bool):
   return (plan.rows(), plan.keys(), plan.keys(), plan.lengths(), plan.lengths(),
-          *_id_shardings(plan, segments)), (plan.rows(), plan.stats())
+          *_extra_shardings(plan, segments, alibi)), (plan.rows(), plan.stats())
 
 
-def _backward_shardings(plan: _Plan, segments: bool):
+def _backward_shardings(plan: _Plan, segments: bool, alibi: bool):
   rows, keys, stats, lengths = plan.rows(), plan.keys(), plan.stats(), plan.lengths()
   return ((rows, keys, keys, rows, stats, rows, stats, lengths, lengths,
-           *_id_shardings(plan, segments)), (rows, keys, keys))
+           *_extra_shardings(plan, segments, alibi)), (rows, keys, keys))
 
 
 def _plan_of(spec, mesh, arg_shapes) -> _Plan:
@@ -251,7 +267,7 @@ def _plan_of(spec, mesh, arg_shapes) -> _Plan:
   return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding)
 
 
-def _partition(backward: bool, segments: bool):
+def _partition(backward: bool, segments: bool, alibi: bool):
   shardings = _backward_shardings if backward else _forward_shardings
 
   def partition(kernels, spec, mesh, arg_shapes, result_shape):
@@ -259,47 +275,35 @@ def _partition(backward: bool, segments: bool):
     plan = _plan_of(spec, mesh, arg_shapes)
     q, k = arg_shapes[0].shape, arg_shapes[1].shape
     local = _local_backward if backward else _local_forward
-    fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2])
-    args, results = shardings(plan, segments)
+    fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2], segments)
+    args, results = shardings(plan, segments, alibi)
     return plan.mesh, fn, results, args
 
   def infer(kernels, spec, mesh, arg_shapes, result_shape):
     del kernels, result_shape
-    return shardings(_plan_of(spec, mesh, arg_shapes), segments)[1]
+    return shardings(_plan_of(spec, mesh, arg_shapes), segments, alibi)[1]
   return partition, infer
 
 
-def _forward_call(q, k, v, q_lengths, kv_lengths, kernels, spec):
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec)
+@functools.cache
+def _op(backward: bool, segments: bool, alibi: bool):
+  """The partitioned forward or backward call for calls with or without segment tables
+  (two more operands) and ALiBi slopes (one more): one op per operand list."""
+  arrays = 9 if backward else 5
+  extras = 2 * segments + alibi
 
+  def fn(*args):
+    *operands, kernels, spec = args
+    ids, slopes = _extras(operands[arrays:], segments)
+    call = kernels.backward if backward else kernels.forward
+    return call(*operands[:arrays], spec, segments=ids, alibi=slopes)
 
-def _backward_call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, kernels, spec):
-  return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec)
-
-
-def _forward_call_ids(q, k, v, q_lengths, kv_lengths, q_table, kv_table, kernels, spec):
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=(q_table, kv_table))
-
-
-def _backward_call_ids(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, q_table, kv_table, kernels,
-                       spec):
-  return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                          segments=(q_table, kv_table))
-
-
-def _partitioned_call(fn, static_argnums, backward: bool, segments: bool = False):
-  op = custom_partitioning(fn, static_argnums=static_argnums)
-  partition, infer = _partition(backward, segments)
+  n = arrays + extras
+  op = custom_partitioning(fn, static_argnums=(n, n + 1))
+  partition, infer = _partition(backward, segments, alibi)
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=_shardy_rule(backward, segments))
+                   sharding_rule=_shardy_rule(backward, segments, alibi))
   return op
-
-
-# One op per call shape: with segment ids the calls take two more operands.
-_forward_op = _partitioned_call(_forward_call, (5, 6), backward=False)
-_backward_op = _partitioned_call(_backward_call, (9, 10), backward=True)
-_forward_op_ids = _partitioned_call(_forward_call_ids, (7, 8), backward=False, segments=True)
-_backward_op_ids = _partitioned_call(_backward_call_ids, (11, 12), backward=True, segments=True)
 
 
 # ------------------------------------------------------------------ vmap
@@ -391,35 +395,40 @@ def partitioned(kernels):
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).
     @staticmethod
-    def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None):
+    def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None):
       if jax.device_count() == 1:
-        o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments)
+        o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments,
+                                 alibi=alibi)
       else:
-        op = _forward_op if segments is None else _forward_op_ids
+        op = _op(False, segments is not None, alibi is not None)
         run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k, ("rows", "stats"))
-        o, lse = run(q, k, v, q_lengths, kv_lengths, *(segments or ()))
+        o, lse = run(q, k, v, q_lengths, kv_lengths, *(segments or ()),
+                     *(() if alibi is None else (alibi,)))
       return _varying_like((o, lse), (q, q))
 
     @staticmethod
-    def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None):
+    def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
+                 alibi=None):
       if jax.device_count() == 1:
         grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                 segments=segments)
+                                 segments=segments, alibi=alibi)
       else:
-        op = _backward_op if segments is None else _backward_op_ids
+        op = _op(True, segments is not None, alibi is not None)
         run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k,
                                      ("rows", "keys", "keys"))
-        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *(segments or ()))
+        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *(segments or ()),
+                    *(() if alibi is None else (alibi,)))
       return _varying_like(grads, (q, k, v))
 
     if hasattr(kernels, "tangent"):
       # Forward mode on one device is the kernels' tangent pass; on several it
       # is the blockwise jnp tangent, which the partitioner splits like any jnp.
       @staticmethod
-      def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None):
+      def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, segments=None,
+                  alibi=None):
         fn = kernels.tangent if jax.device_count() == 1 else derivatives.tangent
         return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-                  segments=segments)
+                  segments=segments, alibi=alibi)
 
   Partitioned.__name__ = Partitioned.__qualname__ = f"Partitioned{kernels.__name__}"
   return Partitioned

@@ -53,13 +53,30 @@ def _cap(s, softcap):
   return softcap * np.tanh(s / softcap) if softcap else s
 
 
-def forward(q, k, v, *, scale, softcap=0.0, **mask):
+def alibi_bias(B, N, T, S, slopes, *, bottom_right=False, q_lengths=None, kv_lengths=None,
+               offsets=None, **_):
+  """ALiBi's [B, N, T, S] bias -slope[b, n] * |i + off_b - j| (0 without slopes), the
+  diagonal off_b as in `visible`."""
+  if slopes is None:
+    return 0.0
+  slopes = np.broadcast_to(np.asarray(slopes, np.float64), (B, N))
+  out = np.zeros((B, N, T, S))
+  for b in range(B):
+    qv = T if q_lengths is None else int(np.clip(q_lengths[b], 0, T))
+    kv = S if kv_lengths is None else int(np.clip(kv_lengths[b], 0, S))
+    off = (kv - qv if bottom_right else 0) + (0 if offsets is None else int(offsets[b]))
+    distance = np.abs(np.arange(T)[:, None] + off - np.arange(S)[None, :])
+    out[b] = -slopes[b][:, None, None] * distance
+  return out
+
+
+def forward(q, k, v, *, scale, softcap=0.0, alibi=None, **mask):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, D = q.shape
   S = k.shape[1]
   ke, ve = _expand(k, N), _expand(v, N)
   vis = visible(B, T, S, **mask)[:, None]
-  s = _cap(_scores(q, ke) * scale, softcap)
+  s = _cap(_scores(q, ke) * scale, softcap) + alibi_bias(B, N, T, S, alibi, **mask)
   s = np.where(vis, s, -np.inf)
   m = np.max(s, axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
@@ -72,7 +89,7 @@ def forward(q, k, v, *, scale, softcap=0.0, **mask):
   return o, lse, p
 
 
-def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, **mask):
+def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, alibi=None, **mask):
   """Forward and backward computed in `dtype`: every operation rounded to it.
 
   The error yardstick of the tolerance rule (docs/design.md §5) without a
@@ -90,7 +107,8 @@ def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, **mask):
   sees = vis.any(-1)
   with np.errstate(all="ignore"):
     u = r(r(np.einsum("btnd,bsnd->bnts", q, ke)) * r(scale))
-    s = np.where(vis, r(_cap(u, softcap)), -np.inf)
+    capped = r(_cap(u, softcap))
+    s = np.where(vis, r(capped + alibi_bias(B, N, T, S, alibi, **mask)), -np.inf)
     m = np.max(s, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
     e = np.where(vis, r(np.exp(r(s - m))), 0.0)
@@ -105,14 +123,14 @@ def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, **mask):
       delta = r(delta - np.asarray(dlse, np.float64))
     ds = r(p * r(dp - delta[..., None]))
     if softcap:
-      ds = r(ds * r(1 - np.square(np.where(vis, s, 0) / softcap)))
+      ds = r(ds * r(1 - np.square(np.where(vis, capped, 0) / softcap)))
     dq = r(r(np.einsum("bnts,bsnd->btnd", ds, ke)) * scale)
     dk = r(r(np.einsum("bnts,btnd->bsnd", ds, q)) * scale)
   fold = lambda x: r(x.reshape(B, S, K, N // K, D).sum(3))
   return o, lse, dq, fold(dk), fold(dv)
 
 
-def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, **mask):
+def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, alibi=None, **mask):
   """Gradients of <o, do> + <lse, dlse> with respect to q, k, v.
 
   `o_stored` (the output as an implementation stored it, say rounded to
@@ -122,7 +140,7 @@ def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, **mas
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   B, T, N, D = q.shape
   K = k.shape[2]
-  o, lse, p = forward(q, k, v, scale=scale, softcap=softcap, **mask)
+  o, lse, p = forward(q, k, v, scale=scale, softcap=softcap, alibi=alibi, **mask)
   if o_stored is not None:
     o = np.asarray(o_stored, np.float64)
   ke, ve = _expand(k, N), _expand(v, N)

@@ -239,11 +239,13 @@ def test_handlers_revalidate_what_reaches_them(rng):
                softcap=np.float32(0))
 
   no_ids = jnp.zeros((0,), jnp.int32)   # no segment tables
+  no_slopes = jnp.zeros((0,), jnp.float32)   # no ALiBi
 
-  def refused(outputs, match, diag=offsets, tables=(no_ids, no_ids), **changed):
+  def refused(outputs, match, diag=offsets, tables=(no_ids, no_ids), slopes=no_slopes, **changed):
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, outputs)
     with pytest.raises(Exception, match=match):
-      jax.block_until_ready(call(q, k, v, lengths, lengths, diag, *tables, **{**attrs, **changed}))
+      jax.block_until_ready(call(q, k, v, lengths, lengths, diag, *tables, slopes,
+                                 **{**attrs, **changed}))
 
   refused((o, wrong_lse) + empty, "jaxflash: lse")
   refused((o, lse) + empty, "jaxflash: scale", scale=np.float32(np.inf))
@@ -264,6 +266,11 @@ def test_handlers_revalidate_what_reaches_them(rng):
            jax.ShapeDtypeStruct((2, 3, 33, 4), jnp.float32))
   refused((o, lse) + split, "jaxflash: split-KV", tables=(table(33), table(29)),
           num_splits=np.int64(3))
+  # ALiBi slopes: float32 [batch, q_heads], one split.
+  refused((o, lse) + empty, "jaxflash: alibi slopes has shape", slopes=jnp.zeros((2, 3)))
+  refused((o, lse) + empty, "jaxflash: alibi slopes must be float32",
+          slopes=jnp.zeros((2, 4), jnp.bfloat16))
+  refused((o, lse) + split, "jaxflash: split-KV", slopes=jnp.zeros((2, 4)), num_splits=np.int64(3))
 
   # The backward's workspaces: delta like lse; the dQ sums like q in float32,
   # or empty (last dimension 0), nothing else.
@@ -278,7 +285,7 @@ def test_handlers_revalidate_what_reaches_them(rng):
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, outputs)
     lse_value = jnp.zeros((2, 4, 33), jnp.float32)
     return jax.block_until_ready(call(q, k, v, q, lse_value, q, dlse, lengths, lengths, offsets,
-                                      no_ids, no_ids, **bwd_attrs))
+                                      no_ids, no_ids, no_slopes, **bwd_attrs))
 
   backward(grads + (lse, sums((2, 33, 4, 0))))
   backward(grads + (lse, sums(q.shape)))   # room the CPU kernels leave unused

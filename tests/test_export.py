@@ -62,8 +62,9 @@ def test_the_extension_registers_the_python_side_target_names():
 
 def test_programs_of_older_targets_still_run(rng):
   """An artifact exported before the soft-cap attribute calls jaxflash_fwd_v1, one
-  exported before the segment tables jaxflash_fwd_v2: both stay registered and compute
-  what the newest target computes with no cap and no segment ids."""
+  exported before the segment tables jaxflash_fwd_v2, one before ALiBi jaxflash_fwd_v3:
+  all stay registered and compute what the newest target computes with no cap, no
+  segment ids and no slopes."""
   if _native.unavailable_reason("cpu"):
     pytest.skip("the extension is not built")
   q, k, v = random_inputs(rng, 2, 24, 30, 4, 2, 16, jnp.float32)
@@ -74,8 +75,11 @@ def test_programs_of_older_targets_still_run(rng):
   v1 = jax.ffi.ffi_call("jaxflash_fwd_v1", outs)(q, k, v, none, none, none, **attrs)
   v2 = jax.ffi.ffi_call("jaxflash_fwd_v2", outs)(q, k, v, none, none, none, **attrs,
                                                  softcap=np.float32(0))
-  v3 = jax.ffi.ffi_call(_native.FORWARD_TARGET, outs)(q, k, v, none, none, none, none, none,
-                                                      **attrs, softcap=np.float32(0))
-  for old in (v1, v2):
-    for a, b in zip(old[:2], v3[:2]):
+  v3 = jax.ffi.ffi_call("jaxflash_fwd_v3", outs)(q, k, v, none, none, none, none, none, **attrs,
+                                                 softcap=np.float32(0))
+  v4 = jax.ffi.ffi_call(_native.FORWARD_TARGET, outs)(q, k, v, none, none, none, none, none,
+                                                      jnp.zeros((0,), jnp.float32), **attrs,
+                                                      softcap=np.float32(0))
+  for old in (v1, v2, v3):
+    for a, b in zip(old[:2], v4[:2]):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

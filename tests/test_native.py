@@ -38,7 +38,7 @@ def baseline(q, k, v, compute_dtype=None, **kw):
       query_seq_lengths=kw.get("query_seq_lengths"),
       key_value_seq_lengths=kw.get("key_value_seq_lengths"),
       logits_soft_cap=kw.get("logits_soft_cap"), compute_dtype=compute_dtype or q.dtype,
-      segment_ids=segment_ids(kw))
+      segment_ids=segment_ids(kw), alibi_slopes=kw.get("alibi_slopes"))
 
 
 def with_segments(kw, segments):
@@ -67,20 +67,22 @@ def max_logit(q, k, scale) -> float:
 
 
 def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="native", inputs=None,
-                  softcap=0.0, segments=None, **extra):
+                  softcap=0.0, segments=None, alibi=None, **extra):
   """`inputs(rng, shape, dtype)` replaces the random q, k, v (its scores may
   be large: the budget then counts the largest one, as for magnitude > 1);
   `softcap` > 0 runs the call with that logit soft-cap; `segments` a function
-  (rng, B, T, S) -> (q_ids, kv_ids) gives it segment ids."""
+  (rng, B, T, S) -> (q_ids, kv_ids) gives it segment ids; `alibi` ALiBi slopes."""
   B, T, S, N, K, D = shape
   q, k, v = inputs(rng, shape, dtype) if inputs else random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = with_segments(mask_kwargs(mask_name, rng, B, T, S), segments and segments(rng, B, T, S))
   if softcap:
     kw["logits_soft_cap"] = softcap
+  if alibi is not None:
+    kw["alibi_slopes"] = alibi
   out, lse = attention(q, k, v, implementation=implementation, **kw, **extra)
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, softcap=softcap,
-                                                  **numpy_mask(kw))
+                                                  alibi=alibi, **numpy_mask(kw))
   base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, compute_dtype=c, **kw), dtype)
   budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 or inputs else {}
   assert out.dtype == q.dtype and out.shape == q.shape
@@ -96,12 +98,14 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
 
 
 def check_gradients(rng, shape, mask_name, dtype, implementation="native", magnitude=1.0,
-                    softcap=0.0, segments=None, **extra):
+                    softcap=0.0, segments=None, alibi=None, **extra):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype, magnitude)
   kw = with_segments(mask_kwargs(mask_name, rng, B, T, S), segments and segments(rng, B, T, S))
   if softcap:
     kw["logits_soft_cap"] = softcap
+  if alibi is not None:
+    kw["alibi_slopes"] = alibi
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   dlse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
 
@@ -121,7 +125,8 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", magni
     return jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
   base = finite_baseline(base_grads, dtype)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
-                                   scale=1.0 / np.sqrt(D), softcap=softcap, **numpy_mask(kw))
+                                   scale=1.0 / np.sqrt(D), softcap=softcap, alibi=alibi,
+                                   **numpy_mask(kw))
   budget = dict(max_logit=max_logit(q, k, 1.0 / np.sqrt(D))) if magnitude > 1 else {}
   for name, g, b, t in zip(("dq", "dk", "dv"), grads, base, truth):
     assert g.dtype == dtype
@@ -214,6 +219,7 @@ def test_no_kernel_fills_lengths_that_were_not_given():
   call = next(line for line in hlo.splitlines() if "custom_call_target=\"jaxflash_fwd" in line)
   assert "broadcast" not in hlo, hlo
   assert call.count("s32[0]") == 5, call   # lengths, diagonal offsets, no segment tables
+  assert call.count("f32[0]") == 1, call   # no ALiBi slopes
   # Given lengths still reach the kernel, and mean what they say.
   lengths = jnp.array([1, 0], jnp.int32)
   out = jaxflash.dot_product_attention(q + 1, k + 1, k + 2, key_value_seq_lengths=lengths,

@@ -60,13 +60,13 @@ class PoolRunner final : public ParallelRunner {
 
 ffi::Error CpuForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
-                      SegmentTables segments,
+                      ExtraOperands extras,
                       ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                       ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                       float scale, int64_t window_left, int64_t window_right, bool bottom_right,
                       int64_t tile, int64_t num_splits, float softcap) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, segments, {o, lse, o_partial, lse_partial},
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, extras, {o, lse, o_partial, lse_partial},
                                          scale, window_left, window_right, bottom_right, tile,
                                          num_splits, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -90,37 +90,46 @@ ffi::Error CpuPagedForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                        ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout,
                        ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                       ffi::AnyBuffer diag_offsets, SegmentTables segments, ffi::Result<ffi::AnyBuffer> dq,
+                       ffi::AnyBuffer diag_offsets, ExtraOperands extras, ffi::Result<ffi::AnyBuffer> dq,
                        ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                        ffi::Result<ffi::AnyBuffer> dq_accum, float scale, int64_t window_left,
                        int64_t window_right, bool bottom_right, bool deterministic, int64_t tile, float softcap) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
-                                           diag_offsets, segments},
+                                           diag_offsets, extras},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 
-// The target versions (decode.h): v3 passes the segment tables, v2 has none,
-// v1 neither them nor the soft-cap attribute.
+// The target versions (decode.h): v4 passes the segment tables and the ALiBi
+// slopes, v3 the tables only, v2 neither, v1 not the soft-cap attribute either.
 using Buf = ffi::AnyBuffer;
+constexpr auto CpuForwardV4 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
+                                 Buf kv_seg, Buf alibi, auto... rest) {
+  return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
+};
+constexpr auto CpuBackwardV4 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, auto... rest) {
+  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi},
+                     rest...);
+};
 constexpr auto CpuForwardV3 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, auto... rest) {
-  return CpuForward(pool, q, k, v, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+  return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg}, rest...);
 };
 constexpr auto CpuForwardV2 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, auto... rest) {
-  return CpuForward(pool, q, k, v, ql, kvl, diag, SegmentTables{}, rest...);
+  return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CpuBackwardV3 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
                                   Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, auto... rest) {
-  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg}, rest...);
 };
 constexpr auto CpuBackwardV2 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
                                   Buf kvl, Buf diag, auto... rest) {
-  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{}, rest...);
+  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CpuForwardV1 = [](auto... args) { return CpuForwardV2(args..., 0.f); };
 constexpr auto CpuPagedForwardV1 = [](auto... args) { return CpuPagedForward(args..., 0.f); };
@@ -128,9 +137,13 @@ constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackwardV2(args..., 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForwardV4,
+                              BindForward<4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV3, CpuForwardV3,
                               BindForward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackward, CpuBackwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackward, CpuBackwardV4,
+                              BindBackward<4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV3, CpuBackwardV3,
                               BindBackward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV2, CpuForwardV2,
                               BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -11,13 +11,13 @@ namespace {
 
 ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                       ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
-                      SegmentTables segments,
+                      ExtraOperands extras,
                        ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                        ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                        float scale, int64_t window_left, int64_t window_right, bool bottom_right,
                        int64_t tile, int64_t num_splits, float softcap) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, segments, {o, lse, o_partial, lse_partial},
+  JAXFLASH_RETURN_IF_ERROR(DecodeForward(q, k, v, q_lengths, kv_lengths, diag_offsets, extras, {o, lse, o_partial, lse_partial},
                                          scale, window_left, window_right, bottom_right, tile,
                                          num_splits, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -45,7 +45,7 @@ ffi::Error CudaPagedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                         ffi::AnyBuffer dout, ffi::AnyBuffer dlse, ffi::AnyBuffer q_lengths,
-                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets, SegmentTables segments,
+                        ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets, ExtraOperands extras,
                         ffi::Result<ffi::AnyBuffer> dq,
                         ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                         ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
@@ -53,7 +53,7 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         bool deterministic, int64_t tile, float softcap) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
-                                           diag_offsets, segments},
+                                           diag_offsets, extras},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -70,23 +70,32 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
-// The target versions (decode.h): v3 passes the segment tables, v2 has none,
-// v1 neither them nor the soft-cap attribute.
+// The target versions (decode.h): v4 passes the segment tables and the ALiBi
+// slopes, v3 the tables only, v2 neither, v1 not the soft-cap attribute either.
 using Buf = ffi::AnyBuffer;
+constexpr auto CudaForwardV4 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
+                                 Buf kv_seg, Buf alibi, auto... rest) {
+  return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
+};
+constexpr auto CudaBackwardV4 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, auto... rest) {
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi},
+                     rest...);
+};
 constexpr auto CudaForwardV3 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, auto... rest) {
-  return CudaForward(stream, q, k, v, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+  return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg}, rest...);
 };
 constexpr auto CudaForwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, auto... rest) {
-  return CudaForward(stream, q, k, v, ql, kvl, diag, SegmentTables{}, rest...);
+  return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CudaBackwardV3 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
                                   Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, auto... rest) {
-  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{&q_seg, &kv_seg}, rest...);
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg}, rest...);
 };
 constexpr auto CudaBackwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
                                   Buf kvl, Buf diag, auto... rest) {
-  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, SegmentTables{}, rest...);
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CudaForwardV1 = [](auto... args) { return CudaForwardV2(args..., 0.f); };
 constexpr auto CudaPagedForwardV1 = [](auto... args) { return CudaPagedForward(args..., 0.f); };
@@ -94,10 +103,16 @@ constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackwardV2(args...
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForwardV4,
+                              BindForward<4>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV3, CudaForwardV3,
                               BindForward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackward, CudaBackwardV4,
+                              BindBackward<4>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV3, CudaBackwardV3,
                               BindBackward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV2, CudaForwardV2,

@@ -159,14 +159,25 @@ inline const int32_t* PerBatch(ffi::AnyBuffer buf) {
   return buf.element_count() == 0 ? nullptr : static_cast<const int32_t*>(buf.untyped_data());
 }
 
-// The segment tables of the v3 targets (params.h, SegmentField): int32
-// [batch, q_len, kSegmentFields] and [batch, kv_len, kSegmentFields], both or
-// neither (empty arrays: no segment ids). Null: a target version without them.
-struct SegmentTables {
+// The operands newer target versions add: the segment tables of v3
+// (params.h, SegmentField: int32 [batch, q_len, kSegmentFields] and [batch,
+// kv_len, kSegmentFields], both or neither; empty arrays: no segment ids) and
+// the ALiBi slopes of v4 (float32 [batch, q_heads]; empty: none). Null: a
+// target version without them.
+struct ExtraOperands {
   const ffi::AnyBuffer* q = nullptr;
   const ffi::AnyBuffer* kv = nullptr;
+  const ffi::AnyBuffer* alibi = nullptr;
 };
-inline ffi::Error DecodeSegments(SegmentTables t, const AttentionShape& s, int num_splits, MaskParams* mask) {
+inline ffi::Error DecodeAlibi(ExtraOperands t, const AttentionShape& s, int num_splits, const float** out) {
+  if (t.alibi == nullptr || t.alibi->element_count() == 0) return ffi::Error::Success();
+  if (t.alibi->element_type() != ffi::DataType::F32) return Invalid("alibi slopes must be float32");
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("alibi slopes", t.alibi->dimensions(), {s.q_heads}, s.batch));
+  if (num_splits > 1) return Invalid("split-KV (num_splits > 1) does not take alibi slopes");
+  *out = static_cast<const float*>(t.alibi->untyped_data());
+  return ffi::Error::Success();
+}
+inline ffi::Error DecodeSegments(ExtraOperands t, const AttentionShape& s, int num_splits, MaskParams* mask) {
   if (t.q == nullptr || t.kv == nullptr) return ffi::Error::Success();
   if (t.q->element_type() != ffi::DataType::S32 || t.kv->element_type() != ffi::DataType::S32) {
     return Invalid("segment tables must be int32");
@@ -260,7 +271,7 @@ inline ffi::Error DecodeOutputs(ForwardOutputs out, ffi::AnyBuffer q, int64_t nu
 // Everything both platforms decode for the forward call.
 inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                 ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                                ffi::AnyBuffer diag_offsets, SegmentTables segments, ForwardOutputs out, float scale,
+                                ffi::AnyBuffer diag_offsets, ExtraOperands extras, ForwardOutputs out, float scale,
                                 int64_t window_left, int64_t window_right, bool bottom_right, int64_t tile,
                                 int64_t num_splits, FwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(q, k, v, &p->shape, &p->dtype));
@@ -270,7 +281,8 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
-  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(segments, p->shape, p->num_splits, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(extras, p->shape, p->num_splits, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(extras, p->shape, p->num_splits, &p->alibi));
   p->mask.diag_offsets = PerBatch(diag_offsets);
   p->scale = scale;
   p->q = q.untyped_data();
@@ -336,7 +348,7 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
 
 struct BackwardBuffers {
   ffi::AnyBuffer q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets;
-  SegmentTables segments;
+  ExtraOperands extras;
 };
 
 // `delta` and `dq_accum` are outputs the caller never reads: the backward's
@@ -367,7 +379,8 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
                                        {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
                                        p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
-  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.segments, p->shape, 1, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.extras, p->shape, 1, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(in.extras, p->shape, 1, &p->alibi));
   p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
   p->deterministic = deterministic;
@@ -402,8 +415,9 @@ auto WithForwardResults(Binding binding) {
 }
 
 // The target versions (module.cc): v1; v2 = v1 + the `softcap` attribute;
-// v3 = v2 + the two segment-table operands after diagonal_offsets (forward
-// and backward; the paged forward stops at v2). A binding cannot be moved,
+// v3 = v2 + the two segment-table operands after diagonal_offsets; v4 = v3 +
+// the ALiBi slopes operand after them (forward and backward; the paged forward
+// stops at v2). A binding cannot be moved,
 // only built, so each step takes a function `make` that builds the one before.
 template <int kVersion, typename Make>
 auto WithSoftcap(Make make) {
@@ -415,7 +429,11 @@ auto WithSoftcap(Make make) {
 }
 template <int kVersion, typename Make>
 auto WithSegments(Make make) {
-  if constexpr (kVersion >= 3) {
+  if constexpr (kVersion >= 4) {
+    return make().template Arg<ffi::AnyBuffer>()  // query segment table
+        .template Arg<ffi::AnyBuffer>()           // key segment table
+        .template Arg<ffi::AnyBuffer>();          // ALiBi slopes
+  } else if constexpr (kVersion >= 3) {
     return make().template Arg<ffi::AnyBuffer>()  // query segment table
         .template Arg<ffi::AnyBuffer>();          // key segment table
   } else {

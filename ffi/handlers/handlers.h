@@ -7,6 +7,8 @@ extern "C" {
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuForwardV3(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuBackwardV3(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForwardV1(XLA_FFI_CallFrame* call_frame);
@@ -16,6 +18,8 @@ XLA_FFI_Error* JaxflashCpuBackwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaForwardV3(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBackwardV3(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV1(XLA_FFI_CallFrame* call_frame);

@@ -175,12 +175,18 @@ struct PagedKv {
 // c * tanh(u / c) before masking (Gemma-style capping; the backward multiplies
 // the score gradient by 1 - tanh^2). 0: scores as they are. An infinite u
 // becomes +-c, a NaN stays NaN.
+//
+// ALiBi slopes ([batch, q_heads] float32, null: none) add -slope * |i +
+// offset_b - j| to the score of row i and key j after the soft-cap and before
+// masking (offset_b as in MaskParams: the row's diagonal). The slopes are
+// constants: no gradient is computed for them (common/alibi.h).
 struct FwdParams {
   AttentionShape shape;
   DType dtype = DType::kFloat32;
   MaskParams mask;
   float scale = 1.0f;    // multiplies q·k before the softmax
   float softcap = 0.0f;  // > 0: the logit soft-cap (above)
+  const float* alibi = nullptr;  // ALiBi slopes [batch, q_heads] (above); null: none
   // Tile choice: 0 = the tile table, k in [1, 63] = candidate k (tuning and
   // tests; a candidate the build lacks is an error); adding kTileSm80 runs the
   // sm80 kernels even on a GPU with a newer path (so the Ampere path is
@@ -218,6 +224,7 @@ struct BwdParams {
   MaskParams mask;
   float scale = 1.0f;
   float softcap = 0.0f;  // as FwdParams::softcap
+  const float* alibi = nullptr;  // as FwdParams::alibi
   bool deterministic = false;  // bit-identical results run to run
   int tile = 0;                // as FwdParams::tile, for the backward kernels
 

@@ -235,18 +235,22 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
 // units (read from `lse` as it goes, or from registers read earlier).
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores before
 // the exponent instead of scaling them (masked pairs are zeroed after it, as
-// without a cap).
+// without a cap); `alibi` adds ALiBi's bias after the cap.
 template <int kQT, typename LseLog2>
 __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                                   int key0, LseLog2&& lse_at, int lane, float scale_log2,
-                                                  SoftCap cap = {}) {
+                                                  SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On()) {
+  if (cap.On() || alibi.On()) {
 #pragma unroll
     for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.On() ? cap.Apply(s[nt][i]) : s[nt][i] * scale_log2;
     scale_log2 = 1.f;
+    if (alibi.On()) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
+    }
   }
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt) {
@@ -276,16 +280,25 @@ __device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int
 template <int kQT>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2,
-                                              SoftCap cap = {}) {
+                                              SoftCap cap = {}, AlibiBias alibi = {}) {
   KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
-                    scale_log2, cap);
+                    scale_log2, cap, alibi);
 }
+
+// Where a soft-capped backward's pairs lie, for ALiBi's bias in the cap's
+// slope (SlopeFromProb reads the capped score back from P, whose exponent
+// holds the bias too): the tile's first query row and key, as KeyMajorProbs
+// and QueryMajorProbs take them.
+struct PairOrigin {
+  int r0 = 0, key0 = 0;
+};
 
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta (and lse, read only under a
 // soft-cap, whose slope multiplies dS) hold the tile's values.
 template <int kQT>
 __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
-                                           int lane, const float* lse = nullptr, SoftCap cap = {}) {
+                                           int lane, const float* lse = nullptr, SoftCap cap = {},
+                                           AlibiBias alibi = {}, PairOrigin at = {}) {
   const int t = lane & 3;
   if (cap.On()) {
 #pragma unroll
@@ -293,7 +306,8 @@ __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int q = nt * 8 + 2 * t + (i & 1);
-        dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[q]) * cap.SlopeFromProb(p[nt][i], lse[q] * kLog2e);
+        const float bias = alibi.On() ? alibi.At(at.r0 + q, at.key0 + (lane >> 2) + (i >> 1) * 8) : 0.f;
+        dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[q]) * cap.SlopeFromProb(p[nt][i], lse[q] * kLog2e - bias);
       }
     return;
   }
@@ -327,14 +341,18 @@ struct RowStats {
 template <int kNT>
 __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowStats& rs, const MaskPolicy& pol,
                                                 bool full, int row0, int c0, int lane, float scale_log2,
-                                                SoftCap cap = {}) {
+                                                SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On()) {
+  if (cap.On() || alibi.On()) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.On() ? cap.Apply(s[nt][i]) : s[nt][i] * scale_log2;
     scale_log2 = 1.f;
+    if (alibi.On()) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) alibi.Add<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
+    }
   }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
@@ -355,13 +373,18 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
 // dP -> dS = P ∘ (dP - delta) in place.
 template <int kNT>
 __device__ __forceinline__ void QueryMajorDs(const float (&p)[kNT][4], float (&dp)[kNT][4], const RowStats& rs,
-                                             SoftCap cap = {}) {
+                                             SoftCap cap = {}, AlibiBias alibi = {}, PairOrigin at = {}, int lane = 0) {
   if (cap.On()) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        dp[nt][i] = p[nt][i] * (dp[nt][i] - rs.delta[i >> 1]) * cap.SlopeFromProb(p[nt][i], rs.lse_log2[i >> 1]);
+      for (int i = 0; i < 4; ++i) {
+        const float bias = alibi.On() ? alibi.At(at.r0 + (lane >> 2) + (i >> 1) * 8,
+                                                 at.key0 + nt * 8 + 2 * (lane & 3) + (i & 1))
+                                      : 0.f;
+        dp[nt][i] = p[nt][i] * (dp[nt][i] - rs.delta[i >> 1]) *
+                    cap.SlopeFromProb(p[nt][i], rs.lse_log2[i >> 1] - bias);
+      }
     return;
   }
 #pragma unroll

@@ -19,6 +19,7 @@
 // recomputation must not need the other lanes.
 #pragma once
 
+#include "common/alibi.h"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "jaxflash/params.h"
@@ -42,26 +43,27 @@ __device__ __forceinline__ float At(const T* row, int d) {
 }
 
 // The visible pair (query row `q_row` with its LSE and delta, key `k_row` /
-// `v_row`): P, and dS when a backward needs it.
+// `v_row`): P, and dS when a backward needs it. `bias2` is the pair's ALiBi
+// bias in log2 units (common/alibi.h; 0 without).
 struct ExactPair {
   float prob, ds, slope;  // slope: d score / d (scale q·k), 1 - tanh^2 under a soft-cap
 };
 template <typename T>
 __device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, float scale, float softcap, float lse,
-                                           int dim) {
+                                           int dim, float bias2 = 0.f) {
   float score = RowDot(q_row, k_row, dim) * scale, slope = 1.f;
   if (softcap > 0.f) {  // score_mod.cuh's cap in natural units, with tanhf
     const float th = tanhf(score / softcap);
     score = softcap * th;
     slope = 1.f - th * th;
   }
-  return {Exp2((score - lse) * kLog2e), 0.f, slope};
+  return {Exp2((score - lse) * kLog2e + bias2), 0.f, slope};
 }
 template <typename T>
 __device__ __forceinline__ ExactPair PairOf(const BwdParams& p, const T* q_row, const T* do_row, const T* k_row,
-                                           const T* v_row, int64_t stat) {
+                                           const T* v_row, int64_t stat, float bias2) {
   const int dim = static_cast<int>(p.shape.head_dim);
-  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim);
+  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim, bias2);
   pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]) * pair.slope;
   return pair;
 }
@@ -156,6 +158,8 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
                                                 Store&& store) {
   const ExactQueryRow<T, kSegments> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
+  const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
+  const float diagonal = Alibi::Diagonal(r.pol, row);
 #pragma unroll 1
   for (int dt = 0; dt < kDT; ++dt) {
     const int col = dt * 8 + 2 * t;
@@ -163,7 +167,8 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {
       if (!r.Sees(j)) continue;
-      const float prob = PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim).prob;
+      const float prob =
+          PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim, alibi.Bias(diagonal, static_cast<float>(j))).prob;
       acc.x += prob * At(r.Value(j), col);
       acc.y += prob * At(r.Value(j), col + 1);
     }
@@ -183,10 +188,13 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   const ExactQueryRow<T> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
+  const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
+  const float diagonal = Alibi::Diagonal(r.pol, row);
   for_columns([&](int, float& x, float& y) { x = y = 0.f; });
   for (int j = r.begin; j < r.end; ++j) {
     if (!r.Sees(j)) continue;
-    const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat).ds;
+    const float ds =
+        PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat, alibi.Bias(diagonal, static_cast<float>(j))).ds;
     const T* k = r.Key(j);
     for_columns([&](int col, float& x, float& y) {
       x += ds * At(k, col);
@@ -236,8 +244,9 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
     const int64_t q_off = ExactQOffset(sh, batch, head, row);
     const T* q_row = static_cast<const T*>(p.q) + q_off;
     const T* do_row = static_cast<const T*>(p.dout) + q_off;
+    const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key));
     const ExactPair pair =
-        PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row);
+        PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row, bias2);
     ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int col) {
       dk[dt][2 * half] += pair.ds * At(q_row, col);
       dk[dt][2 * half + 1] += pair.ds * At(q_row, col + 1);

@@ -125,24 +125,33 @@ struct SameRow {
 // per-element test; `r0` is the CTA's first row, `query_row` maps a row to the
 // query row the mask knows.
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores instead
-// of scaling them; with a cap, kScale must be true.
+// of scaling them, and `alibi` adds ALiBi's bias after that; with either,
+// kScale must be true, and QueryRow the identity (the decode kernels, whose
+// rows mix heads, take no ALiBi slopes: their launcher routes such calls elsewhere).
 template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
-                                             QueryRow query_row = {}, SoftCap cap = {}) {
+                                             QueryRow query_row = {}, SoftCap cap = {}, AlibiBias alibi = {}) {
+  const int g = lane >> 2, t = lane & 3;
   if constexpr (kScale) {
-    if (cap.On()) {  // uniform: capped calls take this loop, the others the one below
+    if (cap.On() || alibi.On()) {  // uniform: such calls take this loop, the others the one below
 #pragma unroll
       for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.Apply(s[mt][nt][i]);
+          for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.On() ? cap.Apply(s[mt][nt][i]) : s[mt][nt][i] * scale_log2;
+      if (alibi.On()) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+            alibi.Add<true>(s[mt], half, r0 + warp_row0 + mt * 16 + g + half * 8, c0 + 2 * t);
+      }
       ScaleAndMask<false>(s, pol, full, r0, warp_row0, c0, lane, 1.f, query_row);
       return;
     }
   }
-  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

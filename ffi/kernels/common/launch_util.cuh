@@ -67,13 +67,15 @@ Status LaunchForwardGrid(const FwdParams& p, int rows, int threads, size_t smem,
   return CheckLaunch(what);
 }
 
-// Whether a tile serves a call's extras. A logit soft-cap (score_mod.cuh) and
-// segment ids (mask.h) cost registers some tiles do not have; those say so
-// (kTakesSoftCap, kTakesSegments: measured by building with spills as errors)
-// and their launchers route such calls to a tile that takes them.
+// Whether a tile serves a call's extras. A logit soft-cap and ALiBi slopes
+// (score_mod.cuh) and segment ids (mask.h) cost registers some tiles do not
+// have; those say so (kTakesSoftCap, kTakesAlibi, kTakesSegments: measured by
+// building with spills as errors) and their launchers route such calls to a
+// tile that takes them.
 template <typename Tile, typename Params>
 bool TileTakes(const Params& p) {
-  return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments);
+  return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments) &&
+         (p.alibi == nullptr || Tile::kTakesAlibi);
 }
 
 // Tile::kWarpSpecialised where a tile family says it, else false.

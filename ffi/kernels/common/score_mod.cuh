@@ -1,5 +1,5 @@
 // How the CUDA kernels modify a score before the softmax: the logit soft-cap
-// of params.h, on scores in the log2 units every kernel works in (x = scale *
+// of params.h and ALiBi's bias (below), on scores in the log2 units every kernel works in (x = scale *
 // log2(e) * q·k becomes cap2 * tanh(x / cap2), cap2 = softcap * log2(e)).
 //
 // Kept in one place for the forward tiles (fwd_blocks.cuh's ScaleAndMask),
@@ -9,6 +9,7 @@
 // tile, so it pays nothing.
 #pragma once
 
+#include "common/alibi.h"
 #include "jaxflash/params.h"
 
 namespace jaxflash {
@@ -78,6 +79,50 @@ struct SoftCap {
   __device__ __forceinline__ float SlopeFromProb(float p, float lse2) const {
     const float th = (Log2Approx(p) + lse2) * inv;
     return p > 0.f ? 1.f - th * th : 0.f;
+  }
+};
+
+// ALiBi (common/alibi.h) in the tensor-core kernels: the bias of this lane's
+// accumulator entries. An accumulator row (half = 0, 1: rows g and g + 8 of a
+// 16-row slab) is one position, its columns col0 + nt * 8 + j (col0 = the
+// tile's first column + 2t). Distances are float differences; the positions
+// are converted once per row and per tile, not per element.
+struct AlibiBias {
+  float neg_slope2 = 0.f;  // -slope * log2(e); 0: no bias (the kernels skip it)
+  float offset = 0.f;      // the policy's diagonal offset
+
+  // The bias of (batch, query head) under `pol`; with kTakes false, none (a
+  // tile whose registers cannot hold it: its launcher never gives it slopes).
+  // Built per tile where it is used, like SoftCap::Of: the empty asm keeps
+  // the compiler from loading the slope once and holding it (and the offset)
+  // across a kernel's loop.
+  template <bool kTakes = true, typename Params>
+  __device__ __forceinline__ static AlibiBias Of(const Params& p, const MaskPolicy& pol, int batch, int head) {
+    AlibiBias a;
+    if constexpr (kTakes) {
+      asm volatile("" : "+r"(head));
+      a.neg_slope2 = Alibi::Of(p.alibi, batch, head, p.shape.q_heads).neg_slope2;
+      a.offset = static_cast<float>(pol.offset);
+    }
+    return a;
+  }
+  __device__ __forceinline__ bool On() const { return neg_slope2 != 0.f; }
+
+  // Adds the bias to s; `row` is the position of accumulator row `half`, and
+  // kRowsAreQueries says whether rows are query rows (columns keys) or keys.
+  template <bool kRowsAreQueries, int kT>
+  __device__ __forceinline__ void Add(float (&s)[kT][4], int half, int row, int col0) const {
+    // |q + offset - k| with q, k the row and column in either order.
+    const float r = kRowsAreQueries ? static_cast<float>(row) + offset : static_cast<float>(row) - offset;
+    const float c = static_cast<float>(col0);
+#pragma unroll
+    for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += neg_slope2 * fabsf(r - (c + float(nt * 8 + j)));
+  }
+  // The bias of one pair (the soft-capped backward's slope, SlopeFromProb).
+  __device__ __forceinline__ float At(int query, int key) const {
+    return neg_slope2 * fabsf(static_cast<float>(query) + offset - static_cast<float>(key));
   }
 };
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "jaxflash/launch.h"
+#include "common/alibi.h"
 #include "common/mask.h"
 #include "cpu/tile.h"
 
@@ -62,6 +63,7 @@ struct BackwardTile {
   float ds[kRowsPerTile * kKeysPerTile];  // dP, then dS
   float lse2[kRowsPerTile];               // LSE in base 2
   float delta[kRowsPerTile];
+  float bias[kKeysPerTile];               // one row's ALiBi bias (soft-capped calls)
   float acc_a[kKeysPerTile * kMaxHeadDim];  // dK (pass 2) or dQ (pass 3)
   float acc_b[kKeysPerTile * kMaxHeadDim];  // dV (pass 2)
   float st[kKeysPerTile * kRowsPerTile];    // P transposed (pass 2)
@@ -115,6 +117,7 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
   RowsTimesTransposed(t.dout, rows, g.dim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
   const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
   const bool capped = p.softcap > 0;
+  const Alibi alibi = Alibi::Of(p.alibi, b, h, p.shape.q_heads);
   for (int r = 0; r < rows; ++r) {
     float* s = t.s + r * kKeysPerTile;
     float* ds = t.ds + r * kKeysPerTile;
@@ -127,15 +130,23 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
     }
     const float lse2 = t.lse2[r];
     if (capped) {
-      // dS with respect to the uncapped score: times the cap's slope 1 - tanh^2.
+      // dS with respect to the uncapped score: times the cap's slope 1 - tanh^2
+      // of the capped score (before ALiBi's bias, which only shifts P's exponent).
       const SoftCap cap{p.softcap};
+      float* bias = t.bias;
+      const float diagonal = Alibi::Diagonal(mask, r0 + r);
+      for (int c = 0; c < cols; ++c) bias[c] = alibi.Bias(diagonal, static_cast<float>(c0 + c));
       for (int c = 0; c < cols; ++c) {  // vectorised
         const float th = cap.TanhOf(s[c]);
-        const float prob = Exp2(s[c] - lse2);
+        const float prob = Exp2(s[c] + bias[c] - lse2);
         s[c] = prob;
         ds[c] = prob * (ds[c] - t.delta[r]) * (1.f - th * th);
       }
       continue;
+    }
+    if (alibi.On()) {
+      const float diagonal = Alibi::Diagonal(mask, r0 + r);
+      for (int c = 0; c < cols; ++c) s[c] += alibi.Bias(diagonal, static_cast<float>(c0 + c));
     }
     for (int c = 0; c < cols; ++c) {  // vectorised
       const float prob = Exp2(s[c] - lse2);

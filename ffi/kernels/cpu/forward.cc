@@ -13,6 +13,7 @@
 #include <cmath>
 #include <vector>
 
+#include "common/alibi.h"
 #include "common/decode.h"
 #include "common/mask.h"
 #include "cpu/tile.h"
@@ -92,6 +93,14 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     RowsTimesTransposed(t.q, valid_rows, dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
     if (p.softcap > 0) {
       for (int r = 0; r < valid_rows; ++r) SoftCap{p.softcap}.Apply(t.s + r * kKeysPerTile, cols);
+    }
+    if (p.alibi != nullptr) {  // each packed row has its own head's slope
+      for (int r = 0; r < valid_rows; ++r) {
+        const Alibi alibi = Alibi::Of(p.alibi, b, packed.Head(static_cast<int>(kv_head), r0 + r), sh.q_heads);
+        const float diagonal = Alibi::Diagonal(mask, packed.QueryRow(r0 + r));
+        float* s = t.s + r * kKeysPerTile;
+        for (int c = 0; c < cols; ++c) s[c] += alibi.Bias(diagonal, static_cast<float>(c0 + c));
+      }
     }
 
     const bool full = mask.TileIsFull(packed.QueryRow(r0), packed.QueryRow(r0 + valid_rows - 1) + 1, c0, c0 + cols);

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/alibi.h"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "common/score_mod.cuh"
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
   const Geometry g{p.shape};
   const MaskPolicy mask = MaskPolicy::For(p.mask, p.shape.q_len, p.shape.kv_len, p.q_lengths,
                                           p.kv_lengths, b);
+  const Alibi alibi = Alibi::Of(p.alibi, b, h, p.shape.q_heads);  // common/alibi.h
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -147,6 +149,7 @@ __global__ void __launch_bounds__(kThreads, 2) ForwardKernel(FwdParams p) {
     if (Bit(vis, lane)) {
       s = Dot(qs + warp * dim, ks + lane * stride, dim);
       if (cap.On()) s = cap.ApplyExact(s, &th);
+      s += alibi.Bias(Alibi::Diagonal(mask, row), static_cast<float>(key));  // (0 without slopes)
     }
     const float new_max = MaxNaN(row_max, WarpMax(s));
     if (new_max == -INFINITY) continue;  // warp-uniform
@@ -248,6 +251,7 @@ __global__ void __launch_bounds__(kThreads, 2) QueryGradKernel(BwdParams p, cons
     if (Bit(vis, lane)) {
       float score = Dot(qs + warp * dim, ks + lane * stride, dim), th = 0.f;
       if (cap.On()) score = cap.ApplyExact(score, &th);
+      score += Alibi::Of(p.alibi, b, h, p.shape.q_heads).Bias(Alibi::Diagonal(mask, row), float(c0 + lane));
       const float prob = exp2f(score - lse2);
       ds = prob * (Dot(dos + warp * dim, vs + lane * stride, dim) - row_delta) * (1.f - th * th);
     }
@@ -319,6 +323,7 @@ __global__ void __launch_bounds__(kThreads, 2) KeyValueGradKernel(BwdParams p, c
       if (Bit(vis, lane)) {
         float score = Dot(qs + lane * stride, ks + warp * dim, dim), th = 0.f;
         if (cap.On()) score = cap.ApplyExact(score, &th);
+        score += Alibi::Of(p.alibi, b, h, p.shape.q_heads).Bias(Alibi::Diagonal(mask, i0 + lane), float(key));
         prob = exp2f(score - lse2[lane]);
         ds = prob * (Dot(dos + lane * stride, vs + warp * dim, dim) - deltas[lane]) * (1.f - th * th);
       }

@@ -156,8 +156,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 
     // ---- Pᵀ and dSᵀ; a tile only partly visible is masked per element.
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, sLse + buf * kM, lane, scale_log2, tc::SoftCap::Of(p));
-    tc::KeyMajorDs(s, dp, sDelta + buf * kM, lane, sLse + buf * kM, tc::SoftCap::Of(p));
+    const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, batch, kv_head * group + it / q_tiles.count);
+    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, sLse + buf * kM, lane, scale_log2, tc::SoftCap::Of(p), alibi);
+    tc::KeyMajorDs(s, dp, sDelta + buf * kM, lane, sLse + buf * kM, tc::SoftCap::Of(p), alibi, {r0, c0 + key_w});
 
     // ---- dV += Pᵀ dO and dK += dSᵀ Q over this CTA's output columns
 #pragma unroll
@@ -275,8 +276,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p));
-    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p));
+    const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, blk.batch, blk.head);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p), alibi);
+    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p), alibi, {r0 + row_w, c0}, lane);
 
     // ---- dQ += dS K
 #pragma unroll

@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- scale into log2 units; mask only tiles the policy does not fully admit
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p));
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p),
+                     tc::AlibiBias::Of(p, pol, blockIdx.z, blockIdx.y));  // (batch, head: held, they spilled)
 
     softmax.Update(s, o);
 

@@ -67,6 +67,7 @@ struct DkDvTile {
   // forced (LaunchBackward); forced with a cap, they refuse the call.
   static constexpr bool kTakesSoftCap = !(kD == 64 && kM == 128);
   static constexpr bool kTakesSegments = kTakesSoftCap;  // their tables spilled the same tiles (20 bytes)
+  static constexpr bool kTakesAlibi = kTakesSoftCap;
 };
 
 template <typename T, typename Tile>
@@ -165,8 +166,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // ---- Sᵀ, dPᵀ (64 keys x kM queries per warpgroup); Pᵀ while dPᵀ runs;
     // then dV += Pᵀ dO is issued
     float s[kQT][4], dp[kQT][4];
+    const tc::AlibiBias alibi =
+        tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, batch, kv_head * group + it / q_tiles.count);
     KeyMajorScores<T, KVTile, QTile, kD, kM>(s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0, c0 + key_w, kN, lse,
-                                             lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+                                             lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
     uint32_t pa[kM / 16][4];
     tc::PackAFragments<T>(s, pa);
     WgmmaFence();
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     // ---- dSᵀ while dV runs; then dK += dSᵀ Q
     WgmmaWait<1>();
     FenceAccumulator(dp);
-    tc::KeyMajorDs(s, dp, delta, lane, lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+    tc::KeyMajorDs(s, dp, delta, lane, lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, {r0, c0 + key_w});
     uint32_t da[kM / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();
@@ -205,6 +208,7 @@ struct DqTile {
   static constexpr int kStages = 2;
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
+  static constexpr bool kTakesAlibi = true;
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
   // Q, dO, then two stages of K and V; +1024 for the alignment of the base.
@@ -287,10 +291,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DqKernel(con
     WgmmaWait<1>();
     FenceAccumulator(s);
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2, tc::SoftCap::Of(p));
+    const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, blk.batch, blk.head);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + warp_row0, c0, lane, scale_log2, tc::SoftCap::Of(p), alibi);
     WgmmaWait<0>();
     FenceAccumulator(dp);
-    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p));
+    tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p), alibi, {r0 + warp_row0, c0}, lane);
     uint32_t da[kN / 16][4];
     tc::PackAFragments<T>(dp, da);
     WgmmaFence();
@@ -316,6 +321,7 @@ struct BwdTile {
   using DkDv = DkDv_;
   static constexpr bool kTakesSoftCap = DkDv_::kTakesSoftCap && Dq_::kTakesSoftCap;
   static constexpr bool kTakesSegments = DkDv_::kTakesSegments && Dq_::kTakesSegments;
+  static constexpr bool kTakesAlibi = DkDv_::kTakesAlibi && Dq_::kTakesAlibi;
   using Dq = Dq_;
 };
 template <int kD>
@@ -355,7 +361,7 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
   using DkDv = typename Tile::DkDv;
   using Dq = typename Tile::Dq;
   if (!TileTakes<Tile>(p)) {
-    return Status::Unimplemented("this forced sm90 backward tile takes no logit soft-cap or segment ids");
+    return Status::Unimplemented("this forced sm90 backward tile takes no logit soft-cap, ALiBi or segment ids");
   }
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
       p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::kSmemBytes}, {Dq::kM, 1, Dq::kThreads, Dq::kSmemBytes},
@@ -436,7 +442,7 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
     return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);
   }
   // A cached preference was measured on the warp-specialised passes, without extras.
-  const bool extras = p.softcap > 0.f || p.mask.q_segments != nullptr;
+  const bool extras = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
   const int requested = extras && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
   using Candidates = typename BwdCandidates<kD>::type;
   const int pick = Candidates::PickTaking(BwdTilePick(kD, p.mask.window_right >= 0), p);

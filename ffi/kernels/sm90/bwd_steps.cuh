@@ -18,7 +18,7 @@ template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLse
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int c0, int key0, int kN, const float* lse, int lane,
-                                               float scale_log2, tc::SoftCap cap = {}) {
+                                               float scale_log2, tc::SoftCap cap = {}, tc::AlibiBias alibi = {}) {
   float lse_log2[kLseFirst ? kM / 8 : 1][2];
   if constexpr (kLseFirst) {
 #pragma unroll
@@ -36,9 +36,9 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
   if constexpr (kLseFirst) {
     tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
-                          scale_log2, cap);
+                          scale_log2, cap, alibi);
   } else {
-    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2, cap);
+    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2, cap, alibi);
   }
 }
 

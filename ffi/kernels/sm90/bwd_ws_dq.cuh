@@ -60,6 +60,7 @@ struct WsDqTile {
   static constexpr int kM = 64 * kConsumers;  // query rows per CTA
   static constexpr bool kTakesSoftCap = kD_ == 128;  // as WsBwdTile's
   static constexpr bool kTakesSegments = true;
+  static constexpr bool kTakesAlibi = kD_ == 128;  // as the soft-cap
   static constexpr int kThreads = 128 * (kConsumers + 1);
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
@@ -305,11 +306,12 @@ __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<
         FenceAccumulator(s);
         const int c0 = nb * kN;
         const bool full = pol.TileIsFull(own_r0, own_r0 + 64, c0, c0 + kN);
+        const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, w.batch, w.head);
         tc::QueryMajorProbs(s, rows, pol, full, w.r0 + warp_row0, c0, lane, scale_log2,
-                            tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+                            tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
         WgmmaWait<kPrev ? 1 : 0>();  // dP
         FenceAccumulator(dp);
-        tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+        tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, {w.r0 + warp_row0, c0}, lane);
         if constexpr (kPrev) {
           WgmmaWait<0>();  // the previous dQ: its stage is read
           FenceAccumulator(dq);

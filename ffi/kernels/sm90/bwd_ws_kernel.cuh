@@ -69,6 +69,7 @@ struct WsBwdTile {
   // with the cap's code; capped calls there take another pass (LaunchBackward).
   static constexpr bool kTakesSoftCap = kD_ == 128 && !kWithDq_;
   static constexpr bool kTakesSegments = true;
+  static constexpr bool kTakesAlibi = kD_ == 128 && !kWithDq_;  // as the soft-cap
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
   static constexpr int kD = kD_;
@@ -170,9 +171,10 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
     // three-consumer D 64 tile, at 160 registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
+    const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it));
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,
-                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -187,7 +189,8 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<0>();
     }
     FenceAccumulator(dp);
-    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi,
+                   {in.r0, w.C0() + key_w});
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)

@@ -36,6 +36,7 @@ struct FwdTile {
   // D 64, whose register cap their code spilled (88 bytes).
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = !(kD_ == 64 && kCtasPerSm_ == 3);
+  static constexpr bool kTakesAlibi = kTakesSegments;
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kM = 64 * kWarpGroups;
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -138,7 +139,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- scale into log2 units, mask, online softmax
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p));
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p),
+                     tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, blk.batch, blk.head));
     float alpha[2];
     softmax.Scores(s, alpha);
 

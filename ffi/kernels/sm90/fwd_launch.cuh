@@ -114,7 +114,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   // A cached preference (`python -m jaxflash.tune`) was measured without a cap
   // or segment ids, on grids that fill the GPU: it yields to those; a forced
   // tile does not.
-  bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr;
+  bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
   if (p.softcap > 0.f) {
     pick = FwdSoftCapPick(kD, pick);
   } else if (SmallGrid<kD>(p, device, pick)) {
@@ -131,7 +131,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   return Candidates::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);
     if (!TileTakes<Tile>(p)) {
-      return Status::Unimplemented("this forced sm90 forward tile takes no logit soft-cap or segment ids");
+      return Status::Unimplemented("this forced sm90 forward tile takes no logit soft-cap, ALiBi or segment ids");
     }
     if constexpr (Tile::kWarpSpecialised) {
       return LaunchWsForward<T, Tile>(p, device, stream);

@@ -86,6 +86,9 @@ struct WsFwdTile {
   // consumers' registers (24-56 bytes), so such calls run another candidate
   // (at D 128 the one of 64-key tiles, whose scores take half the registers).
   static constexpr bool kTakesSegments = !(kN == 128 && (kD == 128 || kConsumers == 3));
+  // Whether it takes ALiBi slopes: where it takes the soft-cap (the same
+  // registers: a bias per score between the products).
+  static constexpr bool kTakesAlibi = kTakesSoftCap;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -351,13 +354,15 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
-          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f)) {
+          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f) &&
+              (!Tile::kTakesAlibi || p.alibi == nullptr)) {
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
             return softmax.Scores<true>(s, alpha, scale_log2);
           }
           // The cap is built from the parameters here, per tile (score_mod.cuh).
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
-                           tc::SoftCap::Of<Tile::kTakesSoftCap>(p));
+                           tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
+                           tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
           return softmax.Scores<true>(s, alpha);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds

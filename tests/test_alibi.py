@@ -1,0 +1,134 @@
+"""ALiBi: `alibi_slopes` against float64 truth.
+
+The score of row i and key j gains -slope * |i + offset - j| (reference.alibi_bias;
+numpy_reference.alibi_bias), the offset being the row's diagonal under the causal
+alignment and the lengths. Native on the default backend (C++ on a CPU, CUDA on a
+GPU) and xla; the jnp derivatives give forward mode and ring attention's blocks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from conftest import HAS_GPU, random_inputs
+from test_native import check_forward, check_gradients
+
+
+def slopes(heads: int, base: float = 8.0) -> np.ndarray:
+  """The ALiBi paper's geometric slopes 2^(-base (n + 1) / heads), float32."""
+  return (2.0 ** (-base * (np.arange(heads) + 1) / heads)).astype(np.float32)
+
+
+# (B, T, S, N, K, D): ragged lengths; GQA 1, 4 and 8; head dims off the powers of two.
+SHAPES = [(2, 37, 61, 4, 4, 40), (1, 70, 70, 8, 2, 64), (2, 45, 45, 8, 1, 32)]
+MASKS = ["none", "causal", "window", "lengths_causal_bottom_right"]
+
+
+@pytest.mark.parametrize("shape, dtype", [(s, jnp.float32) for s in SHAPES] +
+                         [(SHAPES[1], jnp.bfloat16)], ids=str)
+@pytest.mark.parametrize("mask", MASKS)
+def test_native_forward(rng, shape, mask, dtype):
+  check_forward(rng, shape, mask, dtype, alibi=slopes(shape[3]))
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_gradients(rng, mask, dtype):
+  check_gradients(rng, SHAPES[0], mask, dtype, alibi=slopes(SHAPES[0][3]))
+
+
+def test_composes_with_soft_cap_and_segment_ids(rng):
+  """The cap applies first, the bias after it; segment ids and per-batch slopes with it."""
+  shape = (2, 48, 48, 4, 2, 32)
+  ids = lambda rng, B, T, S: (jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32),) * 2
+  per_batch = np.stack([slopes(4), slopes(4, base=4.0)])
+  for segs in (None, ids):
+    check_forward(rng, shape, "causal", jnp.float32, magnitude=2.0, softcap=5.0, alibi=per_batch,
+                  segments=segs)
+    check_gradients(rng, shape, "causal", jnp.float32, magnitude=2.0, softcap=5.0,
+                    alibi=per_batch, segments=segs)
+
+
+def test_forward_mode_vmap_and_batch_axes(rng):
+  q, k, v = random_inputs(rng, 2, 33, 45, 4, 2, 32, jnp.float32)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  f = lambda impl, s=slopes(4): lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, causal_alignment="bottom_right", alibi_slopes=s,
+      implementation=impl)
+  _, got = jax.jvp(f(None), (q, k, v), tangents)
+  _, want = jax.jvp(f("xla"), (q, k, v), tangents)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  # vmap over a leading axis (slopes closed over), and [*batch, heads] slopes.
+  got = jax.vmap(f(None))(q[:, None], k[:, None], v[:, None])[:, 0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(f("xla")(q, k, v)), atol=2e-5)
+  per_batch = np.stack([slopes(4), slopes(4, base=2.0)])[None]       # [1, 2, heads]
+  x4 = lambda x: x[None]
+  got = f(None, per_batch)(x4(q), x4(k), x4(v))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(f("xla", per_batch)(x4(q), x4(k), x4(v))),
+                             atol=2e-5)
+
+
+def test_zero_slopes_are_the_plain_call_and_nan_slopes_stay(rng):
+  q, k, v = random_inputs(rng, 1, 20, 20, 2, 2, 16, jnp.float32)
+  plain = jaxflash.dot_product_attention(q, k, v, is_causal=True)
+  zero = jaxflash.dot_product_attention(q, k, v, is_causal=True, alibi_slopes=np.zeros(2, np.float32))
+  np.testing.assert_array_equal(np.asarray(plain), np.asarray(zero))
+  biased = jaxflash.dot_product_attention(q, k, v, is_causal=True, alibi_slopes=slopes(2))
+  assert float(jnp.max(jnp.abs(biased - plain))) > 1e-2
+  nan = jaxflash.dot_product_attention(q, k, v, is_causal=True,
+                                       alibi_slopes=np.array([np.nan, 0.5], np.float32))
+  assert np.isnan(np.asarray(nan[..., 0, :])).all() and np.isfinite(np.asarray(nan[..., 1, :])).all()
+
+
+def test_slopes_get_no_gradient_and_bad_slopes_are_refused():
+  q = jnp.ones((1, 4, 2, 8), jnp.float32)
+  g = jax.grad(lambda s: jaxflash.dot_product_attention(q, q, q, alibi_slopes=s).sum())(
+      jnp.ones(2, jnp.float32))
+  np.testing.assert_array_equal(np.asarray(g), 0)   # constants, as documented
+  for bad, match in [(np.ones(3, np.float32), "alibi_slopes must have shape"),
+                     (np.ones((2, 2), np.float32), "alibi_slopes must have shape"),
+                     (np.ones(2, np.int32), "floating-point"), ("slopes", "must be an array")]:
+    with pytest.raises((TypeError, ValueError), match=match):
+      jaxflash.dot_product_attention(q, q, q, alibi_slopes=bad)
+  s = slopes(2)
+  with pytest.raises(ValueError, match="num_splits > 1"):
+    jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, num_splits=2)
+  with pytest.raises(ValueError, match="pallas"):
+    jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, implementation="pallas")
+  with pytest.raises(ValueError, match="extra keywords"):
+    jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, implementation="cudnn")
+
+
+# On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too) and the SIMT
+# kernels (float32), forward and backward, with a soft-cap and segment ids as well.
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+def test_gpu_kernels(rng, dtype, mask):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in SHAPES + [(1, 300, 300, 4, 1, 128), (1, 200, 260, 4, 2, 256), (2, 1, 500, 8, 2, 128)]:
+    check_forward(rng, shape, mask, dtype, alibi=slopes(shape[3]))
+    if shape[1] > 1:
+      check_gradients(rng, shape, mask, dtype, alibi=slopes(shape[3]))
+  shape = (1, 300, 300, 4, 2, 128)
+  check_forward(rng, shape, mask, dtype, magnitude=2.0, softcap=5.0, alibi=slopes(4))
+  check_gradients(rng, shape, mask, dtype, magnitude=2.0, softcap=5.0, alibi=slopes(4))
+  ids = lambda rng, B, T, S: (jnp.asarray(np.sort(rng.integers(0, 4, (B, T)), axis=1), jnp.int32),) * 2
+  if mask != "lengths_causal_bottom_right":
+    check_gradients(rng, shape, mask, dtype, alibi=slopes(4), segments=ids)
+
+
+@pytest.mark.gpu
+def test_gpu_sm80_kernels(rng):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  from jaxflash import _native
+  with _native.forced_tile(0, sm80=True):
+    for shape in [(1, 300, 300, 4, 2, 64), (1, 200, 200, 4, 2, 128)]:
+      check_forward(rng, shape, "causal", jnp.bfloat16, alibi=slopes(4))
+      check_gradients(rng, shape, "causal", jnp.bfloat16, alibi=slopes(4), softcap=5.0)
