@@ -67,16 +67,25 @@ OPTIONAL_PEERS = {"fa3": "flash_attn3_jax", "tokamax": "tokamax"}
 
 # The logit soft-cap of the `*_softcap` peers (set from --softcap in main).
 SOFTCAP = 30.0
+# Score modifiers a jaxflash peer's name may end with: the call then takes it.
+MODIFIERS = ("_softcap", "_alibi")
 
 
-def jax_impl(name, causal, backward):
-  cap = None
+def alibi_slopes(heads: int) -> np.ndarray:
+  """The `*_alibi` peers' slopes: the ALiBi paper's 2^(-8 (n + 1) / heads)."""
+  return (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
+
+
+def jax_impl(name, causal, backward, heads=None):
+  extra = {}
   if name.endswith("_softcap"):   # default_softcap, native_softcap, pallas_softcap
-    name, cap = name[:-len("_softcap")], SOFTCAP
+    name, extra = name[:-len("_softcap")], dict(logits_soft_cap=SOFTCAP)
+  elif name.endswith("_alibi"):   # default_alibi, native_alibi
+    name, extra = name[:-len("_alibi")], dict(alibi_slopes=alibi_slopes(heads))
   if name in JAXFLASH_IMPLEMENTATIONS or name == "default":
     impl = None if name == "default" else name
     attn = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, is_causal=causal,
-                                                           implementation=impl, logits_soft_cap=cap)
+                                                           implementation=impl, **extra)
   elif name == "fa3":
     import flash_attn3_jax
     attn = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=causal)
@@ -136,7 +145,7 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
           fn = compiled_with_backward(BACKWARD_MODES[name], jax_impl("native", causal, backward),
                                       args)
         else:
-          fn = jax_impl(name, causal, backward)
+          fn = jax_impl(name, causal, backward, heads=H)
         t = time_fn(fn, args, reps, repeats)
       rows[name] = flops(B, H, S, S, D, causal, backward) / t / 1e12
     except Exception as e:  # a peer that cannot run this shape is reported, not fatal
@@ -146,7 +155,8 @@ def bench_shape(B, H, S, D, causal, backward, peers, reps, repeats, kv_heads=Non
 
 def is_peer(name) -> bool:
   """A library other than jaxflash (the ratios' denominators)."""
-  name = name.removesuffix("_softcap")
+  for suffix in MODIFIERS:
+    name = name.removesuffix(suffix)
   return not (name.startswith("native") or name in JAXFLASH_IMPLEMENTATIONS or name == "default")
 
 
@@ -160,8 +170,8 @@ def ratios(rows, check_default: bool) -> str:
     out += "".join(f"  {n}/best={rows[n] / peers[best]:.2f}" for n in ("native", "default")
                    if n in rows) + f" (best peer {best})"
   # The soft-cap's cost: the capped call's time over the same call's without it.
-  out += "".join(f"  {n} softcap cost={rows[n] / rows[n + '_softcap']:.2f}x"
-                 for n in ("default", *JAXFLASH_IMPLEMENTATIONS) if n in rows and n + "_softcap" in rows)
+  out += "".join(f"  {n} {m[1:]} cost={rows[n] / rows[n + m]:.2f}x" for m in MODIFIERS
+                 for n in ("default", *JAXFLASH_IMPLEMENTATIONS) if n in rows and n + m in rows)
   own = {n: rows[n] for n in JAXFLASH_IMPLEMENTATIONS if n in rows}
   if check_default and own and "default" in rows:
     fastest = max(own, key=own.get)
@@ -199,7 +209,8 @@ def main():
                   help="comma-separated, of default, native, native_fused, native_two_kernel, "
                        "native_deterministic, pallas, cudnn, fa3, tokamax, xla, torch_flash, "
                        "torch_cudnn, and default_softcap, native_softcap, pallas_softcap (with "
-                       "logits_soft_cap=--softcap); torch_* are skipped when torch has no GPU, fa3 "
+                       "logits_soft_cap=--softcap), default_alibi, native_alibi (ALiBi slopes "
+                       "2^(-8 (n+1) / heads)); torch_* are skipped when torch has no GPU, fa3 "
                        "and tokamax when their package does not import")
   ap.add_argument("--softcap", type=float, default=30.0,
                   help="the logit soft-cap of the *_softcap peers")

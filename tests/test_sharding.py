@@ -291,6 +291,28 @@ def test_segment_ids_shard_with_their_rows(rng):
 
 
 @child_only
+def test_alibi_slopes_shard_with_their_heads(rng):
+  """ALiBi: slopes split with the query heads run locally (no collective); with the
+  sequence sharded the ring measures each block's distances from global positions."""
+  shape = (4, 32, 32, 8, 2, 16)
+  slopes = (2.0 ** -np.arange(1, 9)).astype(np.float32)
+  kw = dict(is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes,
+            key_value_seq_lengths=jnp.array([32, 20, 7, 31], jnp.int32))
+  inputs = _inputs(rng, shape, jnp.float32, kw)
+  f = jax.jit(_call(kw))
+  unsharded = f(*inputs)
+  for spec in (P("x", None, "y"), P(None, "y")):
+    mesh = _mesh((4, 2), ("x", "y"))
+    rows = NamedSharding(mesh, spec)
+    stats = NamedSharding(mesh, P(*spec[:3]))   # dlse [B, T, N]
+    placed = [jax.device_put(x, s) for x, s in zip(inputs, (rows, rows, rows, rows, stats))]
+    if len(spec) > 2:
+      assert _collectives(f.lower(*placed).compile()) == []
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), f(*placed), unsharded):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@child_only
 def test_data_times_sequence_parallel(rng):
   """Batch over one mesh axis, sequence over the other (the trainer's --mesh)."""
   mesh = _mesh((2, 4), ("data", "seq"))

@@ -35,7 +35,10 @@ MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(key_value_seq_lengths=None),  # ragged keys: padding inside the tensor
          # segment ids: packed documents (sorted), and ids at random (intervals with gaps)
          dict(is_causal=True, segments="packed", key_value_seq_lengths=None),
-         dict(local_window_size=(9, 4), segments="scattered")]
+         dict(local_window_size=(9, 4), segments="scattered"),
+         # ALiBi slopes (per query head), alone and with a soft-cap and packed ids
+         dict(is_causal=True, causal_alignment="bottom_right", alibi=True, key_value_seq_lengths=None),
+         dict(alibi=True, logits_soft_cap=5.0, segments="packed")]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
@@ -46,11 +49,14 @@ def main():
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   ap.add_argument("--segments-only", action="store_true",
                   help="the training sweep's calls with segment ids only")
+  ap.add_argument("--alibi-only", action="store_true",
+                  help="the training sweep's calls with ALiBi slopes only")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   if not args.decode_only:
     dims = {int(d) for d in args.head_dims.split(",") if d}
-    masks = [m for m in MASKS if "segments" in m] if args.segments_only else MASKS
+    masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
+             [m for m in MASKS if "alibi" in m] if args.alibi_only else MASKS)
     print(f"sanitizer sweep: {training_sweep(rng, dims, masks)} configurations, forward and backward")
     if args.training_only:
       return
@@ -75,6 +81,8 @@ def training_sweep(rng, dims, masks=MASKS):
              for L in (T, S)]
       mask = dict(mask, query_segment_ids=ids[0].astype(np.int32),
                   key_value_segment_ids=ids[1].astype(np.int32))
+    if mask.pop("alibi", False):
+      mask = dict(mask, alibi_slopes=(2.0 ** -rng.uniform(0, 8, N)).astype(np.float32))
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
     v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)

@@ -241,16 +241,21 @@ __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const Mask
                                                   int key0, LseLog2&& lse_at, int lane, float scale_log2,
                                                   SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On() || alibi.On()) {
+  if (cap.On()) {
 #pragma unroll
     for (int nt = 0; nt < kQT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.On() ? cap.Apply(s[nt][i]) : s[nt][i] * scale_log2;
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
     scale_log2 = 1.f;
-    if (alibi.On()) {
+  }
+  if (alibi.On()) {  // (after the cap: the scores in log2 units)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
-    }
+    for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
+    scale_log2 = 1.f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
   }
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt) {
@@ -343,16 +348,21 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
                                                 bool full, int row0, int c0, int lane, float scale_log2,
                                                 SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On() || alibi.On()) {
+  if (cap.On()) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.On() ? cap.Apply(s[nt][i]) : s[nt][i] * scale_log2;
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
     scale_log2 = 1.f;
-    if (alibi.On()) {
+  }
+  if (alibi.On()) {  // (after the cap: the scores in log2 units)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) alibi.Add<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
-    }
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
+    scale_log2 = 1.f;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) alibi.Add<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
   }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)

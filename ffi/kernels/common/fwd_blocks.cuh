@@ -132,16 +132,29 @@ template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
                                              QueryRow query_row = {}, SoftCap cap = {}, AlibiBias alibi = {}) {
-  const int g = lane >> 2, t = lane & 3;
   if constexpr (kScale) {
-    if (cap.On() || alibi.On()) {  // uniform: such calls take this loop, the others the one below
+    // Uniform branches: capped calls take the first, ALiBi's without a cap the
+    // second, the others the loop below. (One branch for both, with a select
+    // per score, spilled the 128-key D 128 forward tiles.)
+    const bool capped = cap.On();
+    if (capped || alibi.On()) {
+      if (capped) {
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+          for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.On() ? cap.Apply(s[mt][nt][i]) : s[mt][nt][i] * scale_log2;
+            for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.Apply(s[mt][nt][i]);
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) s[mt][nt][i] *= scale_log2;
+      }
       if (alibi.On()) {
+        const int g = lane >> 2, t = lane & 3;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
@@ -152,6 +165,7 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
       return;
     }
   }
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll

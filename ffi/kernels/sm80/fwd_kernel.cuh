@@ -37,6 +37,13 @@ struct FwdTile {
   // Two 4-warp CTAs share an SM (each may use 255 registers per thread); an
   // 8-warp CTA has the SM's registers to itself.
   static constexpr int kCtasPerSm = kWarps <= 4 ? 2 : 1;
+  // The extras a tile takes (launch_util.cuh, TileTakes): all, but ALiBi's
+  // bias where two CTAs share an SM with two m16 tiles of 80 keys or more
+  // per warp (its code spilled 64-92 bytes); such calls run another
+  // candidate of the bucket.
+  static constexpr bool kTakesSoftCap = true;
+  static constexpr bool kTakesSegments = true;
+  static constexpr bool kTakesAlibi = !(kCtasPerSm == 2 && kMT * kN >= 160);
   // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
   // different 16-byte bank groups, so ldmatrix is conflict-free.
   static constexpr int kStride = kD + 8;
@@ -173,7 +180,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     // ---- scale into log2 units; mask only tiles the policy does not fully admit
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
     tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p),
-                     tc::AlibiBias::Of(p, pol, blockIdx.z, blockIdx.y));  // (batch, head: held, they spilled)
+                     tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, blockIdx.z, blockIdx.y));  // (held: spilled)
 
     softmax.Update(s, o);
 
@@ -214,8 +221,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool causal = p.mask.window_right >= 0;
-  return FwdCandidates<kD>::type::With(p.tile, FwdTilePick(kD, causal), [&](auto tile) {
+  using Candidates = typename FwdCandidates<kD>::type;
+  const int pick = Candidates::PickTaking(FwdTilePick(kD, causal), p);
+  return Candidates::With(p.tile, pick, [&](auto tile) {
     using Tile = decltype(tile);
+    if (!TileTakes<Tile>(p)) return Status::Unimplemented("this forced sm80 forward tile takes no ALiBi slopes");
     return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::template SmemBytes<T>(), device,
                                                  stream, "attention forward");
   });

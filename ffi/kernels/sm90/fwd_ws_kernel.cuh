@@ -86,9 +86,9 @@ struct WsFwdTile {
   // consumers' registers (24-56 bytes), so such calls run another candidate
   // (at D 128 the one of 64-key tiles, whose scores take half the registers).
   static constexpr bool kTakesSegments = !(kN == 128 && (kD == 128 || kConsumers == 3));
-  // Whether it takes ALiBi slopes: where it takes the soft-cap (the same
-  // registers: a bias per score between the products).
-  static constexpr bool kTakesAlibi = kTakesSoftCap;
+  // Whether it takes ALiBi slopes: at D 128 with 64-key tiles (with 128 keys
+  // its code spilled the consumers: 204 bytes).
+  static constexpr bool kTakesAlibi = kTakesSoftCap && kN == 64;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
