@@ -119,6 +119,18 @@ struct SameRow {
   __device__ __forceinline__ int operator()(int r) const { return r; }
 };
 
+// Adds ALiBi's bias (score_mod.cuh) to a query-major score tile: this warp's
+// rows from `row0`, key tile [c0, c0 + kNT * 8).
+template <int kMT, int kNT>
+__device__ __forceinline__ void AddAlibi(float (&s)[kMT][kNT][4], const AlibiBias& alibi, int row0, int c0,
+                                         int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) alibi.Add<true>(s[mt], half, row0 + mt * 16 + g + half * 8, c0 + 2 * t);
+}
+
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
 // (unless kScale is false: MaskScores) and sets the entries the mask hides to
 // -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
@@ -153,14 +165,7 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
 #pragma unroll
             for (int i = 0; i < 4; ++i) s[mt][nt][i] *= scale_log2;
       }
-      if (alibi.On()) {
-        const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            alibi.Add<true>(s[mt], half, r0 + warp_row0 + mt * 16 + g + half * 8, c0 + 2 * t);
-      }
+      if (alibi.On()) AddAlibi(s, alibi, r0 + warp_row0, c0, lane);
       ScaleAndMask<false>(s, pol, full, r0, warp_row0, c0, lane, 1.f, query_row);
       return;
     }

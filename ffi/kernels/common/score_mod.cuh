@@ -107,18 +107,26 @@ struct AlibiBias {
     return a;
   }
   __device__ __forceinline__ bool On() const { return neg_slope2 != 0.f; }
+  // The bias in units of raw products q·k, for kernels that fold the scale
+  // (`scale_log2` > 0) into the softmax's exponent: bias / scale_log2.
+  __device__ __forceinline__ AlibiBias InRawUnits(float scale_log2) const {
+    AlibiBias a = *this;
+    a.neg_slope2 = neg_slope2 / scale_log2;
+    return a;
+  }
 
   // Adds the bias to s; `row` is the position of accumulator row `half`, and
   // kRowsAreQueries says whether rows are query rows (columns keys) or keys.
+  // |q + offset - k| with q, k the row and column in either order is
+  // |base - (nt * 8 + j)|, base = row +- offset - col0 converted once: per
+  // score one subtraction of a constant and one FFMA (with |.|).
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void Add(float (&s)[kT][4], int half, int row, int col0) const {
-    // |q + offset - k| with q, k the row and column in either order.
-    const float r = kRowsAreQueries ? static_cast<float>(row) + offset : static_cast<float>(row) - offset;
-    const float c = static_cast<float>(col0);
+    const float base = static_cast<float>(row - col0) + (kRowsAreQueries ? offset : -offset);
 #pragma unroll
     for (int nt = 0; nt < kT; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += neg_slope2 * fabsf(r - (c + float(nt * 8 + j)));
+      for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += neg_slope2 * fabsf(base - float(nt * 8 + j));
   }
   // The bias of one pair (the soft-capped backward's slope, SlopeFromProb).
   __device__ __forceinline__ float At(int query, int key) const {

@@ -38,12 +38,11 @@ struct FwdTile {
   // 8-warp CTA has the SM's registers to itself.
   static constexpr int kCtasPerSm = kWarps <= 4 ? 2 : 1;
   // The extras a tile takes (launch_util.cuh, TileTakes): all, but ALiBi's
-  // bias where two CTAs share an SM with two m16 tiles of 80 keys or more
-  // per warp (its code spilled 64-92 bytes); such calls run another
-  // candidate of the bucket.
+  // bias where two CTAs share an SM with two m16 tiles of 128 keys per warp
+  // (its code spilled 16 bytes); such calls run another candidate of the bucket.
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = !(kCtasPerSm == 2 && kMT * kN >= 160);
+  static constexpr bool kTakesAlibi = !(kCtasPerSm == 2 && kMT * kN >= 256);
   // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
   // different 16-byte bank groups, so ldmatrix is conflict-free.
   static constexpr int kStride = kD + 8;

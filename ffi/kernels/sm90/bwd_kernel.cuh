@@ -67,7 +67,7 @@ struct DkDvTile {
   // forced (LaunchBackward); forced with a cap, they refuse the call.
   static constexpr bool kTakesSoftCap = !(kD == 64 && kM == 128);
   static constexpr bool kTakesSegments = kTakesSoftCap;  // their tables spilled the same tiles (20 bytes)
-  static constexpr bool kTakesAlibi = kTakesSoftCap && kD != 256;  // D 256: ALiBi's code spilled 8 bytes
+  static constexpr bool kTakesAlibi = kTakesSoftCap && !(kD == 256 && kWarpGroups == 1);  // (that one spilled 8 bytes)
 };
 
 template <typename T, typename Tile>

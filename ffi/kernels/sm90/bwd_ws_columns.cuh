@@ -39,7 +39,7 @@ struct WsBwdColumnTile {
   static constexpr bool kSharedKeys = true;
   static constexpr bool kTakesSoftCap = false;  // as WsBwdTile's: D 256 has no registers to spare
   static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = false;  // as the soft-cap
+  static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
   static constexpr int kD = kD_;

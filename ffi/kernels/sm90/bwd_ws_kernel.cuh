@@ -69,7 +69,7 @@ struct WsBwdTile {
   // with the cap's code; capped calls there take another pass (LaunchBackward).
   static constexpr bool kTakesSoftCap = kD_ == 128 && !kWithDq_;
   static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = kD_ == 128 && !kWithDq_;  // as the soft-cap
+  static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
   static constexpr int kD = kD_;

@@ -36,9 +36,8 @@ struct FwdTile {
   // D 64, whose register cap their code spilled (88 bytes).
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = !(kD_ == 64 && kCtasPerSm_ == 3);
-  // ALiBi's bias: not where a warpgroup's scores are 128 x 128 keys at D 128
-  // or 64 keys at D 256 (its code spilled them: 48 and 12 bytes).
-  static constexpr bool kTakesAlibi = kTakesSegments && kD_ * kN_ < 128 * 128;
+  // ALiBi's bias: as segment ids (its code spilled the three-CTA D 64 tile too).
+  static constexpr bool kTakesAlibi = kTakesSegments;
   static constexpr int kCtasPerSm = kCtasPerSm_;
   static constexpr int kM = 64 * kWarpGroups;
   static constexpr int kThreads = 128 * kWarpGroups;

@@ -86,9 +86,10 @@ struct WsFwdTile {
   // consumers' registers (24-56 bytes), so such calls run another candidate
   // (at D 128 the one of 64-key tiles, whose scores take half the registers).
   static constexpr bool kTakesSegments = !(kN == 128 && (kD == 128 || kConsumers == 3));
-  // Whether it takes ALiBi slopes: at D 128 with 64-key tiles (with 128 keys
-  // its code spilled the consumers: 204 bytes).
-  static constexpr bool kTakesAlibi = kTakesSoftCap && kN == 64;
+  // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
+  // scale-folded exponent): not at D 256, nor at D 64 with three or four
+  // consumers and O apart, whose consumers it spilled (28-264 bytes).
+  static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -354,8 +355,11 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
-          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f) &&
-              (!Tile::kTakesAlibi || p.alibi == nullptr)) {
+          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f)) {
+            if constexpr (Tile::kTakesAlibi) {  // the bias in raw units: the scale stays in the exponent
+              const tc::AlibiBias alibi = tc::AlibiBias::Of(p, w.pol, w.tile.batch, w.tile.head);
+              if (alibi.On()) tc::AddAlibi(s, alibi.InRawUnits(scale_log2), r0 + warp_row0, c0, lane);
+            }
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
             return softmax.Scores<true>(s, alpha, scale_log2);
           }
