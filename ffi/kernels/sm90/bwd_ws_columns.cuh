@@ -95,7 +95,8 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
     KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
-                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2);
+                                             in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2,
+                                             {}, tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it)));
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
