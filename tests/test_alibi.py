@@ -3,7 +3,8 @@
 The score of row i and key j gains -slope * |i + offset - j| (reference.alibi_bias;
 numpy_reference.alibi_bias), the offset being the row's diagonal under the causal
 alignment and the lengths. Native on the default backend (C++ on a CPU, CUDA on a
-GPU) and xla; the jnp derivatives give forward mode and ring attention's blocks.
+GPU), Pallas (the interpreter on a CPU) and xla; the jnp derivatives give native's
+forward mode and ring attention's blocks, Pallas has a tangent kernel.
 """
 
 from __future__ import annotations
@@ -97,10 +98,26 @@ def test_slopes_get_no_gradient_and_bad_slopes_are_refused():
   s = slopes(2)
   with pytest.raises(ValueError, match="num_splits > 1"):
     jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, num_splits=2)
-  with pytest.raises(ValueError, match="pallas"):
-    jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, implementation="pallas")
   with pytest.raises(ValueError, match="extra keywords"):
     jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, implementation="cudnn")
+
+
+@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right"])
+def test_pallas(rng, mask):
+  """The Pallas kernels (forward, dQ and dK/dV, tangent; the CPU interpreter here) with
+  slopes, a soft-cap beside them; a short query runs the unsplit kernel, not decode's."""
+  shape = (1, 24, 40, 4, 2, 16)
+  check_forward(rng, shape, mask, jnp.float32, implementation="pallas", alibi=slopes(4))
+  check_gradients(rng, shape, mask, jnp.float32, implementation="pallas", alibi=slopes(4),
+                  softcap=5.0, magnitude=2.0)
+  check_forward(rng, (2, 1, 40, 4, 1, 16), mask, jnp.float32, implementation="pallas",
+                alibi=slopes(4))
+  q, k, v = random_inputs(rng, 1, 24, 40, 4, 2, 16, jnp.float32)
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, alibi_slopes=slopes(4), implementation=impl)
+  np.testing.assert_allclose(np.asarray(jax.jvp(f("pallas"), (q, k, v), tangents)[1]),
+                             np.asarray(jax.jvp(f("xla"), (q, k, v), tangents)[1]), atol=2e-5)
 
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too) and the SIMT
@@ -121,6 +138,18 @@ def test_gpu_kernels(rng, dtype, mask):
   ids = lambda rng, B, T, S: (jnp.asarray(np.sort(rng.integers(0, 4, (B, T)), axis=1), jnp.int32),) * 2
   if mask != "lengths_causal_bottom_right":
     check_gradients(rng, shape, mask, dtype, alibi=slopes(4), segments=ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_pallas(rng, dtype):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in [(1, 300, 300, 4, 2, 64), (2, 129, 200, 8, 1, 128), (2, 1, 500, 8, 2, 128)]:
+    for mask in ("causal", "lengths_causal_bottom_right"):
+      check_forward(rng, shape, mask, dtype, implementation="pallas", alibi=slopes(shape[3]))
+      if shape[1] > 1:
+        check_gradients(rng, shape, mask, dtype, implementation="pallas", alibi=slopes(shape[3]))
 
 
 @pytest.mark.gpu

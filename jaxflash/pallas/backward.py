@@ -6,7 +6,8 @@ dK/dV     grid (kv blocks, B, Hkv). For one K/V block, walks the query heads
 dQ        grid (q blocks, B, Hq). Same walk as the forward, accumulates dS K.
 
 With a soft-cap, dS (w.r.t. the capped score s) becomes dS_u = dS (1 - (s/c)^2),
-w.r.t. u = scale * q . k, before it meets K or Q (`Scores.chain`).
+w.r.t. u = scale * q . k, before it meets K or Q (`Scores.chain`). ALiBi's bias
+enters P's exponent only (`Alibi`).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxflash.pallas.blocks import (
-    Mask, Scores, dot, exact_where_nan, lse_log2, query_block, three_ranges, zero_padding)
+    Alibi, Mask, Scores, dot, exact_where_nan, lse_log2, query_block, take_slopes, three_ranges,
+    zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, PallasConfig, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up)
+    round_up, slope_operands)
 
 __all__ = ["pallas_backward"]
 
@@ -34,13 +36,14 @@ __all__ = ["pallas_backward"]
 # ---------------------------------------------------------------------------
 
 
-def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, scores: Scores, left: int,
-               right: int, bottom_right: bool, block_q: int, block_k: int,
+def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
+               left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
                num_q_blocks: int):
+  slope_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = take_slopes(refs, alibi)
   mask, r0, rows, (lo, a, bb, hi) = query_block(
       q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
       block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+  bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   do = zero_padding(do_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
@@ -53,10 +56,10 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
     k = k_ref[pl.ds(start, block_k), :]
     v = v_ref[pl.ds(start, block_k), :]
     s = scores.log2(dot(q, k, 1, 1))
-    p = jnp.exp2(s - lse2[:, None])
+    cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    p = jnp.exp2(bias.add(s, rows, cols) - lse2[:, None])
     visible = None
     if masked:
-      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       visible = mask.visible(rows, cols)
       p = jnp.where(visible, p, 0.0)
       k = zero_padding(k, cols.T, mask.kv_valid)
@@ -81,7 +84,8 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
       s = scores.log2(jnp.sum(qf * kj, axis=1))
-      ds = scores.chain(jnp.exp2(s - lse2) * (jnp.sum(dof * vj, axis=1) - delta), s)
+      ds = scores.chain(jnp.exp2(bias.add(s, rows[:, 0], j) - lse2) *
+                        (jnp.sum(dof * vj, axis=1) - delta), s)
       return acc + jnp.where(mask.visible(rows, j), ds[:, None] * kj, 0.0)
 
     acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
@@ -91,12 +95,18 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_
   dq_ref[...] = (dq * scores.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                 delta_ref, dk_ref, dv_ref, *, scores: Scores, left: int, right: int,
-                 bottom_right: bool, block_q: int, block_k: int, group: int):
+def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
+                 left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
+                 group: int):
+  slope_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = take_slopes(
+      refs, alibi)
   kj = pl.program_id(0)
   b = pl.program_id(1)
   mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  # The bias of query head g of this K/V head's group (the program id read here,
+  # outside the loops: the interpreter lowers it only at the top level).
+  first_head = b * heads + pl.program_id(2) * group
+  bias_of = lambda g: Alibi.of(slope_ref, first_head + g, mask)
   c0 = kj * block_k
   last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
   cols_exist = last_col >= c0
@@ -122,10 +132,10 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
     lse2 = lse_log2(lse)
     # Transposed tiles [bk, bq], so that no P^T is ever formed.
     st = scores.log2(dot(k, q, 1, 1))
-    pt = jnp.exp2(st - lse2[None, :])
+    rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
+    pt = jnp.exp2(bias_of(g).add(st, rows, cols) - lse2[None, :])
     visible = None
     if masked:
-      rows = start + jnp.arange(block_q, dtype=jnp.int32)[None, :]
       visible = mask.visible(rows, cols)
       pt = jnp.where(visible, pt, 0.0)
       q = zero_padding(q, rows.T, mask.q_valid)
@@ -157,7 +167,7 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
       doi = do_ref[pl.ds(i, 1), g, :].astype(jnp.float32)
       lse2 = lse_log2(lse_ref[g, pl.ds(i, 1)])
       st = scores.log2(jnp.sum(kf * qi, axis=1))
-      pt = jnp.exp2(st - lse2)
+      pt = jnp.exp2(bias_of(g).add(st, i, cols[:, 0]) - lse2)
       dst = scores.chain(pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)]), st)
       vis = mask.visible(i, cols)
       return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
@@ -181,12 +191,12 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, do_ref, ls
 def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                     scale: float, window_left: int, window_right: int,
                     bottom_right: bool, config: PallasConfig | None = None,
-                    diagonal_offsets=None, softcap: float = 0.0):
+                    diagonal_offsets=None, softcap: float = 0.0, alibi=None):
   """Attention backward with the Pallas kernels.
 
   Args:
     q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
-    bottom_right, config, diagonal_offsets, softcap: as for
+    bottom_right, config, diagonal_offsets, softcap, alibi: as for
     :func:`pallas_forward`.
     o, lse: the outputs of :func:`pallas_forward` (or of any implementation
       of the same contract).
@@ -223,8 +233,9 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   delta = jnp.where(has_keys[:, None, :], delta, 0.0)
   lse = lse.astype(jnp.float32)
 
-  common = dict(scores=Scores(float(scale), float(softcap)), left=int(window_left),
-                right=int(window_right), bottom_right=bool(bottom_right))
+  common = dict(scores=Scores(float(scale), float(softcap)), alibi=alibi is not None, heads=hq,
+                left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right))
+  slopes, slope_specs = slope_operands(alibi, batch, hq)
   def params(tile_m, tile_n):
     if cfg.interpret:
       return None
@@ -253,16 +264,16 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                          lambda i, b, h: (b, 0, h // group, 0))
   row_spec = pl.BlockSpec((None, None, bq_dq),
                           lambda i, b, h: (b, h, nq - 1 - i))
-  operands = same_varying_axes(q_len, kv_len, offsets, qp, kp, vp, dop, lsep, deltap)
+  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, qp, kp, vp, dop, lsep, deltap)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
                         num_q_blocks=nq,
                         **common),
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
                 q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
-      out_shape=output((batch, t_all, hq, dp), q.dtype, operands[3]),
+      out_shape=output((batch, t_all, hq, dp), q.dtype, operands[-1]),
       interpret=cfg.interpret,
       compiler_params=params(bq_dq, bk_dq),
       name="jaxflash_pallas_bwd_dq",
@@ -279,11 +290,11 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                         group=group,
                         **common),
       grid=(nk, batch, hkv),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
                 qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
       out_specs=[kblk_spec, kblk_spec],
-      out_shape=[output((batch, s_all, hkv, dp), k.dtype, operands[3]),
-                 output((batch, s_all, hkv, dp), v.dtype, operands[3])],
+      out_shape=[output((batch, s_all, hkv, dp), k.dtype, operands[-1]),
+                 output((batch, s_all, hkv, dp), v.dtype, operands[-1])],
       interpret=cfg.interpret,
       compiler_params=params(bk_dkv, bq_dkv),
       name="jaxflash_pallas_bwd_dkdv",

@@ -1,7 +1,8 @@
 """What the Pallas attention kernels share inside a program.
 
 The mask rule of one batch element (`Mask`), the ranges of blocks a program
-walks, the scores (`Scores`: scale and optional soft-cap) and the tile helpers
+walks, the scores (`Scores`: scale and optional soft-cap; `Alibi`: ALiBi's
+bias) and the tile helpers
 every kernel uses: the float32 tile product, the zeroing of padding rows and
 keys, the pair-by-pair recomputation of a block that shows a NaN, and the
 base-2 LSE.
@@ -178,6 +179,36 @@ class Scores:
     if visible is not None:
       slope = jnp.where(visible, slope, 0.0)
     return ds * slope
+
+
+@dataclasses.dataclass(frozen=True)
+class Alibi:
+  """ALiBi's bias inside a program: -slope * |q + offset - k| (reference.alibi_bias)
+  in the kernels' log2 units, added to a score after `Scores.log2` (so a soft-cap's
+  `chain` still reads the capped score). `neg_slope2` is None without slopes: `add`
+  then returns the scores untouched and nothing is traced."""
+
+  neg_slope2: jax.Array | None = None
+  offset: jax.Array | int = 0
+
+  @classmethod
+  def of(cls, slope_ref, index, mask: Mask):
+    """The bias of slope `slope_ref[index]` (None: no slopes) under `mask`'s diagonal."""
+    if slope_ref is None:
+      return cls()
+    return cls(slope_ref[index] * -LOG2E, mask.offset)
+
+  def add(self, s, q, k):
+    """s plus the bias of query rows `q` and keys `k` (int32, broadcastable to s)."""
+    if self.neg_slope2 is None:
+      return s
+    return s + self.neg_slope2 * jnp.abs(q + self.offset - k).astype(jnp.float32)
+
+
+def take_slopes(refs, alibi: bool):
+  """(slope_ref or None, the other refs): a kernel's refs after its lengths and
+  offsets, the first of them the slopes when the call has ALiBi."""
+  return (refs[0], refs[1:]) if alibi else (None, refs)
 
 
 # ---------------------------------------------------------------------------

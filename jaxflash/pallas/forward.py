@@ -18,14 +18,14 @@ from jax.experimental import pallas as pl
 
 from jaxflash import _splits
 from jaxflash.pallas.blocks import (
-    Mask, Scores, dot, exact_where_nan, key_blocks, query_block, zero_padding)
+    Alibi, Mask, Scores, dot, exact_where_nan, key_blocks, query_block, take_slopes, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, LN2, LOG2E, MIN_BLOCK, PallasConfig, compiler_params, next_pow2,
     padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up)
+    round_up, slope_operands)
 
 __all__ = ["pallas_forward"]
 
@@ -36,7 +36,7 @@ __all__ = ["pallas_forward"]
 
 
 def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
-            block_k: int):
+            block_k: int, alibi: Alibi = Alibi()):
   """Online softmax of q against the key blocks of ``ranges`` = (lo, a, b, hi):
   [lo, a) and [b, hi) element-masked, [a, b) entirely visible. ``rows`` [bq, 1]
   are the query rows the mask knows for q's rows (q's padding rows zeroed).
@@ -49,9 +49,9 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
     start = pl.multiple_of(kb * block_k, block_k)
     k = k_ref[pl.ds(start, block_k), :]
     v = v_ref[pl.ds(start, block_k), :]
-    s = scores.log2(dot(q, k, 1, 1))
+    cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    s = alibi.add(scores.log2(dot(q, k, 1, 1)), rows, cols)
     if masked:
-      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       s = jnp.where(mask.visible(rows, cols), s, -jnp.inf)
       v = zero_padding(v, cols.T, mask.kv_valid)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -73,7 +73,7 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
 
 
 def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
-            partial: bool):
+            partial: bool, alibi: Alibi = Alibi()):
   """The rows of an `_attend` pass: (o float32, LSE in natural units).
 
   `seen` [bq] says which rows see a key of the pass's element range `keys` =
@@ -102,7 +102,7 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
     def key(j, acc):
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
-      p = jnp.exp2(scores.log2(jnp.sum(qf * kj, axis=1)) - lse2)
+      p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1)), rows[:, 0], j) - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
       return acc + jnp.where(mask.visible(rows, j), p[:, None] * vj, 0.0)
 
@@ -113,17 +113,20 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
   return o, lse
 
 
-def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                scores: Scores, left: int, right: int, bottom_right: bool,
-                block_q: int, block_k: int, num_q_blocks: int):
+def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
+                left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
+                num_q_blocks: int):
+  slope_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = take_slopes(refs, alibi)
   mask, _, rows, ranges = query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
                                       bottom_right=bottom_right, block_q=block_q,
                                       block_k=block_k, num_q_blocks=num_q_blocks)
+  bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
-  carry = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores, block_k=block_k)
+  carry = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores, block_k=block_k,
+                  alibi=bias)
   o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0]),
                    (ranges[0] * block_k, ranges[3] * block_k), carry,
-                   scores=scores, partial=False)
+                   scores=scores, partial=False, alibi=bias)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
@@ -253,7 +256,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
 def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, num_splits: int | None = None,
-                   diagonal_offsets=None, softcap: float = 0.0):
+                   diagonal_offsets=None, softcap: float = 0.0, alibi=None):
   """Attention forward with the Pallas kernel.
 
   Args:
@@ -276,6 +279,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       diagonal (``None``: 0); places one block of a larger problem (ring
       attention). Such calls run the unsplit kernel (splitting only changes
       speed; the decode kernel has no offsets).
+    alibi: optional float32 ``[B, Hq]`` ALiBi slopes (`jaxflash.reference.alibi_bias`);
+      such calls run the unsplit kernel too (a decode block mixes heads).
 
   Returns:
     ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
@@ -296,7 +301,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
   scores = Scores(float(scale), float(softcap))
-  if diagonal_offsets is None and (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS):
+  if diagonal_offsets is None and alibi is None and (splits > 1 or
+                                                     t * group <= _splits.DECODE_MAX_ROWS):
     return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scores=scores,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
@@ -307,23 +313,24 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   qp = pad_to(q, {1: t_pad, 3: dp})
 
   kernel = functools.partial(
-      _fwd_kernel, scores=scores, left=int(window_left),
+      _fwd_kernel, scores=scores, alibi=alibi is not None, heads=hq, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
       block_k=bk, num_q_blocks=nq)
+  slopes, slope_specs = slope_operands(alibi, batch, hq)
   q_spec = pl.BlockSpec((None, bq, None, dp),
                         lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
-  operands = same_varying_axes(q_len, kv_len, offsets, qp, kp, vp)
+  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, qp, kp, vp)
   o, lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch),
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
                 q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
-      out_shape=[output((batch, t_pad, hq, dp), q.dtype, operands[3]),
-                 output((batch, hq, t_pad), jnp.float32, operands[3])],
+      out_shape=[output((batch, t_pad, hq, dp), q.dtype, operands[-1]),
+                 output((batch, hq, t_pad), jnp.float32, operands[-1])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, cfg.num_stages, bq,

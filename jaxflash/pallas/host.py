@@ -95,3 +95,13 @@ def batch_offsets(offsets, batch: int):
 
 def length_spec(batch: int):
   return pl.BlockSpec((batch,), lambda *_: (0,))
+
+
+def slope_operands(alibi, batch: int, heads: int):
+  """ALiBi's slopes as a kernel reads them, ([operand], [spec]): [B, Hq] flattened to
+  b * Hq + h and zero-padded to a power of two (a whole block); ([], []) without."""
+  if alibi is None:
+    return [], []
+  slopes = jnp.asarray(alibi, jnp.float32).reshape(batch * heads)
+  n = 1 << max(0, (batch * heads - 1).bit_length())
+  return [pad_to(slopes, {0: n})], [length_spec(n)]

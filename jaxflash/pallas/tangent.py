@@ -8,7 +8,8 @@ rescaling since the LSE is known (natural log, scale c, visible keys j):
     tLSE = Σ_j P tS,        tO = Σ_j P ((tS - tLSE) V_j + tV_j).
 
 With a soft-cap C the scores are S = C tanh(c Q Kᵀ / C) and P = exp(S - LSE),
-and tS gains the factor dS/du = 1 - (S / C)² (`Scores.chain`).
+and tS gains the factor dS/du = 1 - (S / C)² (`Scores.chain`); ALiBi's constant
+bias enters P only (`Alibi`).
 
 tLSE is only known at the end of the walk, and the uncentred form
 Σ P tS V - tLSE O cancels: where one key dominates a row, both terms are
@@ -41,23 +42,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxflash.pallas.blocks import (
-    Scores, dot, exact_where_nan, lse_log2, query_block, zero_padding)
+    Alibi, Scores, dot, exact_where_nan, lse_log2, query_block, take_slopes, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
-    batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to)
+    batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
+    slope_operands)
 
 __all__ = ["pallas_tangent"]
 
 
-def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref, tq_ref,
-                    tk_ref, tv_ref, to_ref, tlse_ref, *, scores: Scores, left: int,
-                    right: int, bottom_right: bool, block_q: int, block_k: int,
-                    num_q_blocks: int):
+def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
+                    heads: int, left: int, right: int, bottom_right: bool, block_q: int,
+                    block_k: int, num_q_blocks: int):
+  slope_ref, (q_ref, k_ref, v_ref, lse_ref, tq_ref, tk_ref, tv_ref, to_ref,
+              tlse_ref) = take_slopes(refs, alibi)
   mask, r0, rows, (lo, a, bb, hi) = query_block(
       q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
       block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+  bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   tq = zero_padding(tq_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
@@ -70,11 +74,11 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
     k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
     tk, tv = tk_ref[pl.ds(start, block_k), :], tv_ref[pl.ds(start, block_k), :]
     s = scores.log2(dot(q, k, 1, 1))
-    p = jnp.exp2(s - lse2[:, None])
+    cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
+    p = jnp.exp2(bias.add(s, rows, cols) - lse2[:, None])
     # A masked pair's factor may be NaN (padding): the mask below selects it away.
     ts = scores.chain((dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scores.scale, s)
     if masked:
-      cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
       v, tv = (zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
       visible = mask.visible(rows, cols)
       p = jnp.where(visible, p, 0.0)
@@ -105,7 +109,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
       kj, vj, tkj, tvj = (r[pl.ds(j, 1), :].astype(jnp.float32)
                           for r in (k_ref, v_ref, tk_ref, tv_ref))
       s = scores.log2(jnp.sum(qf * kj, axis=1))
-      p = jnp.exp2(s - lse2)
+      p = jnp.exp2(bias.add(s, rows[:, 0], j) - lse2)
       tu = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scores.scale
       ts = scores.chain(tu, s)
       visible = mask.visible(rows[:, 0], j)[:, None]
@@ -132,7 +136,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, q_ref, k_ref, v_ref, lse_ref
 def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, diagonal_offsets=None,
-                   softcap: float = 0.0):
+                   softcap: float = 0.0, alibi=None):
   """(tO, tLSE) of the call whose outputs are (o, lse), for tangents (tq, tk, tv).
 
   Arguments as for `pallas_forward`, plus its outputs `o` (``[B, T, Hq, D]``)
@@ -164,25 +168,26 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   pad_keys = lambda x: pad_to(x.astype(k.dtype), {1: s_pad, 3: dp})
 
   kernel = functools.partial(
-      _tangent_kernel, scores=Scores(float(scale), float(softcap)),
-      left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
+      _tangent_kernel, scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
+      heads=hq, left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
       block_q=bq, block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
+  slopes, slope_specs = slope_operands(alibi, batch, hq)
   operands = same_varying_axes(
       clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
-      batch_offsets(diagonal_offsets, batch), pad_rows(q), pad_keys(k), pad_keys(v),
+      batch_offsets(diagonal_offsets, batch), *slopes, pad_rows(q), pad_keys(k), pad_keys(v),
       pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
       pad_rows(tq), pad_keys(tk), pad_keys(tv))
   t_o, t_lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), q_spec, kv_spec,
-                kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs, q_spec,
+                kv_spec, kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
-      out_shape=[output((batch, t_pad, hq, dp), o.dtype, operands[3]),
-                 output((batch, hq, t_pad), jnp.float32, operands[3])],
+      out_shape=[output((batch, t_pad, hq, dp), o.dtype, operands[-1]),
+                 output((batch, hq, t_pad), jnp.float32, operands[-1])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, stages, bq, bk)),
