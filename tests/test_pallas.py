@@ -847,9 +847,9 @@ def test_gpu_long_sequence(request):
   _run(case, request, grads=True)
 
 
-@pytest.mark.parametrize("d, dtype, left, right, softcap", [
-    (64, BF16, -1, 0, 0.0), (40, F16, 5, 3, 30.0), (256, F32, -1, -1, 0.0)])
-def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap):
+@pytest.mark.parametrize("d, dtype, left, right, softcap, alibi", [
+    (64, BF16, -1, 0, 0.0, False), (40, F16, 5, 3, 30.0, True), (256, F32, -1, -1, 0.0, False)])
+def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap, alibi):
   """The Triton lowering of every kernel, checked without a GPU: JAX lowers
   for "cuda" on a CPU-only machine, which catches a primitive Pallas cannot
   lower for Triton (as `jnp.any`) before the GPU does."""
@@ -859,7 +859,8 @@ def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   lse = jax.ShapeDtypeStruct((2, 4, 150), jnp.float32)
   kw = dict(scale=0.125, window_left=left, window_right=right, bottom_right=True,
-            config=cfg, softcap=softcap)
+            config=cfg, softcap=softcap,
+            alibi=jnp.full((2, 4), 0.25, jnp.float32) if alibi else None)
   fwd = lambda q, k, v, ql, kl: pallas_forward(q, k, v, ql, kl, **kw)
   bwd = lambda q, k, v, o, lse, do, dlse, ql, kl: pallas_backward(
       q, k, v, o, lse, do, dlse, ql, kl, **kw)
