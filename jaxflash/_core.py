@@ -354,34 +354,28 @@ class PallasKernels:
                 window_right=int(spec.window_right), bottom_right=bool(spec.bottom_right),
                 softcap=float(spec.softcap))
 
-  @staticmethod
-  def _no_segments(segments):
-    if segments is not None:  # fused_unsupported refuses such calls first
-      raise NotImplementedError("the Pallas kernels do not take segment ids yet")
-
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None,
               alibi=None):
-    cls._no_segments(segments)
     return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
                                   diagonal_offsets=offsets, num_splits=spec.num_splits or None,
-                                  alibi=alibi)
+                                  alibi=alibi, segments=segments)
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
-    cls._no_segments(segments)
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                                   **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi)
+                                   **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi,
+                                   segments=segments)
 
   @classmethod
   def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
               offsets=None, segments=None, alibi=None):
     """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
-    cls._no_segments(segments)
     return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
-                                  **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi)
+                                  **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi,
+                                  segments=segments)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
@@ -423,8 +417,6 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   """
   if call.bias is not None or call.mask is not None:
     return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
-  if call.segments is not None and name == "pallas":
-    return "implementation='pallas' does not take segment ids yet; use 'native' or 'xla'"
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")

@@ -209,9 +209,6 @@ def _bad_cases(rng):
       ("segment splits", lambda: jaxflash.dot_product_attention(
           q, k, v, query_segment_ids=np.zeros((2, 33), i32), key_value_segment_ids=np.zeros((2, 29), i32),
           num_splits=2), ValueError, "split-KV"),
-      ("segment pallas", lambda: jaxflash.dot_product_attention(
-          q, k, v, query_segment_ids=np.zeros((2, 33), i32), key_value_segment_ids=np.zeros((2, 29), i32),
-          implementation="pallas"), ValueError, "segment ids"),
   ]
 
 

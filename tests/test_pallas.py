@@ -847,7 +847,7 @@ def test_gpu_long_sequence(request):
   _run(case, request, grads=True)
 
 
-@pytest.mark.parametrize("d, dtype, left, right, softcap, alibi", [
+@pytest.mark.parametrize("d, dtype, left, right, softcap, alibi", [  # alibi: and segment ids
     (64, BF16, -1, 0, 0.0, False), (40, F16, 5, 3, 30.0, True), (256, F32, -1, -1, 0.0, False)])
 def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap, alibi):
   """The Triton lowering of every kernel, checked without a GPU: JAX lowers
@@ -858,16 +858,21 @@ def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap
   k = jax.ShapeDtypeStruct((2, 200, 2, d), dtype)
   lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
   lse = jax.ShapeDtypeStruct((2, 4, 150), jnp.float32)
+  # The ALiBi case carries segment tables too (segments.py's layout).
+  tables = (jax.ShapeDtypeStruct((2, 150, 8), jnp.int32), jax.ShapeDtypeStruct((2, 200, 8), jnp.int32))
   kw = dict(scale=0.125, window_left=left, window_right=right, bottom_right=True,
             config=cfg, softcap=softcap,
             alibi=jnp.full((2, 4), 0.25, jnp.float32) if alibi else None)
-  fwd = lambda q, k, v, ql, kl: pallas_forward(q, k, v, ql, kl, **kw)
-  bwd = lambda q, k, v, o, lse, do, dlse, ql, kl: pallas_backward(
-      q, k, v, o, lse, do, dlse, ql, kl, **kw)
-  tangent = lambda q, k, v, o, lse, ql, kl: pallas_tangent(q, k, v, o, lse, ql, kl, q, k, v, **kw)
-  for f, args in ((fwd, (q, k, k, lengths, lengths)),
-                  (bwd, (q, k, k, q, lse, q, lse, lengths, lengths)),
-                  (tangent, (q, k, k, q, lse, lengths, lengths))):
+  seg = lambda ts: dict(segments=ts) if alibi else {}
+  fwd = lambda q, k, v, ql, kl, *ts: pallas_forward(q, k, v, ql, kl, **kw, **seg(ts))
+  bwd = lambda q, k, v, o, lse, do, dlse, ql, kl, *ts: pallas_backward(
+      q, k, v, o, lse, do, dlse, ql, kl, **kw, **seg(ts))
+  tangent = lambda q, k, v, o, lse, ql, kl, *ts: pallas_tangent(q, k, v, o, lse, ql, kl, q, k, v,
+                                                                **kw, **seg(ts))
+  extra = tables if alibi else ()
+  for f, args in ((fwd, (q, k, k, lengths, lengths, *extra)),
+                  (bwd, (q, k, k, q, lse, q, lse, lengths, lengths, *extra)),
+                  (tangent, (q, k, k, q, lse, lengths, lengths, *extra))):
     with _abstract_gpu():
       text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxflash_pallas" in text

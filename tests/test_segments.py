@@ -1,4 +1,4 @@
-"""Segment ids (packed sequences): the native kernels against float64 truth.
+"""Segment ids (packed sequences): the native and Pallas kernels against float64 truth.
 
 `query_segment_ids` / `key_value_segment_ids` let row i see key j only where the
 ids agree (numpy_reference.visible's `segments`). The kernels find their tiles
@@ -214,6 +214,37 @@ GPU_CASES = ([(jnp.bfloat16, kind, mask) for kind in KINDS
               for mask in ("causal", "lengths_causal_bottom_right", "window")] +
              [(jnp.float16, "packed", "causal"), (jnp.float16, "scattered", "window"),
               (jnp.float32, "packed", "causal"), (jnp.float32, "scattered", "lengths_causal_bottom_right")])
+
+
+@pytest.mark.parametrize("kind, mask", [("packed", "causal"), ("scattered", "window"),
+                                        ("shuffled_runs", "lengths_causal_bottom_right")])
+def test_pallas(rng, kind, mask):
+  """The Pallas kernels read the same tables (the CPU interpreter here): forward,
+  dQ and dK/dV with their block ranges from the tables' envelopes and runs, the
+  tangent kernel; a short query runs the unsplit kernel, not decode's."""
+  shape = (1, 40, 56, 4, 2, 16)
+  check_forward(rng, shape, mask, jnp.float32, implementation="pallas", segments=KINDS[kind])
+  check_gradients(rng, shape, mask, jnp.float32, implementation="pallas", segments=KINDS[kind])
+  check_forward(rng, (2, 2, 56, 4, 1, 16), mask, jnp.float32, implementation="pallas",
+                segments=KINDS[kind])
+  q, k, v = random_inputs(rng, 1, 40, 40, 4, 2, 16, jnp.float32)
+  ids = jnp.asarray(packed(rng, 1, 40, 40)[0])
+  tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, query_segment_ids=ids, implementation=impl)
+  np.testing.assert_allclose(np.asarray(jax.jvp(f("pallas"), (q, k, v), tangents)[1]),
+                             np.asarray(jax.jvp(f("xla"), (q, k, v), tangents)[1]), atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_pallas(rng, dtype):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for kind, mask in (("packed", "causal"), ("scattered", "lengths_causal_bottom_right")):
+    for shape in [(2, 300, 300, 4, 2, 64), (1, 200, 260, 8, 1, 128)]:
+      check_forward(rng, shape, mask, dtype, implementation="pallas", segments=KINDS[kind])
+      check_gradients(rng, shape, mask, dtype, implementation="pallas", segments=KINDS[kind])
 
 
 @pytest.mark.gpu

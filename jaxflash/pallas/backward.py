@@ -18,15 +18,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxflash import segments as _segments
 from jaxflash.pallas.blocks import (
-    Alibi, Mask, Scores, dot, exact_where_nan, lse_log2, query_block, take_slopes, three_ranges,
+    Alibi, Mask, Scores, dot, exact_where_nan, lse_log2, query_block, query_blocks, take_extras,
     zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, PallasConfig, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up, slope_operands)
+    round_up, slope_operands, table_operands)
 
 __all__ = ["pallas_backward"]
 
@@ -36,14 +37,16 @@ __all__ = ["pallas_backward"]
 # ---------------------------------------------------------------------------
 
 
-def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
-               left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
-               num_q_blocks: int):
-  slope_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = take_slopes(refs, alibi)
+def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
+               segments: bool, heads: int, left: int, right: int, bottom_right: bool,
+               block_q: int, block_k: int, num_q_blocks: int):
+  slope_ref, tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref) = take_extras(
+      refs, alibi, segments)
   mask, r0, rows, (lo, a, bb, hi) = query_block(
       q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
-      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks, tables=tables)
   bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
+  q_ids = mask.row_ids(r0, block_q)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   do = zero_padding(do_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
@@ -60,7 +63,8 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: boo
     p = jnp.exp2(bias.add(s, rows, cols) - lse2[:, None])
     visible = None
     if masked:
-      visible = mask.visible(rows, cols)
+      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      visible = mask.visible(rows, cols, ids)
       p = jnp.where(visible, p, 0.0)
       k = zero_padding(k, cols.T, mask.kv_valid)
       v = zero_padding(v, cols.T, mask.kv_valid)
@@ -86,7 +90,8 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: boo
       s = scores.log2(jnp.sum(qf * kj, axis=1))
       ds = scores.chain(jnp.exp2(bias.add(s, rows[:, 0], j) - lse2) *
                         (jnp.sum(dof * vj, axis=1) - delta), s)
-      return acc + jnp.where(mask.visible(rows, j), ds[:, None] * kj, 0.0)
+      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(j, 1)[None, :])
+      return acc + jnp.where(mask.visible(rows, j, ids), ds[:, None] * kj, 0.0)
 
     acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
     return (jnp.where(rows_ok[:, None], acc, dq),)
@@ -95,27 +100,21 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: boo
   dq_ref[...] = (dq * scores.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
-                 left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
-                 group: int):
-  slope_ref, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = take_slopes(
-      refs, alibi)
+def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
+                 segments: bool, heads: int, left: int, right: int, bottom_right: bool,
+                 block_q: int, block_k: int, group: int):
+  slope_ref, tables, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
+                      dv_ref) = take_extras(refs, alibi, segments)
   kj = pl.program_id(0)
   b = pl.program_id(1)
-  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right, tables)
   # The bias of query head g of this K/V head's group (the program id read here,
   # outside the loops: the interpreter lowers it only at the top level).
   first_head = b * heads + pl.program_id(2) * group
   bias_of = lambda g: Alibi.of(slope_ref, first_head + g, mask)
   c0 = kj * block_k
-  last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
-  cols_exist = last_col >= c0
-  lo_elem = jnp.where(cols_exist, mask.row_begin(c0), 0)
-  hi_elem = jnp.where(cols_exist, mask.row_end(jnp.maximum(last_col, 0)), 0)
-  all_cols = c0 + block_k <= mask.kv_valid
-  lo, a, bb, hi = three_ranges(
-      lo_elem, hi_elem, mask.row_begin(c0 + block_k - 1), mask.row_end(c0),
-      all_cols, block_q)
+  lo, a, bb, hi = query_blocks(mask, c0, block_k, block_q)
+  k_ids = mask.key_ids(c0, block_k)
 
   cols = c0 + jnp.arange(block_k, dtype=jnp.int32)[:, None]  # [bk, 1]
   k = zero_padding(k_ref[...], cols, mask.kv_valid)
@@ -136,7 +135,8 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: b
     pt = jnp.exp2(bias_of(g).add(st, rows, cols) - lse2[None, :])
     visible = None
     if masked:
-      visible = mask.visible(rows, cols)
+      ids = None if k_ids is None else (mask.row_ids(start, block_q)[None, :], k_ids[:, None])
+      visible = mask.visible(rows, cols, ids)
       pt = jnp.where(visible, pt, 0.0)
       q = zero_padding(q, rows.T, mask.q_valid)
       do = zero_padding(do, rows.T, mask.q_valid)
@@ -169,12 +169,13 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: b
       st = scores.log2(jnp.sum(kf * qi, axis=1))
       pt = jnp.exp2(bias_of(g).add(st, i, cols[:, 0]) - lse2)
       dst = scores.chain(pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)]), st)
-      vis = mask.visible(i, cols)
+      ids = None if k_ids is None else (mask.row_ids(i, 1)[None, :], k_ids[:, None])
+      vis = mask.visible(i, cols, ids)
       return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
               dv + jnp.where(vis, pt[:, None] * doi, 0.0))
 
     def head(g, carry):
-      return lax.fori_loop(lo_elem, hi_elem, functools.partial(row, g), carry)
+      return lax.fori_loop(lo * block_q, hi * block_q, functools.partial(row, g), carry)
 
     return lax.fori_loop(0, group, head, tuple(jnp.zeros_like(x) for x in both))
 
@@ -191,12 +192,12 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: b
 def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                     scale: float, window_left: int, window_right: int,
                     bottom_right: bool, config: PallasConfig | None = None,
-                    diagonal_offsets=None, softcap: float = 0.0, alibi=None):
+                    diagonal_offsets=None, softcap: float = 0.0, alibi=None, segments=None):
   """Attention backward with the Pallas kernels.
 
   Args:
     q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
-    bottom_right, config, diagonal_offsets, softcap, alibi: as for
+    bottom_right, config, diagonal_offsets, softcap, alibi, segments: as for
     :func:`pallas_forward`.
     o, lse: the outputs of :func:`pallas_forward` (or of any implementation
       of the same contract).
@@ -229,12 +230,16 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
     delta = delta - dlse.astype(jnp.float32)
   mask = Mask.make(q_len[:, None], kv_len[:, None], offsets[:, None], int(window_left),
                    int(window_right), bool(bottom_right))
-  has_keys = mask.has_keys(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t)))
+  if segments is None:
+    has_keys = mask.has_keys(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t)))
+  else:   # the rows' own intervals: rows past the lengths see [kv_len, 0)
+    has_keys = segments[0][..., _segments.BEGIN] < segments[0][..., _segments.END]
   delta = jnp.where(has_keys[:, None, :], delta, 0.0)
   lse = lse.astype(jnp.float32)
 
-  common = dict(scores=Scores(float(scale), float(softcap)), alibi=alibi is not None, heads=hq,
-                left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right))
+  common = dict(scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
+                segments=segments is not None, heads=hq, left=int(window_left),
+                right=int(window_right), bottom_right=bool(bottom_right))
   slopes, slope_specs = slope_operands(alibi, batch, hq)
   def params(tile_m, tile_n):
     if cfg.interpret:
@@ -264,14 +269,16 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                          lambda i, b, h: (b, 0, h // group, 0))
   row_spec = pl.BlockSpec((None, None, bq_dq),
                           lambda i, b, h: (b, h, nq - 1 - i))
-  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, qp, kp, vp, dop, lsep, deltap)
+  tables, table_specs = table_operands(segments, t_all, s_all)
+  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, *tables, qp, kp, vp, dop, lsep,
+                               deltap)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
                         num_q_blocks=nq,
                         **common),
       grid=(nq, batch, hq),
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+                *table_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
       out_shape=output((batch, t_all, hq, dp), q.dtype, operands[-1]),
       interpret=cfg.interpret,
@@ -291,7 +298,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                         **common),
       grid=(nk, batch, hkv),
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
+                *table_specs, qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
       out_specs=[kblk_spec, kblk_spec],
       out_shape=[output((batch, s_all, hkv, dp), k.dtype, operands[-1]),
                  output((batch, s_all, hkv, dp), v.dtype, operands[-1])],

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxflash import segments as _segments
 from jaxflash.pallas.config import EMPTY_LSE, LOG2E
 
 
@@ -36,20 +37,40 @@ _MAX_OFFSET = 1 << 30  # bound of the diagonal offsets (sequences are shorter)
 
 @dataclasses.dataclass(frozen=True)
 class Mask:
-  """The mask rule for one batch element, evaluated inside a kernel."""
+  """The mask rule for one batch element, evaluated inside a kernel.
+
+  With segment ids, `q_tab` / `kv_tab` are this batch element's segment tables
+  (segments.py: [positions, FIELDS] int32 refs): the block ranges come from their
+  envelopes and runs, as the native kernels' MaskPolicy takes them, and the element
+  mask adds the id comparison (`visible`'s `ids`)."""
 
   q_valid: jax.Array    # rows [0, q_valid) are real queries
   kv_valid: jax.Array   # keys [0, kv_valid) exist
   offset: jax.Array     # diagonal position of row 0
   left: int             # static; < 0 unbounded
   right: int            # static; < 0 unbounded
+  q_tab: object = None  # segment tables (refs), or None without ids
+  kv_tab: object = None
 
   @classmethod
-  def make(cls, q_valid, kv_valid, extra, left, right, bottom_right):
+  def make(cls, q_valid, kv_valid, extra, left, right, bottom_right, tables=(None, None)):
     # Saturated at +-2^30 like the native kernels' MaskPolicy.
     extra = jnp.clip(extra, -_MAX_OFFSET, _MAX_OFFSET)
     offset = (kv_valid - q_valid if bottom_right else jnp.int32(0)) + extra
-    return cls(q_valid, kv_valid, jnp.clip(offset, -_MAX_OFFSET, _MAX_OFFSET), left, right)
+    return cls(q_valid, kv_valid, jnp.clip(offset, -_MAX_OFFSET, _MAX_OFFSET), left, right,
+               *tables)
+
+  @property
+  def segmented(self) -> bool:
+    return self.q_tab is not None
+
+  def row_ids(self, r0, n: int):
+    """The segment ids of rows [r0, r0 + n) ([n] int32), None without ids."""
+    return None if self.q_tab is None else self.q_tab[pl.ds(r0, n), _segments.ID]
+
+  def key_ids(self, c0, n: int):
+    """The segment ids of keys [c0, c0 + n), None without ids."""
+    return None if self.kv_tab is None else self.kv_tab[pl.ds(c0, n), _segments.ID]
 
   # Keys visible to row r: [key_begin(r), key_end(r)); both non-decreasing.
   def key_begin(self, row):
@@ -73,17 +94,26 @@ class Mask:
       return jnp.broadcast_to(self.q_valid, jnp.shape(col))
     return jnp.clip(col - self.offset + (self.left + 1), 0, self.q_valid)
 
-  def visible(self, rows, cols):
-    """Element mask for rows [bq, 1] x cols [1, bk]."""
+  def visible(self, rows, cols, ids=None):
+    """Element mask for rows [bq, 1] x cols [1, bk]; `ids` = (row ids, key ids)
+    shaped like them (`row_ids`, `key_ids`) where the call has segment ids."""
     vis = (rows < self.q_valid) & (cols < self.kv_valid)
     if self.left >= 0:
       vis &= cols >= rows + self.offset - self.left
     if self.right >= 0:
       vis &= cols <= rows + self.offset + self.right
+    if ids is not None:
+      vis &= ids[0] == ids[1]
     return vis
 
-  def has_keys(self, rows):
-    """Rows that see at least one key (the others output zeros)."""
+  def has_keys(self, rows, r0=None):
+    """Rows that see at least one key (the others output zeros); with segment ids
+    `rows` must be the block [r0, r0 + len(rows))."""
+    if self.q_tab is not None:
+      n = rows.shape[0]
+      begin = self.q_tab[pl.ds(r0, n), _segments.BEGIN]
+      end = self.q_tab[pl.ds(r0, n), _segments.END]
+      return (rows < self.q_valid) & (begin < end)
     return (rows < self.q_valid) & (self.key_begin(rows) < self.key_end(rows))
 
 
@@ -114,10 +144,42 @@ def three_ranges(lo_elem, hi_elem, full_lo_elem, full_hi_elem, all_full,
   return lo, a, b, hi
 
 
+def _table_ranges(tab, first, n: int, valid, block: int):
+  """three_ranges of the other side's positions that positions [first, first + n)
+  of one side see, from that side's segment table: the envelopes bound them, and
+  the positions see an interval whole when they are one run of one id whose first
+  and last see theirs without gaps (mask.h's FullKeys, either side)."""
+  S = _segments
+  last = jnp.minimum(first + n, valid) - 1
+  exist = last >= first
+  last = jnp.maximum(last, 0)
+  lo_elem = jnp.where(exist, tab[first, S.ENV_BEGIN], 0)
+  hi_elem = jnp.where(exist, tab[last, S.ENV_END], 0)
+  whole = ((first + n <= valid) & (tab[first, S.RUN_END] >= first + n) &
+           (tab[first, S.GAP_FREE] != 0) & (tab[last, S.GAP_FREE] != 0))
+  return three_ranges(lo_elem, hi_elem, tab[last, S.BEGIN], tab[first, S.END], whole, block)
+
+
+def query_blocks(mask, c0, block_k: int, block_q: int):
+  """Query blocks that see keys [c0, c0 + block_k), as three_ranges splits them:
+  the dK/dV kernel's walk."""
+  if mask.segmented:
+    return _table_ranges(mask.kv_tab, c0, block_k, mask.kv_valid, block_q)
+  last_col = jnp.minimum(c0 + block_k, mask.kv_valid) - 1
+  cols_exist = last_col >= c0
+  lo_elem = jnp.where(cols_exist, mask.row_begin(c0), 0)
+  hi_elem = jnp.where(cols_exist, mask.row_end(jnp.maximum(last_col, 0)), 0)
+  all_cols = c0 + block_k <= mask.kv_valid
+  return three_ranges(lo_elem, hi_elem, mask.row_begin(c0 + block_k - 1), mask.row_end(c0),
+                      all_cols, block_q)
+
+
 def key_blocks(mask, r0, block_q: int, block_k: int):
   """Key blocks the query rows [r0, r0 + block_q) visit, as three_ranges
   splits them (masked head, unmasked interior, masked tail). Shared by the
   forward and dQ kernels, which walk keys for a fixed block of rows."""
+  if mask.segmented:
+    return _table_ranges(mask.q_tab, r0, block_q, mask.q_valid, block_k)
   last_row = jnp.minimum(r0 + block_q, mask.q_valid) - 1
   rows_exist = last_row >= r0
   lo_elem = mask.key_begin(r0)
@@ -128,13 +190,14 @@ def key_blocks(mask, r0, block_q: int, block_k: int):
 
 
 def query_block(q_len_ref, kv_len_ref, off_ref, *, left: int, right: int, bottom_right: bool,
-                block_q: int, block_k: int, num_q_blocks: int):
+                block_q: int, block_k: int, num_q_blocks: int, tables=(None, None)):
   """The query block of this program (grid axis 0, heaviest causal blocks
   first; axis 1 the batch element): its mask, first row, rows [bq, 1] and the
-  key-block ranges (lo, a, b, hi) of `key_blocks`."""
+  key-block ranges (lo, a, b, hi) of `key_blocks`. `tables`: the batch element's
+  segment table refs (`take_extras`), or None."""
   qi = num_q_blocks - 1 - pl.program_id(0)
   b = pl.program_id(1)
-  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right)
+  mask = Mask.make(q_len_ref[b], kv_len_ref[b], off_ref[b], left, right, bottom_right, tables)
   r0 = qi * block_q
   rows = r0 + jnp.arange(block_q, dtype=jnp.int32)[:, None]
   return mask, r0, rows, key_blocks(mask, r0, block_q, block_k)
@@ -205,10 +268,13 @@ class Alibi:
     return s + self.neg_slope2 * jnp.abs(q + self.offset - k).astype(jnp.float32)
 
 
-def take_slopes(refs, alibi: bool):
-  """(slope_ref or None, the other refs): a kernel's refs after its lengths and
-  offsets, the first of them the slopes when the call has ALiBi."""
-  return (refs[0], refs[1:]) if alibi else (None, refs)
+def take_extras(refs, alibi: bool, segments: bool):
+  """(slope_ref or None, (q table ref, kv table ref) or (None, None), the other refs):
+  a kernel's refs after its lengths and offsets begin with the slopes when the call
+  has ALiBi, then its segment tables when it has segment ids."""
+  slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+  tables, refs = (tuple(refs[:2]), refs[2:]) if segments else ((None, None), refs)
+  return slope_ref, tables, refs
 
 
 # ---------------------------------------------------------------------------

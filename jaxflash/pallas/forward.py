@@ -18,14 +18,14 @@ from jax.experimental import pallas as pl
 
 from jaxflash import _splits
 from jaxflash.pallas.blocks import (
-    Alibi, Mask, Scores, dot, exact_where_nan, key_blocks, query_block, take_slopes, zero_padding)
+    Alibi, Mask, Scores, dot, exact_where_nan, key_blocks, query_block, take_extras, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, LN2, LOG2E, MIN_BLOCK, PallasConfig, compiler_params, next_pow2,
     padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up, slope_operands)
+    round_up, slope_operands, table_operands)
 
 __all__ = ["pallas_forward"]
 
@@ -36,10 +36,11 @@ __all__ = ["pallas_forward"]
 
 
 def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
-            block_k: int, alibi: Alibi = Alibi()):
+            block_k: int, alibi: Alibi = Alibi(), q_ids=None):
   """Online softmax of q against the key blocks of ``ranges`` = (lo, a, b, hi):
   [lo, a) and [b, hi) element-masked, [a, b) entirely visible. ``rows`` [bq, 1]
-  are the query rows the mask knows for q's rows (q's padding rows zeroed).
+  are the query rows the mask knows for q's rows (q's padding rows zeroed),
+  ``q_ids`` their segment ids (`Mask.row_ids`; None without).
   Returns (acc, m, l): the unnormalised output, the running max (log2 units)
   and sum per row."""
   lo, a, bb, hi = ranges
@@ -52,7 +53,8 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
     cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
     s = alibi.add(scores.log2(dot(q, k, 1, 1)), rows, cols)
     if masked:
-      s = jnp.where(mask.visible(rows, cols), s, -jnp.inf)
+      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      s = jnp.where(mask.visible(rows, cols, ids), s, -jnp.inf)
       v = zero_padding(v, cols.T, mask.kv_valid)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # A row may have seen only masked (or -inf) scores so far: shift by 0.
@@ -73,7 +75,7 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
 
 
 def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
-            partial: bool, alibi: Alibi = Alibi()):
+            partial: bool, alibi: Alibi = Alibi(), q_ids=None):
   """The rows of an `_attend` pass: (o float32, LSE in natural units).
 
   `seen` [bq] says which rows see a key of the pass's element range `keys` =
@@ -104,7 +106,8 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
       p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1)), rows[:, 0], j) - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
-      return acc + jnp.where(mask.visible(rows, j), p[:, None] * vj, 0.0)
+      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(j, 1)[None, :])
+      return acc + jnp.where(mask.visible(rows, j, ids), p[:, None] * vj, 0.0)
 
     acc = lax.fori_loop(keys[0], keys[1], key, jnp.zeros_like(o))
     return (jnp.where(rows_ok[:, None], acc, o),)
@@ -113,20 +116,21 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
   return o, lse
 
 
-def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool, heads: int,
-                left: int, right: int, bottom_right: bool, block_q: int, block_k: int,
-                num_q_blocks: int):
-  slope_ref, (q_ref, k_ref, v_ref, o_ref, lse_ref) = take_slopes(refs, alibi)
-  mask, _, rows, ranges = query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
-                                      bottom_right=bottom_right, block_q=block_q,
-                                      block_k=block_k, num_q_blocks=num_q_blocks)
+def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
+                segments: bool, heads: int, left: int, right: int, bottom_right: bool,
+                block_q: int, block_k: int, num_q_blocks: int):
+  slope_ref, tables, (q_ref, k_ref, v_ref, o_ref, lse_ref) = take_extras(refs, alibi, segments)
+  mask, r0, rows, ranges = query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
+                                       bottom_right=bottom_right, block_q=block_q,
+                                       block_k=block_k, num_q_blocks=num_q_blocks, tables=tables)
   bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
+  q_ids = mask.row_ids(r0, block_q)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   carry = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores, block_k=block_k,
-                  alibi=bias)
-  o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0]),
+                  alibi=bias, q_ids=q_ids)
+  o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0], r0),
                    (ranges[0] * block_k, ranges[3] * block_k), carry,
-                   scores=scores, partial=False, alibi=bias)
+                   scores=scores, partial=False, alibi=bias, q_ids=q_ids)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
@@ -256,7 +260,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
 def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, num_splits: int | None = None,
-                   diagonal_offsets=None, softcap: float = 0.0, alibi=None):
+                   diagonal_offsets=None, softcap: float = 0.0, alibi=None, segments=None):
   """Attention forward with the Pallas kernel.
 
   Args:
@@ -281,6 +285,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       speed; the decode kernel has no offsets).
     alibi: optional float32 ``[B, Hq]`` ALiBi slopes (`jaxflash.reference.alibi_bias`);
       such calls run the unsplit kernel too (a decode block mixes heads).
+    segments: optional segment tables (`jaxflash.segments.tables`, computed for the same
+      lengths, mask and offsets); such calls run the unsplit kernel too.
 
   Returns:
     ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
@@ -301,8 +307,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
   scores = Scores(float(scale), float(softcap))
-  if diagonal_offsets is None and alibi is None and (splits > 1 or
-                                                     t * group <= _splits.DECODE_MAX_ROWS):
+  if (diagonal_offsets is None and alibi is None and segments is None and
+      (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS)):
     return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scores=scores,
                            window_left=window_left, window_right=window_right,
                            bottom_right=bottom_right)
@@ -313,21 +319,23 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   qp = pad_to(q, {1: t_pad, 3: dp})
 
   kernel = functools.partial(
-      _fwd_kernel, scores=scores, alibi=alibi is not None, heads=hq, left=int(window_left),
+      _fwd_kernel, scores=scores, alibi=alibi is not None, segments=segments is not None,
+      heads=hq, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
       block_k=bk, num_q_blocks=nq)
   slopes, slope_specs = slope_operands(alibi, batch, hq)
+  tables, table_specs = table_operands(segments, t_pad, s_pad)
   q_spec = pl.BlockSpec((None, bq, None, dp),
                         lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
-  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, qp, kp, vp)
+  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, *tables, qp, kp, vp)
   o, lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
       in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                q_spec, kv_spec, kv_spec],
+                *table_specs, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[output((batch, t_pad, hq, dp), q.dtype, operands[-1]),
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],

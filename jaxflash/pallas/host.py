@@ -97,6 +97,16 @@ def length_spec(batch: int):
   return pl.BlockSpec((batch,), lambda *_: (0,))
 
 
+def table_operands(segments, t_pad: int, s_pad: int):
+  """The segment tables as the kernels read them, ([q table, kv table], [specs]): each
+  batch element's whole table, padded to the padded lengths; ([], []) without ids."""
+  if segments is None:
+    return [], []
+  q_tab, kv_tab = segments
+  spec = lambda n: pl.BlockSpec((None, n, q_tab.shape[-1]), lambda *g: (g[1], 0, 0))
+  return [pad_to(q_tab, {1: t_pad}), pad_to(kv_tab, {1: s_pad})], [spec(t_pad), spec(s_pad)]
+
+
 def slope_operands(alibi, batch: int, heads: int):
   """ALiBi's slopes as a kernel reads them, ([operand], [spec]): [B, Hq] flattened to
   b * Hq + h and zero-padded to a power of two (a whole block); ([], []) without."""

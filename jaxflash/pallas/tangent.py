@@ -42,26 +42,27 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxflash.pallas.blocks import (
-    Alibi, Scores, dot, exact_where_nan, lse_log2, query_block, take_slopes, zero_padding)
+    Alibi, Scores, dot, exact_where_nan, lse_log2, query_block, take_extras, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, PallasConfig, compiler_params, fit_smem, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    slope_operands)
+    slope_operands, table_operands)
 
 __all__ = ["pallas_tangent"]
 
 
 def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
-                    heads: int, left: int, right: int, bottom_right: bool, block_q: int,
-                    block_k: int, num_q_blocks: int):
-  slope_ref, (q_ref, k_ref, v_ref, lse_ref, tq_ref, tk_ref, tv_ref, to_ref,
-              tlse_ref) = take_slopes(refs, alibi)
+                    segments: bool, heads: int, left: int, right: int, bottom_right: bool,
+                    block_q: int, block_k: int, num_q_blocks: int):
+  slope_ref, tables, (q_ref, k_ref, v_ref, lse_ref, tq_ref, tk_ref, tv_ref, to_ref,
+                      tlse_ref) = take_extras(refs, alibi, segments)
   mask, r0, rows, (lo, a, bb, hi) = query_block(
       q_len_ref, kv_len_ref, off_ref, left=left, right=right, bottom_right=bottom_right,
-      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks)
+      block_q=block_q, block_k=block_k, num_q_blocks=num_q_blocks, tables=tables)
   bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
+  q_ids = mask.row_ids(r0, block_q)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   tq = zero_padding(tq_ref[...], rows, mask.q_valid)
   lse = lse_ref[...]
@@ -80,7 +81,8 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
     ts = scores.chain((dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scores.scale, s)
     if masked:
       v, tv = (zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
-      visible = mask.visible(rows, cols)
+      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      visible = mask.visible(rows, cols, ids)
       p = jnp.where(visible, p, 0.0)
       ts = jnp.where(visible, ts, 0.0)
     t_lse = t_lse + jnp.sum(p * ts, axis=1)
@@ -112,7 +114,8 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
       p = jnp.exp2(bias.add(s, rows[:, 0], j) - lse2)
       tu = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scores.scale
       ts = scores.chain(tu, s)
-      visible = mask.visible(rows[:, 0], j)[:, None]
+      ids = None if q_ids is None else (q_ids, mask.key_ids(j, 1))
+      visible = mask.visible(rows[:, 0], j, ids)[:, None]
       return (acc + jnp.where(visible, (p * ts)[:, None] * vj + p[:, None] * tvj, 0.0),
               o_sum + jnp.where(visible, p[:, None] * vj, 0.0),
               t_lse + jnp.where(visible[:, 0], p * ts, 0.0))
@@ -127,7 +130,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
   # Rows whose LSE is not finite are NaN throughout anyway.
   acc, o_sum, t_lse, _, centre = exact_where_nan(carry, jnp.isfinite(lse), exact)
   # Emptiness is structural, as in the forward: such rows output zeros.
-  has_keys = mask.has_keys(rows[:, 0])
+  has_keys = mask.has_keys(rows[:, 0], r0)
   t_o = acc - (t_lse - centre)[:, None] * o_sum
   to_ref[...] = jnp.where(has_keys[:, None], t_o, 0.0).astype(to_ref.dtype)
   tlse_ref[...] = jnp.where(has_keys, t_lse, 0.0)
@@ -136,7 +139,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
 def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, diagonal_offsets=None,
-                   softcap: float = 0.0, alibi=None):
+                   softcap: float = 0.0, alibi=None, segments=None):
   """(tO, tLSE) of the call whose outputs are (o, lse), for tangents (tq, tk, tv).
 
   Arguments as for `pallas_forward`, plus its outputs `o` (``[B, T, Hq, D]``)
@@ -169,22 +172,24 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
 
   kernel = functools.partial(
       _tangent_kernel, scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
-      heads=hq, left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
+      segments=segments is not None, heads=hq, left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
       block_q=bq, block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
   slopes, slope_specs = slope_operands(alibi, batch, hq)
+  tables, table_specs = table_operands(segments, t_pad, s_pad)
   operands = same_varying_axes(
       clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
-      batch_offsets(diagonal_offsets, batch), *slopes, pad_rows(q), pad_keys(k), pad_keys(v),
+      batch_offsets(diagonal_offsets, batch), *slopes, *tables, pad_rows(q), pad_keys(k),
+      pad_keys(v),
       pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
       pad_rows(tq), pad_keys(tk), pad_keys(tv))
   t_o, t_lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs, q_spec,
-                kv_spec, kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
+                *table_specs, q_spec, kv_spec, kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[output((batch, t_pad, hq, dp), o.dtype, operands[-1]),
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],
