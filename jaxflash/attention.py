@@ -104,8 +104,8 @@ def dot_product_attention(
       For self-attention the key ids may be omitted (they default to the query
       ids). Key tiles of other segments are skipped, not computed and masked;
       ids sorted within a row (documents one after another) skip the most,
-      any other order is as correct. Native (GPU and CPU) and ``xla``; not with
-      ``num_splits`` > 1.
+      any other order is as correct. Native (GPU and CPU), Pallas and ``xla``;
+      not with ``num_splits`` > 1.
     alibi_slopes: float ``[heads]`` (or ``[*batch, heads]``) ALiBi slopes: the
       score of row ``i`` and key ``j`` gets ``-slope * |i + offset - j|`` added,
       where ``i + offset`` is the row's diagonal under ``causal_alignment`` (and
