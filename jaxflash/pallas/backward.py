@@ -63,7 +63,7 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: boo
     p = jnp.exp2(bias.add(s, rows, cols) - lse2[:, None])
     visible = None
     if masked:
-      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      ids = mask.with_keys(q_ids, start, block_k)
       visible = mask.visible(rows, cols, ids)
       p = jnp.where(visible, p, 0.0)
       k = zero_padding(k, cols.T, mask.kv_valid)
@@ -90,7 +90,7 @@ def _dq_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: boo
       s = scores.log2(jnp.sum(qf * kj, axis=1))
       ds = scores.chain(jnp.exp2(bias.add(s, rows[:, 0], j) - lse2) *
                         (jnp.sum(dof * vj, axis=1) - delta), s)
-      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(j, 1)[None, :])
+      ids = mask.with_keys(q_ids, j, 1)
       return acc + jnp.where(mask.visible(rows, j, ids), ds[:, None] * kj, 0.0)
 
     acc = lax.fori_loop(lo * block_k, hi * block_k, key, jnp.zeros_like(dq))
@@ -135,7 +135,7 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: b
     pt = jnp.exp2(bias_of(g).add(st, rows, cols) - lse2[None, :])
     visible = None
     if masked:
-      ids = None if k_ids is None else (mask.row_ids(start, block_q)[None, :], k_ids[:, None])
+      ids = mask.with_rows(k_ids, start, block_q)
       visible = mask.visible(rows, cols, ids)
       pt = jnp.where(visible, pt, 0.0)
       q = zero_padding(q, rows.T, mask.q_valid)
@@ -169,7 +169,7 @@ def _dkdv_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: b
       st = scores.log2(jnp.sum(kf * qi, axis=1))
       pt = jnp.exp2(bias_of(g).add(st, i, cols[:, 0]) - lse2)
       dst = scores.chain(pt * (jnp.sum(vf * doi, axis=1) - delta_ref[g, pl.ds(i, 1)]), st)
-      ids = None if k_ids is None else (mask.row_ids(i, 1)[None, :], k_ids[:, None])
+      ids = mask.with_rows(k_ids, i, 1)
       vis = mask.visible(i, cols, ids)
       return (dk + jnp.where(vis, dst[:, None] * qi, 0.0),
               dv + jnp.where(vis, pt[:, None] * doi, 0.0))

@@ -72,6 +72,15 @@ class Mask:
     """The segment ids of keys [c0, c0 + n), None without ids."""
     return None if self.kv_tab is None else self.kv_tab[pl.ds(c0, n), _segments.ID]
 
+  def with_keys(self, q_ids, c0, n: int):
+    """`visible`'s ids for a query-major tile: rows with ids `q_ids` ([bq], `row_ids`)
+    against keys [c0, c0 + n); None without ids."""
+    return None if q_ids is None else (q_ids[:, None], self.key_ids(c0, n)[None, :])
+
+  def with_rows(self, k_ids, r0, n: int):
+    """The same for a key-major tile: keys with ids `k_ids` against rows [r0, r0 + n)."""
+    return None if k_ids is None else (self.row_ids(r0, n)[None, :], k_ids[:, None])
+
   # Keys visible to row r: [key_begin(r), key_end(r)); both non-decreasing.
   def key_begin(self, row):
     if self.left < 0:

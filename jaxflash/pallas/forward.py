@@ -53,7 +53,7 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
     cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
     s = alibi.add(scores.log2(dot(q, k, 1, 1)), rows, cols)
     if masked:
-      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      ids = mask.with_keys(q_ids, start, block_k)
       s = jnp.where(mask.visible(rows, cols, ids), s, -jnp.inf)
       v = zero_padding(v, cols.T, mask.kv_valid)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -106,7 +106,7 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
       p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1)), rows[:, 0], j) - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
-      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(j, 1)[None, :])
+      ids = mask.with_keys(q_ids, j, 1)
       return acc + jnp.where(mask.visible(rows, j, ids), p[:, None] * vj, 0.0)
 
     acc = lax.fori_loop(keys[0], keys[1], key, jnp.zeros_like(o))

@@ -81,7 +81,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
     ts = scores.chain((dot(tq, k, 1, 1) + dot(q, tk, 1, 1)) * scores.scale, s)
     if masked:
       v, tv = (zero_padding(x, cols.T, mask.kv_valid) for x in (v, tv))
-      ids = None if q_ids is None else (q_ids[:, None], mask.key_ids(start, block_k)[None, :])
+      ids = mask.with_keys(q_ids, start, block_k)
       visible = mask.visible(rows, cols, ids)
       p = jnp.where(visible, p, 0.0)
       ts = jnp.where(visible, ts, 0.0)
@@ -114,8 +114,7 @@ def _tangent_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi
       p = jnp.exp2(bias.add(s, rows[:, 0], j) - lse2)
       tu = (jnp.sum(tqf * kj, axis=1) + jnp.sum(qf * tkj, axis=1)) * scores.scale
       ts = scores.chain(tu, s)
-      ids = None if q_ids is None else (q_ids, mask.key_ids(j, 1))
-      visible = mask.visible(rows[:, 0], j, ids)[:, None]
+      visible = mask.visible(rows, j, mask.with_keys(q_ids, j, 1))
       return (acc + jnp.where(visible, (p * ts)[:, None] * vj + p[:, None] * tvj, 0.0),
               o_sum + jnp.where(visible, p[:, None] * vj, 0.0),
               t_lse + jnp.where(visible[:, 0], p * ts, 0.0))
