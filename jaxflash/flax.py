@@ -110,6 +110,7 @@ def dot_product_attention(
     logits_soft_cap: float | None = None,
     query_segment_ids=None,
     key_value_segment_ids=None,
+    alibi_slopes=None,
 ):
   """Flax-compatible attention on jaxflash; use it as an ``attention_fn``.
 
@@ -141,8 +142,9 @@ def dot_product_attention(
       be honoured; anything but None raises ``ValueError``.
     local_window_size, implementation, query_seq_lengths,
       key_value_seq_lengths, scale, logits_soft_cap, query_segment_ids,
-      key_value_segment_ids: passed to :func:`jaxflash.dot_product_attention`
-      (lengths and segment ids shaped by the batch axes).
+      key_value_segment_ids, alibi_slopes: passed to
+      :func:`jaxflash.dot_product_attention` (lengths and segment ids shaped by
+      the batch axes; ALiBi slopes ``[heads]`` or ``[batch..., heads]``).
 
   Returns:
     ``[batch..., T, N, H]`` in the compute dtype.
@@ -189,11 +191,13 @@ def dot_product_attention(
     ids = [None if x is None else jnp.reshape(jnp.broadcast_to(x, batch_shape + x.shape[-1:]),
                                               (-1, x.shape[-1]))
            for x in (query_segment_ids, key_value_segment_ids)]
+    if alibi_slopes is not None and jnp.ndim(alibi_slopes) > 1:
+      alibi_slopes = jnp.reshape(alibi_slopes, (-1, jnp.shape(alibi_slopes)[-1]))
     out = _attention(q4, k4, v4, bias4, mask4, scale=scale, is_causal=bool(is_causal),
                      query_seq_lengths=lengths[0], key_value_seq_lengths=lengths[1],
                      local_window_size=local_window_size, implementation=implementation,
                      logits_soft_cap=logits_soft_cap, query_segment_ids=ids[0],
-                     key_value_segment_ids=ids[1])
+                     key_value_segment_ids=ids[1], alibi_slopes=alibi_slopes)
     return out.reshape(query.shape[:-1] + value.shape[-1:])
 
   return _attention(query, key, value, bias, mask, scale=scale, is_causal=bool(is_causal),
@@ -201,14 +205,15 @@ def dot_product_attention(
                     key_value_seq_lengths=key_value_seq_lengths,
                     local_window_size=local_window_size, implementation=implementation,
                     logits_soft_cap=logits_soft_cap, query_segment_ids=query_segment_ids,
-                    key_value_segment_ids=key_value_segment_ids)
+                    key_value_segment_ids=key_value_segment_ids, alibi_slopes=alibi_slopes)
 
 
 def make_attention_fn(*, is_causal: bool = False,
                       local_window_size: int | tuple[int, int] | None = None,
                       implementation: str | None = None,
                       scale: float | None = None,
-                      logits_soft_cap: float | None = None) -> Callable[..., jax.Array]:
+                      logits_soft_cap: float | None = None,
+                      alibi_slopes=None) -> Callable[..., jax.Array]:
   """An ``attention_fn`` with jaxflash options fixed.
 
   For modules that do not forward ``is_causal`` (Linen's
@@ -216,6 +221,10 @@ def make_attention_fn(*, is_causal: bool = False,
 
       linen.MultiHeadDotProductAttention(
           num_heads=8, attention_fn=jaxflash.flax.make_attention_fn(is_causal=True))
+
+  ``alibi_slopes`` (``[heads]``, constants of the model) gives a stock layer
+  ALiBi: ``nnx.MultiHeadAttention(..., attention_fn=make_attention_fn(
+  is_causal=True, alibi_slopes=slopes))``.
 
   ``is_causal=True`` here is combined (AND) with any mask or ``is_causal`` the
   module passes.
@@ -232,7 +241,7 @@ def make_attention_fn(*, is_causal: bool = False,
         deterministic, dtype, precision, module, promote_dtype, fixed_causal or is_causal,
         force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum,
         local_window_size=local_window_size, implementation=implementation, scale=scale,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes)
 
   return attention_fn
 

@@ -271,6 +271,27 @@ def test_layers_take_the_soft_cap(rng):
   _close(nnx_layer(x), manual(nnx_params, x), what="nnx forward")
 
 
+def test_attention_fn_takes_alibi_slopes(rng):
+  """make_attention_fn(alibi_slopes=...) in a stock nnx layer: ALiBi's bias on the scores of
+  the manual computation."""
+  B, T, D, N = 2, 21, 32, 4
+  x = _x(rng, B, T, D)
+  slopes = (2.0 ** -np.arange(1, N + 1)).astype(np.float32)
+  layer = nnx.MultiHeadAttention(N, D, decode=False, rngs=nnx.Rngs(0),
+                                 attention_fn=jf.make_attention_fn(is_causal=True,
+                                                                   alibi_slopes=slopes))
+  _, state = nnx.split(layer)
+  p = {name: {"kernel": state[name]["kernel"][...], "bias": state[name]["bias"][...]}
+       for name in ("query", "key", "value", "out")}
+  proj = lambda name: jnp.einsum("btd,dnh->btnh", x, p[name]["kernel"]) + p[name]["bias"]  # noqa: E731
+  s = jnp.einsum("btnh,bsnh->bnts", proj("query"), proj("key")) / np.sqrt(D // N)
+  distance = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])
+  s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s - slopes[:, None, None] * distance, -jnp.inf)
+  o = jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), proj("value"))
+  _close(layer(x), jnp.einsum("btnh,nhd->btd", o, p["out"]["kernel"]) + p["out"]["bias"],
+         what="nnx alibi")
+
+
 def test_layers_take_segment_ids_at_call_time(rng):
   """Packed sequences: both layers given segment ids equal the documents run apart."""
   B, D, N = 2, 32, 4
