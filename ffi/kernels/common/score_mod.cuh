@@ -1,6 +1,7 @@
 // How the CUDA kernels modify a score before the softmax: the logit soft-cap
-// of params.h and ALiBi's bias (below), on scores in the log2 units every kernel works in (x = scale *
-// log2(e) * q·k becomes cap2 * tanh(x / cap2), cap2 = softcap * log2(e)).
+// of params.h and ALiBi's bias (AlibiBias, below), on scores in the log2
+// units every kernel works in (x = scale * log2(e) * q·k becomes
+// cap2 * tanh(x / cap2), cap2 = softcap * log2(e)).
 //
 // Kept in one place for the forward tiles (fwd_blocks.cuh's ScaleAndMask),
 // the backward's element-wise steps (bwd_blocks.cuh), the exact
