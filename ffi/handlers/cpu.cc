@@ -75,12 +75,13 @@ ffi::Error CpuForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error CpuPagedForward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                            ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
+                           ExtraOperands extras,
                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                            ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                            float scale, int64_t window_left, int64_t window_right, int64_t tile,
                            int64_t num_splits, float softcap) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
+  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths, extras,
                                               {o, lse, o_partial, lse_partial}, scale, window_left,
                                               window_right, tile, num_splits, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -132,7 +133,15 @@ constexpr auto CpuBackwardV2 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf
   return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CpuForwardV1 = [](auto... args) { return CpuForwardV2(args..., 0.f); };
-constexpr auto CpuPagedForwardV1 = [](auto... args) { return CpuPagedForward(args..., 0.f); };
+// The paged forward: v3 passes the segment tables after kv_lengths, v2 none.
+constexpr auto CpuPagedForwardV3 = [](ffi::ThreadPool pool, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
+                                      Buf kv_seg, auto... rest) {
+  return CpuPagedForward(pool, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg}, rest...);
+};
+constexpr auto CpuPagedForwardV2 = [](ffi::ThreadPool pool, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, auto... rest) {
+  return CpuPagedForward(pool, q, kp, vp, table, kvl, ExtraOperands{}, rest...);
+};
+constexpr auto CpuPagedForwardV1 = [](auto... args) { return CpuPagedForwardV2(args..., 0.f); };
 constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackwardV2(args..., 0.f); };
 
 }  // namespace
@@ -147,7 +156,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV3, CpuBackwardV3,
                               BindBackward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV2, CpuForwardV2,
                               BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForward,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForwardV3,
+                              BindPagedForward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForwardV2, CpuPagedForwardV2,
                               BindPagedForward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV2, CpuBackwardV2,
                               BindBackward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

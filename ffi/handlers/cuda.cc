@@ -28,12 +28,13 @@ ffi::Error CudaForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, 
 
 ffi::Error CudaPagedForward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pages,
                             ffi::AnyBuffer v_pages, ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
+                            ExtraOperands extras,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                             ffi::Result<ffi::AnyBuffer> o_partial, ffi::Result<ffi::AnyBuffer> lse_partial,
                             float scale, int64_t window_left, int64_t window_right, int64_t tile,
                             int64_t num_splits, float softcap) {
   FwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths,
+  JAXFLASH_RETURN_IF_ERROR(DecodePagedForward(q, k_pages, v_pages, page_table, kv_lengths, extras,
                                               {o, lse, o_partial, lse_partial}, scale, window_left,
                                               window_right, tile, num_splits, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
@@ -98,7 +99,15 @@ constexpr auto CudaBackwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf
   return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CudaForwardV1 = [](auto... args) { return CudaForwardV2(args..., 0.f); };
-constexpr auto CudaPagedForwardV1 = [](auto... args) { return CudaPagedForward(args..., 0.f); };
+// The paged forward: v3 passes the segment tables after kv_lengths, v2 none.
+constexpr auto CudaPagedForwardV3 = [](cudaStream_t stream, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
+                                      Buf kv_seg, auto... rest) {
+  return CudaPagedForward(stream, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg}, rest...);
+};
+constexpr auto CudaPagedForwardV2 = [](cudaStream_t stream, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, auto... rest) {
+  return CudaPagedForward(stream, q, kp, vp, table, kvl, ExtraOperands{}, rest...);
+};
+constexpr auto CudaPagedForwardV1 = [](auto... args) { return CudaPagedForwardV2(args..., 0.f); };
 constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackwardV2(args..., 0.f); };
 
 }  // namespace
@@ -118,7 +127,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV3, CudaBackwardV3,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV2, CudaForwardV2,
                               BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForward,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForwardV3,
+                              BindPagedForward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV2, CudaPagedForwardV2,
                               BindPagedForward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV2, CudaBackwardV2,

@@ -300,7 +300,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
 // (params.h), over a logical length of max_pages * page_size.
 inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
                                      ffi::AnyBuffer page_table, ffi::AnyBuffer kv_lengths,
-                                     ForwardOutputs out, float scale, int64_t window_left,
+                                     ExtraOperands extras, ForwardOutputs out, float scale, int64_t window_left,
                                      int64_t window_right, int64_t tile, int64_t num_splits,
                                      FwdParams* p) {
   const auto qd = q.dimensions();
@@ -336,6 +336,8 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
   JAXFLASH_RETURN_IF_ERROR(DecodeOutputs(out, q, num_splits, p));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, /*bottom_right=*/true, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
+  // Segment tables (v3) index keys by their logical position in the table's sequence.
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegments(extras, sh, p->num_splits, &p->mask));
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k_pages.untyped_data();
@@ -417,7 +419,7 @@ auto WithForwardResults(Binding binding) {
 // The target versions (module.cc): v1; v2 = v1 + the `softcap` attribute;
 // v3 = v2 + the two segment-table operands after diagonal_offsets; v4 = v3 +
 // the ALiBi slopes operand after them (forward and backward; the paged forward
-// stops at v2). A binding cannot be moved,
+// has v3 = v2 + the two tables after kv_lengths, and stops there). A binding cannot be moved,
 // only built, so each step takes a function `make` that builds the one before.
 template <int kVersion, typename Make>
 auto WithSoftcap(Make make) {
@@ -463,12 +465,14 @@ auto BindForward(Binding binding) {
 
 template <int kVersion, typename Binding>
 auto BindPagedForward(Binding binding) {
-  static_assert(kVersion <= 2, "the paged forward has no v3");
-  return WithSoftcap<kVersion>([&] { return WithForwardResults(std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+  static_assert(kVersion <= 3, "the paged forward has no v4");
+  return WithSoftcap<kVersion>([&] { return WithForwardResults(WithSegments<kVersion>([&] {
+                                return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                                 .template Arg<ffi::AnyBuffer>()                // key_pages
                                 .template Arg<ffi::AnyBuffer>()                // value_pages
                                 .template Arg<ffi::AnyBuffer>()                // page_table
-                                .template Arg<ffi::AnyBuffer>())               // kv_lengths
+                                .template Arg<ffi::AnyBuffer>();               // kv_lengths
+                              }))
       .template Attr<float>("scale")
       .template Attr<int64_t>("window_left")
       .template Attr<int64_t>("window_right")
