@@ -22,8 +22,9 @@ from jaxflash import tile_cache
 # and the older ones stay registered for programs exported before them.
 FORWARD_TARGET = "jaxflash_fwd_v4"
 BACKWARD_TARGET = "jaxflash_bwd_v4"
-PAGED_TARGET = "jaxflash_paged_fwd_v2"
-LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
+PAGED_TARGET = "jaxflash_paged_fwd_v3"
+LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v2",
+                  "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
                   "jaxflash_paged_fwd_v1")
 TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
 

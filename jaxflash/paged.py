@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _core, _native, _splits, reference
+from jaxflash import _core, _native, _splits, reference, segments as _segments
 
 _PAGED_IMPLEMENTATIONS = (None, "native", "xla")
 
@@ -94,16 +94,17 @@ def _choose(q, implementation) -> str:
   return implementation
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _native_paged(q, kp, vp, table, lengths, spec):
-  splits = _splits.native(spec.num_splits, q.shape,
-                          (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3]),
-                          q.dtype, _core.platform(), paged=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _native_paged(q, kp, vp, table, lengths, tables, spec):
+  splits = 1 if tables is not None else _splits.native(
+      spec.num_splits, q.shape, (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3]),
+      q.dtype, _core.platform(), paged=True)
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
   call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
                           vmap_method="sequential")
-  o, _, _, _ = call(q, kp, vp, table, lengths, scale=np.float32(spec.scale),
+  o, _, _, _ = call(q, kp, vp, table, lengths, *_segments.operands(tables),
+                    scale=np.float32(spec.scale),
                     window_left=np.int64(spec.window_left),
                     window_right=np.int64(spec.window_right),
                     tile=np.int64(_native.forced_tile_attr()), num_splits=np.int64(splits),
@@ -111,8 +112,8 @@ def _native_paged(q, kp, vp, table, lengths, spec):
   return o
 
 
-def _native_paged_fwd(q, kp, vp, table, lengths, spec):
-  return _native_paged(q, kp, vp, table, lengths, spec), None
+def _native_paged_fwd(q, kp, vp, table, lengths, tables, spec):
+  return _native_paged(q, kp, vp, table, lengths, tables, spec), None
 
 
 def _native_paged_bwd(spec, residuals, cotangent):
@@ -127,7 +128,8 @@ _native_paged.defvjp(_native_paged_fwd, _native_paged_bwd)
 
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, scale=None,
                     is_causal: bool = True, local_window_size=None, num_splits=None,
-                    logits_soft_cap=None, implementation=None):
+                    logits_soft_cap=None, query_segment_ids=None, key_value_segment_ids=None,
+                    implementation=None):
   r"""Attention of new queries against a paged KV cache (decoding, chunked prefill).
 
   Args:
@@ -153,6 +155,11 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
       (``None`` automatic, an int in [1, 1024] forced).
     logits_soft_cap: ``c`` > 0 caps every score at ``c * tanh(score / c)``, as
       in :func:`jaxflash.dot_product_attention`.
+    query_segment_ids, key_value_segment_ids: integer ``[batch, q_len]`` and
+      ``[batch, max_pages * page_size]`` (the cache's logical positions) ids of
+      packed sequences: a row sees only the cached keys of its own segment, as in
+      :func:`jaxflash.dot_product_attention` (both must be given; not with
+      ``num_splits`` > 1).
     implementation: ``None`` (``native`` where it can serve the call, else
       ``xla``), ``"native"`` (reads the pages in place, CUDA on GPU and C++ on
       CPU) or ``"xla"`` (gathers the pages, then the reference; materialises
@@ -181,11 +188,21 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
                         window_right=-1 if right is None else right, bottom_right=True,
                         num_splits=_splits.validate(num_splits),
                         softcap=_core.resolve_softcap(logits_soft_cap))
+  B, T = q.shape[:2]
+  S = table.shape[1] * kp.shape[1]
+  if query_segment_ids is not None and key_value_segment_ids is None:
+    raise ValueError("paged_attention needs key_value_segment_ids ([batch, max_pages * "
+                     "page_size]) with query_segment_ids")
+  ids = _segments.validate(query_segment_ids, key_value_segment_ids, (B,), T, S)
+  if ids is not None and spec.num_splits > 1:
+    raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
   if _choose(q, implementation) == "native":
-    return _native_paged(q, kp, vp, table, lengths, spec)
+    tables = None if ids is None else _segments.tables(*ids, None, lengths, spec)
+    return _native_paged(q, kp, vp, table, lengths, tables, spec)
   k = reference.gather_pages(kp, table)
   v = reference.gather_pages(vp, table)
   out, _ = reference.attention(q, k, v, scale=spec.scale, is_causal=bool(is_causal),
                                causal_alignment="bottom_right", local_window_size=window,
-                               key_value_seq_lengths=lengths, logits_soft_cap=spec.softcap or None)
+                               key_value_seq_lengths=lengths, logits_soft_cap=spec.softcap or None,
+                               segment_ids=ids)
   return out
