@@ -318,7 +318,8 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
-                        *_segments.operands(segments), reference.alibi_operand(alibi), **cls._attrs(spec),
+                        *_segments.operands(segments), reference.alibi_operand(alibi),
+                        **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
     return o, lse
@@ -337,8 +338,8 @@ class NativeKernels:
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          _diagonal_offsets(offsets),
-                         *_segments.operands(segments), reference.alibi_operand(alibi), **cls._attrs(spec),
-                         deterministic=bool(spec.deterministic),
+                         *_segments.operands(segments), reference.alibi_operand(alibi),
+                         **cls._attrs(spec), deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
 

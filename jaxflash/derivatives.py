@@ -235,8 +235,8 @@ def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kerne
                     segments=None, alibi=None):
   """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
   return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths,
-                              *_segments.operands(segments), reference.alibi_operand(alibi), tq, tk, tv,
-                              kernels=kernels, spec=spec))
+                              *_segments.operands(segments), reference.alibi_operand(alibi),
+                              tq, tk, tv, kernels=kernels, spec=spec))
 
 
 # The primitive's operands: q, k, v, o, lse, the lengths, the two segment tables
@@ -267,8 +267,8 @@ def _tangent_abstract(*args, kernels, spec):
   return o.update(weak_type=False), lse.update(weak_type=False)
 
 
-def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes, tq, tk,
-                       tv, *, kernels, spec):
+def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes,
+                       tq, tk, tv, *, kernels, spec):
   """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
   extras = _extras(q_table, kv_table, slopes)

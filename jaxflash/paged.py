@@ -96,9 +96,9 @@ def _choose(q, implementation) -> str:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _native_paged(q, kp, vp, table, lengths, tables, spec):
-  splits = 1 if tables is not None else _splits.native(
-      spec.num_splits, q.shape, (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3]),
-      q.dtype, _core.platform(), paged=True)
+  keys = (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3])
+  splits = (1 if tables is not None else
+            _splits.native(spec.num_splits, q.shape, keys, q.dtype, _core.platform(), paged=True))
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
   call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits),

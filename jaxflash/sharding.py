@@ -248,7 +248,8 @@ def _shardy_rule(backward: bool, segments: bool, alibi: bool):
 
 
 def _extra_shardings(plan: _Plan, segments: bool, alibi: bool):
-  return ((plan.q_table(), plan.kv_table()) if segments else ()) + ((plan.slopes(),) if alibi else ())
+  tables = (plan.q_table(), plan.kv_table()) if segments else ()
+  return tables + ((plan.slopes(),) if alibi else ())
 
 
 def _forward_shardings(plan: _Plan, segments: bool, alibi: bool):

@@ -171,8 +171,8 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
 
   kernel = functools.partial(
       _tangent_kernel, scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
-      segments=segments is not None, heads=hq, left=int(window_left), right=int(window_right), bottom_right=bool(bottom_right),
-      block_q=bq, block_k=bk, num_q_blocks=nq)
+      segments=segments is not None, heads=hq, left=int(window_left), right=int(window_right),
+      bottom_right=bool(bottom_right), block_q=bq, block_k=bk, num_q_blocks=nq)
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
