@@ -225,6 +225,30 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
     }
 }
 
+// The backward's score modifiers before the exponent: a soft-cap caps the raw
+// products (into log2 units), and where ALiBi's bias follows the products are
+// scaled first, so it adds in log2 units. Returns the multiplier the exponent
+// still applies: scale_log2 for plain calls, 1 once the scores are in log2 units.
+template <int kT>
+__device__ __forceinline__ float ModifyScores(float (&s)[kT][4], SoftCap cap, const AlibiBias& alibi,
+                                              float scale_log2) {
+  if (cap.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+    scale_log2 = 1.f;
+  }
+  if (alibi.On()) {
+#pragma unroll
+    for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
+    scale_log2 = 1.f;
+  }
+  return scale_log2;
+}
+
 // Sᵀ -> Pᵀ in place for query tile [r0, r0 + 8 kQT) and this warp's keys from
 // `key0`. lse holds the tile's natural-log LSE values. `full`: the mask admits
 // the whole tile (queries past q_valid never make a tile full); only other
@@ -241,19 +265,8 @@ __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const Mask
                                                   int key0, LseLog2&& lse_at, int lane, float scale_log2,
                                                   SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On()) {
-#pragma unroll
-    for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
-    scale_log2 = 1.f;
-  }
-  if (alibi.On()) {  // (after the cap: the scores in log2 units)
-#pragma unroll
-    for (int nt = 0; nt < kQT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
-    scale_log2 = 1.f;
+  scale_log2 = ModifyScores(s, cap, alibi, scale_log2);
+  if (alibi.On()) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
   }
@@ -348,19 +361,8 @@ __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowSta
                                                 bool full, int row0, int c0, int lane, float scale_log2,
                                                 SoftCap cap = {}, AlibiBias alibi = {}) {
   const int g = lane >> 2, t = lane & 3;
-  if (cap.On()) {
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
-    scale_log2 = 1.f;
-  }
-  if (alibi.On()) {  // (after the cap: the scores in log2 units)
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
-    scale_log2 = 1.f;
+  scale_log2 = ModifyScores(s, cap, alibi, scale_log2);
+  if (alibi.On()) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) alibi.Add<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
   }
