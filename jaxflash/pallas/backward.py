@@ -27,7 +27,7 @@ from jaxflash.pallas.config import (
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up, slope_operands, table_operands)
+    round_up, extra_operands)
 
 __all__ = ["pallas_backward"]
 
@@ -240,7 +240,6 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   common = dict(scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
                 segments=segments is not None, heads=hq, left=int(window_left),
                 right=int(window_right), bottom_right=bool(bottom_right))
-  slopes, slope_specs = slope_operands(alibi, batch, hq)
   def params(tile_m, tile_n):
     if cfg.interpret:
       return None
@@ -269,16 +268,16 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                          lambda i, b, h: (b, 0, h // group, 0))
   row_spec = pl.BlockSpec((None, None, bq_dq),
                           lambda i, b, h: (b, h, nq - 1 - i))
-  tables, table_specs = table_operands(segments, t_all, s_all)
-  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, *tables, qp, kp, vp, dop, lsep,
+  extras, extra_specs = extra_operands(alibi, segments, batch, hq, t_all, s_all)
+  operands = same_varying_axes(q_len, kv_len, offsets, *extras, qp, kp, vp, dop, lsep,
                                deltap)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, block_q=bq_dq, block_k=bk_dq,
                         num_q_blocks=nq,
                         **common),
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                *table_specs, q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *extra_specs,
+                q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec],
       out_specs=q_spec,
       out_shape=output((batch, t_all, hq, dp), q.dtype, operands[-1]),
       interpret=cfg.interpret,
@@ -297,8 +296,8 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                         group=group,
                         **common),
       grid=(nk, batch, hkv),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                *table_specs, qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *extra_specs,
+                qg_spec, kblk_spec, kblk_spec, qg_spec, rowg_spec, rowg_spec],
       out_specs=[kblk_spec, kblk_spec],
       out_shape=[output((batch, s_all, hkv, dp), k.dtype, operands[-1]),
                  output((batch, s_all, hkv, dp), v.dtype, operands[-1])],

@@ -25,7 +25,7 @@ from jaxflash.pallas.config import (
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up, slope_operands, table_operands)
+    round_up, extra_operands)
 
 __all__ = ["pallas_forward"]
 
@@ -323,19 +323,18 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       heads=hq, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
       block_k=bk, num_q_blocks=nq)
-  slopes, slope_specs = slope_operands(alibi, batch, hq)
-  tables, table_specs = table_operands(segments, t_pad, s_pad)
+  extras, extra_specs = extra_operands(alibi, segments, batch, hq, t_pad, s_pad)
   q_spec = pl.BlockSpec((None, bq, None, dp),
                         lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp),
                          lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
-  operands = same_varying_axes(q_len, kv_len, offsets, *slopes, *tables, qp, kp, vp)
+  operands = same_varying_axes(q_len, kv_len, offsets, *extras, qp, kp, vp)
   o, lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                *table_specs, q_spec, kv_spec, kv_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *extra_specs,
+                q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[output((batch, t_pad, hq, dp), q.dtype, operands[-1]),
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],

@@ -97,21 +97,18 @@ def length_spec(batch: int):
   return pl.BlockSpec((batch,), lambda *_: (0,))
 
 
-def table_operands(segments, t_pad: int, s_pad: int):
-  """The segment tables as the kernels read them, ([q table, kv table], [specs]): each
-  batch element's whole table, padded to the padded lengths; ([], []) without ids."""
-  if segments is None:
-    return [], []
-  q_tab, kv_tab = segments
-  spec = lambda n: pl.BlockSpec((None, n, q_tab.shape[-1]), lambda *g: (g[1], 0, 0))
-  return [pad_to(q_tab, {1: t_pad}), pad_to(kv_tab, {1: s_pad})], [spec(t_pad), spec(s_pad)]
-
-
-def slope_operands(alibi, batch: int, heads: int):
-  """ALiBi's slopes as a kernel reads them, ([operand], [spec]): [B, Hq] flattened to
-  b * Hq + h and zero-padded to a power of two (a whole block); ([], []) without."""
-  if alibi is None:
-    return [], []
-  slopes = jnp.asarray(alibi, jnp.float32).reshape(batch * heads)
-  n = 1 << max(0, (batch * heads - 1).bit_length())
-  return [pad_to(slopes, {0: n})], [length_spec(n)]
+def extra_operands(alibi, segments, batch: int, heads: int, t_pad: int, s_pad: int):
+  """(operands, specs) a kernel takes after its lengths and offsets, in the order
+  blocks.take_extras reads them: ALiBi's slopes ([B, Hq] flattened to b * Hq + h,
+  zero-padded to a power of two: a whole block), then the segment tables (each
+  batch element's whole table, padded to the padded lengths); none without them."""
+  operands, specs = [], []
+  if alibi is not None:
+    n = 1 << max(0, (batch * heads - 1).bit_length())
+    operands.append(pad_to(jnp.asarray(alibi, jnp.float32).reshape(batch * heads), {0: n}))
+    specs.append(length_spec(n))
+  if segments is not None:
+    for table, n in zip(segments, (t_pad, s_pad)):
+      operands.append(pad_to(table, {1: n}))
+      specs.append(pl.BlockSpec((None, n, table.shape[-1]), lambda *g: (g[1], 0, 0)))
+  return operands, specs

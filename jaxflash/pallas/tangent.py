@@ -48,7 +48,7 @@ from jaxflash.pallas.config import (
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    slope_operands, table_operands)
+    extra_operands)
 
 __all__ = ["pallas_tangent"]
 
@@ -176,19 +176,18 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
   q_spec = pl.BlockSpec((None, bq, None, dp), lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp), lambda i, b, h: (b, 0, h // group, 0))
   lse_spec = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, nq - 1 - i))
-  slopes, slope_specs = slope_operands(alibi, batch, hq)
-  tables, table_specs = table_operands(segments, t_pad, s_pad)
+  extras, extra_specs = extra_operands(alibi, segments, batch, hq, t_pad, s_pad)
   operands = same_varying_axes(
       clamped_lengths(q_lengths, batch, t), clamped_lengths(kv_lengths, batch, s),
-      batch_offsets(diagonal_offsets, batch), *slopes, *tables, pad_rows(q), pad_keys(k),
+      batch_offsets(diagonal_offsets, batch), *extras, pad_rows(q), pad_keys(k),
       pad_keys(v),
       pad_to(lse.astype(jnp.float32), {2: t_pad}, value=EMPTY_LSE),
       pad_rows(tq), pad_keys(tk), pad_keys(tv))
   t_o, t_lse = pl.pallas_call(
       kernel,
       grid=(nq, batch, hq),
-      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *slope_specs,
-                *table_specs, q_spec, kv_spec, kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
+      in_specs=[length_spec(batch), length_spec(batch), length_spec(batch), *extra_specs,
+                q_spec, kv_spec, kv_spec, lse_spec, q_spec, kv_spec, kv_spec],
       out_specs=[q_spec, lse_spec],
       out_shape=[output((batch, t_pad, hq, dp), o.dtype, operands[-1]),
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],

@@ -131,7 +131,7 @@ struct AlibiBias {
   }
   // The bias of one pair (the soft-capped backward's slope, SlopeFromProb).
   __device__ __forceinline__ float At(int query, int key) const {
-    return neg_slope2 * fabsf(static_cast<float>(query) + offset - static_cast<float>(key));
+    return Alibi{neg_slope2}.Bias(static_cast<float>(query) + offset, static_cast<float>(key));
   }
 };
 
