@@ -26,7 +26,10 @@ PAGED_TARGET = "jaxflash_paged_fwd_v3"
 LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v2",
                   "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
                   "jaxflash_paged_fwd_v1")
-TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
+# The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
+SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
+CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + LEGACY_TARGETS
+TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET,)
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
 # (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path

@@ -15,21 +15,29 @@ straddle a document boundary or the diagonal are masked and tiles of other
 documents are never visited; unsorted ids are as correct, only skipped less.
 
 The cost is a sort of each row's keys and two binary searches per position:
-O((T + S) log S) integer work, next to the O(T S H) of the attention.
+O((T + S) log S) integer work, next to the O(T S H) of the attention. On a GPU
+with the native kernels one kernel builds both tables (the FFI target
+`jaxflash_segment_tables_v1`, ffi/kernels/segments/segment_tables.cu: the sort
+in shared memory, so for sides of up to `MAX_KERNEL_LENGTH` positions); XLA runs
+the definition below as a chain of small kernels, about ten times longer.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from jaxflash import reference
+from jaxflash import _native, reference
 
 # params.h's SegmentField, in order; the eighth field pads a row to 32 bytes.
 FIELDS = 8
 ID, BEGIN, END, GAP_FREE, ENV_BEGIN, ENV_END, RUN_END = range(7)
 
 _MAX_OFFSET = 1 << 30
+# params.h's kMaxSortedSegmentIds: the longest side the GPU kernel's sort holds.
+MAX_KERNEL_LENGTH = 8192
 
 
 def validate(query_segment_ids, key_value_segment_ids, batch: tuple[int, ...], q_len: int,
@@ -161,10 +169,40 @@ def tables(q_ids, kv_ids, q_lengths, kv_lengths, spec, offsets=None):
   """
   B, T = q_ids.shape
   S = kv_ids.shape[1]
+  xla = lambda *args: _tables_xla(*args, spec=spec, same=q_ids is kv_ids)  # noqa: E731
+  args = (q_ids, kv_ids, _per_batch(q_lengths), _per_batch(kv_lengths), _per_batch(offsets))
+  if (B and 0 < T <= MAX_KERNEL_LENGTH and 0 < S <= MAX_KERNEL_LENGTH
+      and _native.unavailable_reason("gpu") is None):
+    kernel = lambda *args: _tables_kernel(*args, spec=spec)  # noqa: E731
+    return lax.platform_dependent(*args, cuda=kernel, default=xla)
+  return xla(*args)
+
+
+def _per_batch(x):
+  """Lengths or offsets as the kernels take them: int32, empty for none."""
+  return reference.no_lengths() if x is None else jnp.asarray(x, jnp.int32)
+
+
+def _tables_kernel(q_ids, kv_ids, q_lengths, kv_lengths, offsets, *, spec):
+  """Both tables from the GPU kernel (the same fields as `_tables_xla`)."""
+  B, T = q_ids.shape
+  S = kv_ids.shape[1]
+  out = (jax.ShapeDtypeStruct((B, T, FIELDS), jnp.int32),
+         jax.ShapeDtypeStruct((B, S, FIELDS), jnp.int32))
+  call = jax.ffi.ffi_call(_native.SEGMENT_TABLES_TARGET, out, vmap_method="broadcast_all")
+  return call(q_ids, kv_ids, q_lengths, kv_lengths, offsets,
+              window_left=np.int64(spec.window_left), window_right=np.int64(spec.window_right),
+              bottom_right=bool(spec.bottom_right))
+
+
+def _tables_xla(q_ids, kv_ids, q_lengths, kv_lengths, offsets, *, spec, same):
+  """Both tables as jnp: the definition of every field."""
+  B, T = q_ids.shape
+  S = kv_ids.shape[1]
   (key_begin, key_end), (row_begin, row_end) = _window_spans(B, T, S, q_lengths, kv_lengths, spec,
                                                              offsets)
   kv_sorted = _sorted(kv_ids) if S else None
-  q_sorted = kv_sorted if q_ids is kv_ids else (_sorted(q_ids) if T else None)
+  q_sorted = kv_sorted if same else (_sorted(q_ids) if T else None)
   return (_side(q_ids, kv_ids, kv_sorted, key_begin, key_end),
           _side(kv_ids, q_ids, q_sorted, row_begin, row_end))
 

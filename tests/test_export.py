@@ -55,7 +55,7 @@ def test_the_extension_registers_the_python_side_target_names():
   if _native.unavailable_reason("cpu"):
     pytest.skip("the extension is not built")
   ext, _ = _native._load()
-  assert set(ext.cpu_targets()) == set(_native.TARGETS)
+  assert set(ext.cpu_targets()) == set(_native.CPU_TARGETS)
   if ext.with_cuda:
     assert set(ext.cuda_targets()) == set(_native.TARGETS)
 

@@ -319,3 +319,44 @@ def test_gpu_sm80_kernels(rng):
     for kind in KINDS.values():
       check_forward(rng, (1, 300, 300, 4, 2, 64), "causal", jnp.bfloat16, segments=kind)
       check_gradients(rng, (1, 300, 300, 4, 2, 128), "causal", jnp.bfloat16, segments=kind)
+
+
+@pytest.mark.gpu
+def test_gpu_table_kernel_equals_the_definition(rng):
+  """The GPU kernel's tables (segment_tables.cu) equal segments.py's XLA definition field
+  for field: every kind of ids, every window, both alignments, lengths on both sides,
+  diagonal offsets, one position to the kernel's longest side, many scan chunks, vmap."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  sizes = [(1, 1), (21, 21), (13, 29), (700, 700), (2500, 1900), (4096, 4096),
+           (seg_lib.MAX_KERNEL_LENGTH, seg_lib.MAX_KERNEL_LENGTH)]
+  for (T, S), (left, right) in itertools.product(sizes, WINDOWS):
+    B = 2
+    kind = list(KINDS.values())[rng.integers(len(KINDS))]
+    q_ids, kv_ids = (jnp.asarray(x) for x in kind(rng, B, T, S))
+    if T == S and rng.integers(2):
+      kv_ids = q_ids                    # self-attention: one array both sides
+    spec = MaskSpec(scale=1.0, window_left=left, window_right=right,
+                    bottom_right=bool(rng.integers(2)))
+    lengths = lambda n: jnp.asarray(rng.integers(0, n + 1, B), jnp.int32)  # noqa: E731
+    args = (q_ids, kv_ids, lengths(T), lengths(S),
+            jnp.asarray(rng.integers(-S, T + 1, B), jnp.int32))
+    got = jax.jit(functools.partial(seg_lib._tables_kernel, spec=spec))(*args)
+    want = jax.jit(functools.partial(seg_lib._tables_xla, spec=spec, same=False))(*args)
+    for g, w, side in zip(got, want, ("query", "key")):
+      g, w = np.asarray(g), np.asarray(w)
+      bad = np.argwhere(g != w)
+      assert bad.size == 0, (f"{side} table T={T} S={S} window=({left}, {right}) {kind.__name__}: "
+                             f"{len(bad)} fields differ, first {bad[0]}: {g[tuple(bad[0])]} != "
+                             f"{w[tuple(bad[0])]}")
+  # Under vmap the handler folds the mapped axis into the batch.
+  q_ids, kv_ids = (jnp.asarray(x) for x in packed(rng, 6, 300, 300))
+  spec = MaskSpec(scale=1.0, window_left=-1, window_right=0)
+  f = lambda table: jax.vmap(lambda q, kv: table(q, kv, reference_none, reference_none,  # noqa: E731
+                                                 reference_none, spec=spec))
+  reference_none = jaxflash.reference.no_lengths()
+  got = jax.jit(f(seg_lib._tables_kernel))(q_ids.reshape(3, 2, 300), kv_ids.reshape(3, 2, 300))
+  want = seg_lib._tables_xla(q_ids, kv_ids, reference_none, reference_none, reference_none,
+                             spec=spec, same=False)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g).reshape(w.shape), np.asarray(w))

@@ -71,6 +71,18 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
+ffi::Error CudaSegmentTables(cudaStream_t stream, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
+                             ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                             ffi::Result<ffi::AnyBuffer> q_table, ffi::Result<ffi::AnyBuffer> kv_table,
+                             int64_t window_left, int64_t window_right, bool bottom_right) {
+  SegmentTableParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeSegmentTables(q_ids, kv_ids, q_lengths, kv_lengths, diag_offsets, q_table,
+                                               kv_table, window_left, window_right, bottom_right, &p));
+  CudaDevice device;
+  JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  return ToFfiError(jaxflash::CudaSegmentTables(p, device, stream));
+}
+
 // The target versions (decode.h): v4 passes the segment tables and the ALiBi
 // slopes, v3 the tables only, v2 neither, v1 not the soft-cap attribute either.
 using Buf = ffi::AnyBuffer;
@@ -141,6 +153,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV1, CudaForwardV1,
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV1, CudaPagedForwardV1,
                               BindPagedForward<1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaSegmentTables, CudaSegmentTables,
+                              BindSegmentTables(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV1, CudaBackwardV1,
                               BindBackward<1>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),

@@ -407,6 +407,64 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
 // The argument lists of the FFI targets, shared by both platforms so the
 // Python side calls one signature; each platform prepends its context.
 
+// The segment-table target (jaxflash_segment_tables_v1): ids int32 [*batch,
+// q_len] and [*batch, kv_len], lengths and diagonal offsets as the attention
+// targets take them (empty: none), tables [*batch, len, kSegmentFields].
+inline ffi::Error DecodeSegmentTables(ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids, ffi::AnyBuffer q_lengths,
+                                      ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                                      ffi::Result<ffi::AnyBuffer> q_table, ffi::Result<ffi::AnyBuffer> kv_table,
+                                      int64_t window_left, int64_t window_right, bool bottom_right,
+                                      SegmentTableParams* p) {
+  for (const ffi::AnyBuffer* b : {&q_ids, &kv_ids}) {
+    if (b->element_type() != ffi::DataType::S32) return Invalid("segment ids must be int32");
+    if (b->dimensions().size() < 1) return Invalid("segment ids need a sequence axis");
+  }
+  const auto qd = q_ids.dimensions(), kd = kv_ids.dimensions();
+  AttentionShape s;
+  s.q_len = qd.back();
+  s.kv_len = kd.back();
+  s.batch = LeadingProduct(qd, 1);
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("key segment ids", kd, {s.kv_len}, s.batch));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", q_lengths, s));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", kv_lengths, s));
+  JAXFLASH_RETURN_IF_ERROR(CheckLengths("diagonal_offsets", diag_offsets, s));
+  if (q_table->element_type() != ffi::DataType::S32 || kv_table->element_type() != ffi::DataType::S32) {
+    return Invalid("segment tables must be int32");
+  }
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("query segment table", q_table->dimensions(), {s.q_len, kSegmentFields}, s.batch));
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("key segment table", kv_table->dimensions(), {s.kv_len, kSegmentFields}, s.batch));
+  if (std::max(s.q_len, s.kv_len) > kMaxSortedSegmentIds) {
+    return Invalid("the segment-table target takes at most " + std::to_string(kMaxSortedSegmentIds) +
+                   " positions a side");
+  }
+  JAXFLASH_RETURN_IF_ERROR(DecodeMask(1.f, window_left, window_right, bottom_right, &p->mask));
+  p->batch = s.batch;
+  p->q_len = s.q_len;
+  p->kv_len = s.kv_len;
+  p->q_ids = static_cast<const int32_t*>(q_ids.untyped_data());
+  p->kv_ids = static_cast<const int32_t*>(kv_ids.untyped_data());
+  p->q_lengths = PerBatch(q_lengths);
+  p->kv_lengths = PerBatch(kv_lengths);
+  p->mask.diag_offsets = PerBatch(diag_offsets);
+  p->q_table = static_cast<int32_t*>(q_table->untyped_data());
+  p->kv_table = static_cast<int32_t*>(kv_table->untyped_data());
+  return ffi::Error::Success();
+}
+
+template <typename Binding>
+auto BindSegmentTables(Binding binding) {
+  return std::move(binding).template Arg<ffi::AnyBuffer>()  // query segment ids
+      .template Arg<ffi::AnyBuffer>()                       // key segment ids
+      .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
+      .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
+      .template Arg<ffi::AnyBuffer>()                       // diagonal_offsets
+      .template Ret<ffi::AnyBuffer>()                       // query table
+      .template Ret<ffi::AnyBuffer>()                       // key table
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right");
+}
+
 // The results of both forward targets (ForwardOutputs).
 template <typename Binding>
 auto WithForwardResults(Binding binding) {

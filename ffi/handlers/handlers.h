@@ -27,5 +27,6 @@ XLA_FFI_Error* JaxflashCudaBackwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaPagedForwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardV1(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaSegmentTables(XLA_FFI_CallFrame* call_frame);
 #endif
 }

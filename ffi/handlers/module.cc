@@ -55,9 +55,13 @@ NB_MODULE(_jaxflash, m) {
   });
   m.def("cuda_targets", [] {
 #ifdef JAXFLASH_WITH_CUDA
-    return Targets({JaxflashCudaForward, JaxflashCudaBackward, JaxflashCudaForwardV3, JaxflashCudaBackwardV3,
+    // The segment tables have a kernel on the GPU only (elsewhere XLA builds them:
+    // jaxflash/segments.py).
+    nb::dict d = Targets({JaxflashCudaForward, JaxflashCudaBackward, JaxflashCudaForwardV3, JaxflashCudaBackwardV3,
                     JaxflashCudaForwardV2, JaxflashCudaPagedForward, JaxflashCudaPagedForwardV2,
                     JaxflashCudaBackwardV2, JaxflashCudaForwardV1, JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1});
+    d["jaxflash_segment_tables_v1"] = Capsule(JaxflashCudaSegmentTables);
+    return d;
 #else
     return nb::dict();
 #endif

@@ -71,4 +71,7 @@ size_t CudaBackwardWorkspaceBytes(const BwdParams& params, const CudaDevice& dev
 Status CudaAttentionBackward(const BwdParams& params, void* workspace, const CudaDevice& device,
                              cudaStream_t stream);
 
+// Both segment tables of a call (SegmentTableParams), on the stream.
+Status CudaSegmentTables(const SegmentTableParams& params, const CudaDevice& device, cudaStream_t stream);
+
 }  // namespace jaxflash

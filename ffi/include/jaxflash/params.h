@@ -105,6 +105,28 @@ enum SegmentField : int {
   kSegmentFields = 8,  // (one pad field: a row is 32 bytes)
 };
 
+// The segment tables of one call, built on the GPU (ffi/kernels/segments/
+// segment_tables.cu) exactly as jaxflash/segments.py builds them anywhere: the
+// ids are [batch, q_len] and [batch, kv_len] int32; `mask` gives the window,
+// alignment and diagonal offsets (its segment pointers are unused); the tables
+// are [batch, len, kSegmentFields]. Each side's table needs the other side's
+// (id, position) pairs sorted, which one block does in registers and shared
+// memory: neither side may hold more than kMaxSortedSegmentIds positions
+// (longer calls build their tables with XLA).
+struct SegmentTableParams {
+  int64_t batch = 0;
+  int64_t q_len = 0;
+  int64_t kv_len = 0;
+  const int32_t* q_ids = nullptr;
+  const int32_t* kv_ids = nullptr;
+  const int32_t* q_lengths = nullptr;   // [batch]; null: q_len
+  const int32_t* kv_lengths = nullptr;  // [batch]; null: kv_len
+  MaskParams mask;
+  int32_t* q_table = nullptr;
+  int32_t* kv_table = nullptr;
+};
+constexpr int64_t kMaxSortedSegmentIds = 8192;
+
 struct AttentionShape {
   int64_t batch = 0;
   int64_t q_len = 0;
