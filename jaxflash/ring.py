@@ -89,11 +89,11 @@ class Sharded:
   """How one sequence axis is spread: the mesh axis (or axes), its size, the layout."""
   axis: Any = None          # mesh axis name, tuple of names, or None (not sharded)
   shards: int = 1
-  layout: Layout = "contiguous"
+  layout: str = "contiguous"       # a Layout, or "mirror" (the partition rule's: to_mirror)
 
   @property
   def pieces(self) -> int:
-    return 2 if self.layout == "zigzag" else 1
+    return 1 if self.layout == "contiguous" else 2
 
   def index(self):
     return lax.axis_index(self.axis) if self.axis is not None else jnp.int32(0)
@@ -103,6 +103,8 @@ class Sharded:
     piece = local_len // self.pieces
     if self.layout == "zigzag":
       return [shard * piece, (2 * self.shards - 1 - shard) * piece]
+    if self.layout == "mirror":
+      return [2 * shard * piece, (2 * self.shards - 1 - 2 * shard) * piece]
     return [shard * local_len]
 
   def send(self, tree):
@@ -112,36 +114,58 @@ class Sharded:
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis, perm), tree)
 
 
-def relayout(x, seq: Sharded, seq_axis: int, to_zigzag: bool, pieces: bool = False):
-  """Contiguous <-> zigzag for the local shard `x` of an array sharded as `seq`.
+class _FirstHalf:
+  """The first half of `whole` along `axis`, sliced only inside the block that reads it.
 
-  Two collective permutes: the contiguous shard p holds half-chunks 2p and
-  2p + 1, which go to different zigzag shards; sending the even and the odd
-  half-chunk apart makes each transfer a permutation of the devices.
-  `pieces` (to zigzag only) returns the shard's two chunks as a tuple instead
-  of their concatenation, the form the `Ring` methods take without a copy.
+  A piece of the mirror layout that never moved (`to_mirror`): slicing it up
+  front would keep a copy alive through the whole ring (`_piece`).
   """
-  n = seq.shards
-  if n == 1:
-    return tuple(jnp.split(x, 2, axis=seq_axis)) if pieces else x
-  home = lambda c: c if c < n else 2 * n - 1 - c       # zigzag shard of chunk c
-  first, second = jnp.split(x, 2, axis=seq_axis)
-  me = lax.axis_index(seq.axis)
-  even_me = me % 2 == 0
-  if to_zigzag:
-    even = lax.ppermute(first, seq.axis, [(p, home(2 * p)) for p in range(n)])
-    odd = lax.ppermute(second, seq.axis, [(p, home(2 * p + 1)) for p in range(n)])
-    # Shard d's chunk d has d's parity; its other chunk 2n-1-d the other one.
-    chunks = (jnp.where(even_me, even, odd), jnp.where(even_me, odd, even))
-    return chunks if pieces else jnp.concatenate(chunks, axis=seq_axis)
-  # Shard d holds chunks (d, 2n-1-d); the even one goes to shard c // 2 first.
-  even_chunk = lambda d: d if d % 2 == 0 else 2 * n - 1 - d
-  odd_chunk = lambda d: 2 * n - 1 - d if d % 2 == 0 else d
-  even = lax.ppermute(jnp.where(even_me, first, second), seq.axis,
-                      [(d, even_chunk(d) // 2) for d in range(n)])
-  odd = lax.ppermute(jnp.where(even_me, second, first), seq.axis,
-                     [(d, odd_chunk(d) // 2) for d in range(n)])
-  return jnp.concatenate([even, odd], axis=seq_axis)
+
+  def __init__(self, whole, axis: int):
+    self.whole, self.axis = whole, axis
+
+  @property
+  def shape(self):
+    return tuple(s // 2 if i == self.axis else s for i, s in enumerate(self.whole.shape))
+
+  @property
+  def dtype(self):
+    return self.whole.dtype
+
+  def value(self):
+    half = self.whole.shape[self.axis] // 2
+    return lax.slice_in_dim(self.whole, 0, half, axis=self.axis)
+
+
+def _mirror_perm(n: int):
+  return [(p, n - 1 - p) for p in range(n)]
+
+
+def to_mirror(x, seq: Sharded, seq_axis: int, lazy: bool = True):
+  """The two pieces of the mirror layout from the local contiguous shard `x`.
+
+  Mirror layout (the partition rule's causal ring): shard p holds chunks 2p
+  and 2n-1-2p of 2n, the first half of its own contiguous shard and the
+  second half of shard n-1-p's. Like zigzag's pairs (i, 2n-1-i), every such
+  pair does the same causal work as any other at every ring step; unlike
+  zigzag it is one collective permute of half a shard away (p <-> n-1-p), and
+  the half that stays is not copied: `lazy` returns it as a `_FirstHalf` for
+  operands that only blocks read (not for K/V, which travel).
+  """
+  half = x.shape[seq_axis] // 2
+  second = lax.slice_in_dim(x, half, 2 * half, axis=seq_axis)
+  received = lax.ppermute(second, seq.axis, _mirror_perm(seq.shards))
+  first = _FirstHalf(x, seq_axis) if lazy else lax.slice_in_dim(x, 0, half, axis=seq_axis)
+  return first, received
+
+
+def from_mirror(x, seq: Sharded, seq_axis: int):
+  """The local contiguous shard from `x` in the mirror layout (the same swap back)."""
+  half = x.shape[seq_axis] // 2
+  first, second = lax.slice_in_dim(x, 0, half, axis=seq_axis), lax.slice_in_dim(
+      x, half, 2 * half, axis=seq_axis)
+  return jnp.concatenate([first, lax.ppermute(second, seq.axis, _mirror_perm(seq.shards))],
+                         axis=seq_axis)
 
 
 # ------------------------------------------------------------------ blocks
@@ -154,11 +178,11 @@ def _piece(x, i: int, n: int, axis: int):
   up front kept a second copy of q, k, v, o and dO alive through the whole
   ring (XLA CPU buffer assignment, zigzag at 2 devices: 0.74X of the 5.76X
   per-device temps, X = one q-sized tensor). An operand that is made of its
-  pieces (`relayout(..., pieces=True)`) comes as the tuple: a slice of a
-  concatenation inside a branch would keep the concatenation alive instead.
+  pieces (`to_mirror`) comes as the tuple: a slice of a concatenation inside
+  a branch would keep the concatenation alive instead.
   """
   if isinstance(x, tuple):
-    return x[i]
+    return x[i].value() if isinstance(x[i], _FirstHalf) else x[i]
   if n == 1:
     return x
   size = x.shape[axis] // n

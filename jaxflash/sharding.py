@@ -23,8 +23,8 @@ runs the same kernels on the local block:
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
-  zigzag layout (re-laid out on the way in and out) so every device does the
-  same work.
+  mirror layout (`ring.to_mirror`: half of each shard swapped on the way in
+  and back on the way out) so every device does the same work at every step.
 
 Everything that is not named above is replicated, which is always correct.
 A wrapper with `custom_vmap` folds vmapped axes into the batch, as the FFI
@@ -81,7 +81,7 @@ class _Plan:
   kv_heads: tuple[str, ...] = ()    # heads, or () when K/V stay replicated over them
   q_seq: tuple[str, ...] = ()
   kv_seq: tuple[str, ...] = ()      # == q_seq when set: ring attention
-  zigzag: bool = False              # re-lay the ring out for a causal mask
+  mirror: bool = False              # re-lay the ring out for a causal mask (ring.to_mirror)
 
   def size(self, axes) -> int:
     return math.prod(self.mesh.shape[a] for a in axes)
@@ -139,14 +139,14 @@ def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
     kv_seq, q_seq = (), (qd[1] if T % size(qd[1]) == 0 and not set(qd[1]) & used else ())
   n = size(kv_seq)
   causal = spec.window_right >= 0 and spec.window_left < 0
-  zigzag = bool(kv_seq) and causal and T == S and (T // n) % 2 == 0 and n > 1
-  return _Plan(mesh, batch, heads, kv_heads, q_seq, kv_seq, zigzag)
+  mirror = bool(kv_seq) and causal and T == S and (T // n) % 2 == 0 and n > 1
+  return _Plan(mesh, batch, heads, kv_heads, q_seq, kv_seq, mirror)
 
 
 # ------------------------------------------------------------------ per-shard functions
 
 def _ring(plan: _Plan, kernels, q_len: int, kv_len: int):
-  layout = "zigzag" if plan.zigzag else "contiguous"
+  layout = "mirror" if plan.mirror else "contiguous"
   q_seq = ring_lib.Sharded(_axis(plan.q_seq), plan.size(plan.q_seq), layout)
   kv_seq = (ring_lib.Sharded(_axis(plan.kv_seq), plan.size(plan.kv_seq), layout) if plan.kv_seq
             else ring_lib.Sharded())
@@ -165,6 +165,11 @@ def _extras(extras, segments: bool):
   return ids, (extras[-1] if len(extras) > (2 if segments else 0) else None)
 
 
+def _mirror_ids(ids, seq):
+  """The segment id tables in the mirror layout, whole (the ring reads them as arrays)."""
+  return tuple(jnp.concatenate(ring_lib.to_mirror(x, seq, 1, lazy=False), axis=1) for x in ids)
+
+
 def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
                    segments: bool):
   def run(q, k, v, q_lengths, kv_lengths, *extras):
@@ -175,13 +180,13 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
     if not plan.q_seq:
       return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     ring = _ring(plan, kernels, q_len, kv_len)
-    if plan.zigzag:
-      # As pieces: the ring slices a concatenation only inside a block's branch.
-      q, k, v = (ring_lib.relayout(x, ring.q_seq, 1, True, pieces=True) for x in (q, k, v))
-      ids = ids and tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+    if plan.mirror:
+      q = ring_lib.to_mirror(q, ring.q_seq, 1)
+      k, v = (ring_lib.to_mirror(x, ring.q_seq, 1, lazy=False) for x in (k, v))
+      ids = ids and _mirror_ids(ids, ring.q_seq)
     o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
-    if plan.zigzag:
-      o, lse = ring_lib.relayout(o, ring.q_seq, 1, False), ring_lib.relayout(lse, ring.q_seq, 2, False)
+    if plan.mirror:
+      o, lse = ring_lib.from_mirror(o, ring.q_seq, 1), ring_lib.from_mirror(lse, ring.q_seq, 2)
     return o, lse
   return run
 
@@ -199,14 +204,15 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
                                     segments=ids, alibi=alibi)
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
-      if plan.zigzag:
-        to = lambda x, axis=1: ring_lib.relayout(x, ring.q_seq, axis, True, pieces=True)
-        q, k, v, o, do, lse, dlse = to(q), to(k), to(v), to(o), to(do), to(lse, 2), to(dlse, 2)
-        ids = ids and tuple(ring_lib.relayout(x, ring.q_seq, 1, True) for x in ids)
+      if plan.mirror:
+        to = lambda x, axis=1: ring_lib.to_mirror(x, ring.q_seq, axis)
+        q, o, do, lse, dlse = to(q), to(o), to(do), to(lse, 2), to(dlse, 2)
+        k, v = (ring_lib.to_mirror(x, ring.q_seq, 1, lazy=False) for x in (k, v))
+        ids = ids and _mirror_ids(ids, ring.q_seq)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=ids, alibi=alibi)
-      if plan.zigzag:
-        dq, dk, dv = (ring_lib.relayout(x, ring.q_seq, 1, False) for x in (dq, dk, dv))
+      if plan.mirror:
+        dq, dk, dv = (ring_lib.from_mirror(x, ring.q_seq, 1) for x in (dq, dk, dv))
     if plan.sliced_kv_heads:
       # K/V are replicated over the head axis: their gradient sums its shards.
       place = lambda g, full: lax.dynamic_update_slice_in_dim(

@@ -236,8 +236,8 @@ def _mask_kwargs(name, rng, B, T, S):
   return kw
 
 
-# (shards, mask, (B, T, S, N, K, D), dtype): every shard count, every mask,
-# GQA, q_len != kv_len, and bfloat16 once.
+# (shards, mask, (B, T, S, N, K, D), dtype): every shard count (an odd one too), every
+# mask, GQA, q_len != kv_len, and bfloat16 once.
 RING_CASES = [
     (2, "causal", (2, 64, 64, 4, 2, 16), jnp.float32),
     (4, "none", (1, 64, 64, 4, 4, 16), jnp.float32),
@@ -245,7 +245,7 @@ RING_CASES = [
     (8, "window", (2, 64, 64, 4, 1, 16), jnp.float32),
     (4, "lengths_causal_bottom_right", (2, 64, 64, 4, 2, 16), jnp.float32),
     (2, "lengths_causal_bottom_right", (2, 32, 48, 4, 2, 16), jnp.float32),
-    (4, "causal", (2, 64, 64, 4, 2, 32), jnp.bfloat16),
+    (3, "causal", (2, 48, 48, 4, 2, 32), jnp.bfloat16),   # odd: the middle shard keeps its half
 ]
 _ring_id = lambda c: f"{c[0]}shards-{c[1]}-{jnp.dtype(c[3]).name}-T{c[2][1]}S{c[2][2]}"
 
@@ -533,7 +533,8 @@ def test_ring_memory_per_device():
 
   Guards what design.md (Memory) measured: ring_attention on zigzag data 1.06x of
   one device (it was 1.15x while every operand was split into its pieces up front),
-  the automatic causal ring 1.37x (its re-layout copies). Compiles only.
+  the automatic causal ring 1.18x (its mirror re-layout's received halves; 1.37x with
+  the zigzag re-layout it replaced). Compiles only.
   """
   shape = (1, 1024, 4, 128)
   one = NamedSharding(_mesh((1,), ("s",), auto=True), P())
@@ -551,7 +552,7 @@ def test_ring_memory_per_device():
 
   base = _per_device_bytes(automatic, one, shape)
   assert _per_device_bytes(explicit, rows, shape) <= 1.10 * base
-  assert _per_device_bytes(automatic, rows, shape) <= 1.40 * base
+  assert _per_device_bytes(automatic, rows, shape) <= 1.22 * base
 
 
 @child_only
