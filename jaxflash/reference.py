@@ -29,6 +29,19 @@ import jax
 import jax.numpy as jnp
 
 
+def varying_like(x, *likes):
+  """`x`, typed to vary over the manual axes of each of `likes` inside shard_map (elsewhere
+  unchanged).
+
+  An FFI call's results vary over no manual axis, which makes a custom_vjp inside shard_map
+  reject its cotangents and a platform_dependent switch its branches; adding a zero made
+  from each of `likes` gives them their type, and XLA folds the additions away.
+  """
+  for like in likes:
+    x = x + jnp.zeros_like(like, dtype=x.dtype, shape=())
+  return x
+
+
 def no_lengths() -> jax.Array:
   """Sequence lengths not given: every row and key is real.
 

@@ -190,9 +190,11 @@ def _tables_kernel(q_ids, kv_ids, q_lengths, kv_lengths, offsets, *, spec):
   out = (jax.ShapeDtypeStruct((B, T, FIELDS), jnp.int32),
          jax.ShapeDtypeStruct((B, S, FIELDS), jnp.int32))
   call = jax.ffi.ffi_call(_native.SEGMENT_TABLES_TARGET, out, vmap_method="broadcast_all")
-  return call(q_ids, kv_ids, q_lengths, kv_lengths, offsets,
-              window_left=np.int64(spec.window_left), window_right=np.int64(spec.window_right),
-              bottom_right=bool(spec.bottom_right))
+  operands = (q_ids, kv_ids, q_lengths, kv_lengths, offsets)
+  tables = call(*operands, window_left=np.int64(spec.window_left),
+                window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right))
+  # Inside shard_map: typed like the jnp branch, which varies with every operand.
+  return tuple(reference.varying_like(t, *operands) for t in tables)
 
 
 def _tables_xla(q_ids, kv_ids, q_lengths, kv_lengths, offsets, *, spec, same):

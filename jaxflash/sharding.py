@@ -334,18 +334,6 @@ def _vmappable(op, kernels, spec):
   return call
 
 
-def _varying_like(outs, likes):
-  """outs, typed to vary over the manual axes of `likes` inside shard_map.
-
-  An FFI call's results vary over no manual axis, which makes a custom_vjp
-  inside shard_map reject its cotangents; adding a zero made from the primal
-  gives them the primal's type, and XLA folds the addition away.
-  """
-  return tuple(o + jnp.zeros_like(like, dtype=o.dtype,
-                                  shape=None if o.shape == like.shape else o.shape)
-               for o, like in zip(outs, likes))
-
-
 def _typed_sharding(x):
   """x's sharding when it is part of its type (explicit mesh axes), else None."""
   sharding = getattr(jax.typeof(x), "sharding", None)
@@ -411,7 +399,7 @@ def partitioned(kernels):
         run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k, ("rows", "stats"))
         o, lse = run(q, k, v, q_lengths, kv_lengths, *(segments or ()),
                      *(() if alibi is None else (alibi,)))
-      return _varying_like((o, lse), (q, q))
+      return reference.varying_like(o, q), reference.varying_like(lse, q)
 
     @staticmethod
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
@@ -425,7 +413,7 @@ def partitioned(kernels):
                                      ("rows", "keys", "keys"))
         grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *(segments or ()),
                     *(() if alibi is None else (alibi,)))
-      return _varying_like(grads, (q, k, v))
+      return tuple(reference.varying_like(g, x) for g, x in zip(grads, (q, k, v)))
 
     if hasattr(kernels, "tangent"):
       # Forward mode on one device is the kernels' tangent pass; on several it
