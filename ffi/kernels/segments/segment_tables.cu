@@ -34,7 +34,6 @@
 namespace jaxflash {
 namespace {
 
-
 // Whether (id, pos) sorts before (other_id, other_pos).
 __device__ __forceinline__ bool Before(int32_t id, int32_t pos, int32_t other_id, int32_t other_pos) {
   return id < other_id || (id == other_id && pos < other_pos);
@@ -203,7 +202,8 @@ __global__ void __launch_bounds__(kScanThreads, 1) EnvelopeKernel(const SegmentT
   const int len = side.len;
   const auto field = [&](int i, int f) -> int32_t& { return side.table[int64_t(i) * kSegmentFields + f]; };
 
-  // Forward, thread t over positions [t, t + 1) * kScanItems: the running maximum of the span ends.
+  // Forward, thread t over the kScanItems positions from t * kScanItems: the
+  // running maximum of the span ends.
   int run[kScanItems];
   int first = threadIdx.x * kScanItems;
   for (int k = 0; k < kScanItems; ++k) run[k] = first + k < len ? field(first + k, kSegEnd) : 0;
