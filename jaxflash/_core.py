@@ -278,12 +278,6 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
 
 # ------------------------------------------------------------------ kernels
 
-def _diagonal_offsets(offsets) -> jax.Array:
-  """The kernels' per-batch diagonal shift (params.h); outside ring attention
-  none, which the handlers read as 0 (an empty array, as for lengths)."""
-  return reference.no_lengths() if offsets is None else offsets
-
-
 class NativeKernels:
   """The XLA FFI targets: CUDA on GPU, C++ on CPU.
 
@@ -317,7 +311,7 @@ class NativeKernels:
     # the handlers fold into the batch.
     call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
                             vmap_method="broadcast_all")
-    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, _diagonal_offsets(offsets),
+    o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, reference.per_batch_operand(offsets),
                         *_segments.operands(segments), reference.alibi_operand(alibi),
                         **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
@@ -337,7 +331,7 @@ class NativeKernels:
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
     call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
-                         _diagonal_offsets(offsets),
+                         reference.per_batch_operand(offsets),
                          *_segments.operands(segments), reference.alibi_operand(alibi),
                          **cls._attrs(spec), deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))

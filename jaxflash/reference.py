@@ -29,6 +29,12 @@ import jax
 import jax.numpy as jnp
 
 
+def per_batch_operand(x) -> jax.Array:
+  """Per-batch lengths or diagonal offsets as the FFI targets take them: int32 [batch], or
+  an empty array for none (`no_lengths`), which the handlers read as full lengths / 0."""
+  return no_lengths() if x is None else jnp.asarray(x, jnp.int32)
+
+
 def varying_like(x, *likes):
   """`x`, typed to vary over the manual axes of each of `likes` inside shard_map (elsewhere
   unchanged).

@@ -171,17 +171,12 @@ def tables(q_ids, kv_ids, q_lengths, kv_lengths, spec, offsets=None):
   B, T = q_ids.shape
   S = kv_ids.shape[1]
   xla = lambda *args: _tables_xla(*args, spec=spec, same=q_ids is kv_ids)  # noqa: E731
-  args = (q_ids, kv_ids, _per_batch(q_lengths), _per_batch(kv_lengths), _per_batch(offsets))
+  args = (q_ids, kv_ids, *map(reference.per_batch_operand, (q_lengths, kv_lengths, offsets)))
   if (B and 0 < T <= MAX_KERNEL_LENGTH and 0 < S <= MAX_KERNEL_LENGTH
       and _native.unavailable_reason("gpu") is None):
     kernel = lambda *args: _tables_kernel(*args, spec=spec)  # noqa: E731
     return lax.platform_dependent(*args, cuda=kernel, default=xla)
   return xla(*args)
-
-
-def _per_batch(x):
-  """Lengths or offsets as the kernels take them: int32, empty for none."""
-  return reference.no_lengths() if x is None else jnp.asarray(x, jnp.int32)
 
 
 def _tables_kernel(q_ids, kv_ids, q_lengths, kv_lengths, offsets, *, spec):

@@ -409,7 +409,8 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
 
 // The segment-table target (jaxflash_segment_tables_v1): ids int32 [*batch,
 // q_len] and [*batch, kv_len], lengths and diagonal offsets as the attention
-// targets take them (empty: none), tables [*batch, len, kSegmentFields].
+// targets take them (empty: none), tables [*batch, len, kSegmentFields]. The
+// launcher refuses sides longer than its sort holds (kMaxSortedSegmentIds).
 inline ffi::Error DecodeSegmentTables(ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids, ffi::AnyBuffer q_lengths,
                                       ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
                                       ffi::Result<ffi::AnyBuffer> q_table, ffi::Result<ffi::AnyBuffer> kv_table,
@@ -433,10 +434,6 @@ inline ffi::Error DecodeSegmentTables(ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_id
   }
   JAXFLASH_RETURN_IF_ERROR(ExpectShape("query segment table", q_table->dimensions(), {s.q_len, kSegmentFields}, s.batch));
   JAXFLASH_RETURN_IF_ERROR(ExpectShape("key segment table", kv_table->dimensions(), {s.kv_len, kSegmentFields}, s.batch));
-  if (std::max(s.q_len, s.kv_len) > kMaxSortedSegmentIds) {
-    return Invalid("the segment-table target takes at most " + std::to_string(kMaxSortedSegmentIds) +
-                   " positions a side");
-  }
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(1.f, window_left, window_right, bottom_right, &p->mask));
   p->batch = s.batch;
   p->q_len = s.q_len;
