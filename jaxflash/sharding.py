@@ -165,9 +165,17 @@ def _extras(extras, segments: bool):
   return ids, (extras[-1] if len(extras) > (2 if segments else 0) else None)
 
 
-def _mirror_ids(ids, seq):
-  """The segment id tables in the mirror layout, whole (the ring reads them as arrays)."""
-  return tuple(jnp.concatenate(ring_lib.to_mirror(x, seq, 1, lazy=False), axis=1) for x in ids)
+def _to_mirror(seq, lazy_rows, rows, ids, lses=()):
+  """`ring.to_mirror` of a rule's operands: the row tensors (`lazy_rows` sliced lazily,
+  `rows` not), the log-sum-exps (sequence axis 2, lazy) and the segment ids, which
+  come back whole (the ring reads them as arrays)."""
+  ids = ids or ()
+  xs = tuple(lazy_rows) + tuple(rows) + tuple(lses) + tuple(ids)
+  axes = (1,) * (len(lazy_rows) + len(rows)) + (2,) * len(lses) + (1,) * len(ids)
+  lazy = (True,) * len(lazy_rows) + (False,) * len(rows) + (True,) * len(lses) + (False,) * len(ids)
+  pieces = ring_lib.to_mirror(xs, seq, axes, lazy)
+  n = len(xs) - len(ids)
+  return pieces[:n] + ((tuple(jnp.concatenate(p, axis=1) for p in pieces[n:]) or None),)
 
 
 def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
@@ -181,9 +189,7 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
       return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.mirror:
-      q = ring_lib.to_mirror(q, ring.q_seq, 1)
-      k, v = (ring_lib.to_mirror(x, ring.q_seq, 1, lazy=False) for x in (k, v))
-      ids = ids and _mirror_ids(ids, ring.q_seq)
+      q, k, v, ids = _to_mirror(ring.q_seq, (q,), (k, v), ids)
     o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     if plan.mirror:
       o, lse = ring_lib.from_mirror(o, ring.q_seq, 1), ring_lib.from_mirror(lse, ring.q_seq, 2)
@@ -204,11 +210,14 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
                                     segments=ids, alibi=alibi)
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
+      # Nothing of the backward's ring starts before the forward's results exist: a
+      # transfer of an input (the re-layout, the first hop of K/V) hoisted into the
+      # forward would sit between its blocks (ring._steps) and keep its copy alive
+      # through the forward.
+      q, k, v, o, lse, do, dlse = lax.optimization_barrier((q, k, v, o, lse, do, dlse))
       if plan.mirror:
-        to = lambda x, axis=1: ring_lib.to_mirror(x, ring.q_seq, axis)
-        q, o, do, lse, dlse = to(q), to(o), to(do), to(lse, 2), to(dlse, 2)
-        k, v = (ring_lib.to_mirror(x, ring.q_seq, 1, lazy=False) for x in (k, v))
-        ids = ids and _mirror_ids(ids, ring.q_seq)
+        q, o, do, k, v, lse, dlse, ids = _to_mirror(ring.q_seq, (q, o, do), (k, v), ids,
+                                                    (lse, dlse))
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=ids, alibi=alibi)
       if plan.mirror:
