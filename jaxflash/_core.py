@@ -184,7 +184,8 @@ def _dense_term(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, in
 @dataclasses.dataclass(frozen=True)
 class Call:
   """A validated call, in [B, T, N, H] form: its batch axes (none, one or several)
-  flattened into B; `output_shape` is the query's own shape, which `finish` restores."""
+  flattened into B; `output_shape` is the query's own shape with the value's head dim,
+  which `finish` restores."""
   q: jax.Array
   k: jax.Array
   v: jax.Array
@@ -198,6 +199,12 @@ class Call:
   window: tuple[int, int] | None
   spec: MaskSpec
   output_shape: tuple[int, ...]
+
+  @property
+  def width(self) -> int:
+    """The head dim the fused kernels run at: the wider of query/key's and value's
+    (`run_fused`)."""
+    return max(self.q.shape[-1], self.v.shape[-1])
 
   @property
   def empty(self) -> bool:
@@ -241,14 +248,17 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   output_shape = q.shape
   batch = _batch_axes({"query": q, "key": k, "value": v})
   q, k, v = (flatten_batch(x) for x in (q, k, v))
-  if k.shape != v.shape:
-    raise ValueError(f"key and value must have the same shape, got {k.shape} and {v.shape}")
+  if k.shape[:-1] != v.shape[:-1]:
+    raise ValueError(f"key and value must have the same batch, length and heads, got shapes "
+                     f"{k.shape} and {v.shape}")
   B, T, N, H = q.shape
   _, S, K, Hk = k.shape
   if Hk != H:
     raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
-  if H < 1:
+  if H < 1 or v.shape[-1] < 1:
     raise ValueError("head_dim must be at least 1")
+  # The value's head dim may differ from the query/key's (MLA): the output takes it.
+  output_shape = output_shape[:-1] + (v.shape[-1],)
   check_heads_and_dtypes(N, K, {"query": q, "key": k, "value": v})
   if not isinstance(is_causal, (bool, np.bool_)):
     raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
@@ -415,13 +425,14 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")
-  if call.q.shape[-1] > MAX_FUSED_HEAD_DIM:
+  if call.width > MAX_FUSED_HEAD_DIM:
     return (f"implementation={name!r} supports head_dim <= {MAX_FUSED_HEAD_DIM}, got "
-            f"{call.q.shape[-1]}")
+            f"{call.width}")
   if name == "native":
     return _native.unavailable_reason(platform())
   if name == "pallas":
-    return _pallas.pallas_supported(call.q.shape, call.k.shape, call.v.shape, call.q.dtype,
+    q, k, v = (x.shape[:-1] + (call.width,) for x in (call.q, call.k, call.v))
+    return _pallas.pallas_supported(q, k, v, call.q.dtype,
                                     platform(), k_dtype=call.k.dtype, v_dtype=call.v.dtype,
                                     interpret_ok=explicit)
   return None
@@ -433,7 +444,7 @@ def device_kind() -> str:
 
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py)."""
-  return choice.order(device_kind(), _native.build_id, call.q.dtype, call.q.shape[-1],
+  return choice.order(device_kind(), _native.build_id, call.q.dtype, call.width,
                       call.spec.window_right >= 0, call.q.shape[-3])
 
 
@@ -485,7 +496,24 @@ def full_lengths(batch: int, length: int) -> jax.Array:
 def empty_result(call: Call):
   """(o, lse) of an empty call: zeros, and the statistics of rows that see no key."""
   B, T, N, _ = call.q.shape
-  return jnp.zeros_like(call.q), jnp.full((B, N, T), reference.empty_lse(jnp.float32))
+  return (jnp.zeros((B, T, N, call.v.shape[-1]), call.q.dtype),
+          jnp.full((B, N, T), reference.empty_lse(jnp.float32)))
+
+
+def run_fused(call: Call, q_lengths, kv_lengths, tables, kernels):
+  """(o, lse) of `call` through `fused` with `kernels`.
+
+  The kernels take one head dim; a value head dim that differs from the query/key's
+  (MLA) runs at the wider one, `call.width`, the narrower side padded with zeros. Exact:
+  zero columns of q and k add nothing to q.k (the scale stays the query's), zero columns
+  of v make output columns that are sliced off, and the transposes of the pads and the
+  slice route every gradient back to its own columns.
+  """
+  pad = lambda x: (x if x.shape[-1] == call.width else
+                   jnp.pad(x, [(0, 0)] * 3 + [(0, call.width - x.shape[-1])]))
+  out, lse = fused(pad(call.q), pad(call.k), pad(call.v), q_lengths, kv_lengths, tables,
+                   call.alibi, kernels, call.spec)
+  return (out[..., :call.v.shape[-1]] if call.width > call.v.shape[-1] else out), lse
 
 
 def finish(call: Call, out, lse, return_residual: bool, residual_dtype,

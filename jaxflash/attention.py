@@ -161,8 +161,7 @@ def dot_product_attention(
     kernels = sharding.partitioned(_core.KERNELS[chosen])
     tables = None if call.segments is None else sharding.segment_tables(
         call.segments, call.q_lengths, call.kv_lengths, call.spec)
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, tables, call.alibi,
-                           kernels, call.spec)
+    out, lse = _core.run_fused(call, q_lengths, kv_lengths, tables, kernels)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)
 
 

@@ -38,7 +38,9 @@ def _validate(query, key_pages, value_pages, page_table, kv_lengths):
     raise ValueError("key_pages must be [num_pages, page_size, kv_heads, head_dim], got shape "
                      f"{kp.shape}")
   if vp.shape != kp.shape:
-    raise ValueError(f"value_pages must have the shape of key_pages {kp.shape}, got {vp.shape}")
+    raise ValueError(f"value_pages must have the shape of key_pages {kp.shape}, got {vp.shape} "
+                     "(a value head dim that differs from the key's is taken by "
+                     "dot_product_attention, not yet by the paged cache)")
   B, T, N, D = q.shape
   P, page_size, K, Dk = kp.shape
   if Dk != D:

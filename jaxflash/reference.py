@@ -249,7 +249,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
 
   out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(B, K, G, T, S), v,
                    preferred_element_type=compute_dtype, precision=precision)
-  out = jnp.where(jnp.transpose(sees, (0, 2, 1, 3)), out.reshape(B, T, N, H), 0)
+  out = jnp.where(jnp.transpose(sees, (0, 2, 1, 3)), out.reshape(B, T, N, v.shape[-1]), 0)
   lse = jnp.where(sees, jnp.log(jnp.where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
   return out.astype(out_dtype), lse[..., 0]
 

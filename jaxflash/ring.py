@@ -535,6 +535,5 @@ def ring_attention(query, key, value, *, axis_name, is_causal: bool = False,
     kv_lengths = (call.kv_lengths if call.kv_lengths is not None
                   else _core.full_lengths(B, S * shards))
     ids = None if call.segments is None else _segments.id_tables(*call.segments)
-    out, lse = _core.fused(call.q, call.k, call.v, q_lengths, kv_lengths, ids, call.alibi, ring,
-                           call.spec)
+    out, lse = _core.run_fused(call, q_lengths, kv_lengths, ids, ring)
   return _core.finish(call, out, lse, return_residual, residual_dtype, differentiable_residual)

@@ -1,7 +1,7 @@
 """The public API: drop-in behaviour, argument checking, transformations.
 
 Bad inputs tested (each must raise at trace time, naming the argument):
-  query rank not 3/4; key/value shape mismatch; batch mismatch; head_dim
+  query rank not 3/4; key/value length or heads mismatch; batch mismatch; head_dim
   mismatch; query heads not a multiple of kv heads; non-float dtype; mixed
   dtypes; lengths of the wrong shape; non-integer lengths; negative window;
   malformed window; non-bool is_causal; unknown causal_alignment; non-finite
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from conftest import max_abs, random_inputs
+from conftest import assert_within_budget, max_abs, random_inputs
 
 
 def _inputs(rng, B=2, T=33, S=29, N=4, K=2, D=16, dtype=jnp.float32):
@@ -161,7 +161,8 @@ def _bad_cases(rng):
   i32 = np.int32
   return [
       ("rank", lambda: jaxflash.dot_product_attention(q[0, 0], k, v), ValueError, "rank"),
-      ("kv shape", lambda: jaxflash.dot_product_attention(q, k, v[:, :5]), ValueError, "same shape"),
+      ("kv shape", lambda: jaxflash.dot_product_attention(q, k, v[:, :5]), ValueError,
+       "same batch, length and heads"),
       ("batch", lambda: jaxflash.dot_product_attention(q[:1], k, v), ValueError, "batch"),
       ("head_dim", lambda: jaxflash.dot_product_attention(q[..., :8], k, v), ValueError, "head_dim"),
       ("gqa", lambda: jaxflash.dot_product_attention(q[:, :, :3], k, v), ValueError, "multiple"),
@@ -423,6 +424,55 @@ def test_leading_batch_axes_are_flattened_and_restored(rng, impl):
     jaxflash.dot_product_attention(q, k, v, query_seq_lengths=ql.reshape(-1))
   with pytest.raises(ValueError, match="same batch axes"):
     jaxflash.dot_product_attention(q, k[:1], v[:1])
+
+
+@pytest.mark.parametrize("impl", ["native", "pallas", "xla"])
+@pytest.mark.parametrize("dqk, dv", [(24, 16), (16, 40)])
+def test_value_head_dim_may_differ_from_the_query_key_one(rng, impl, dqk, dv):
+  """MLA-style value head dims (an extension: jax.nn needs them equal): the output takes
+  the value's; output and every gradient against a float64 truth under the tolerance
+  rule (causal, GQA 2, ragged key lengths, an empty row), and forward mode."""
+  if impl == "pallas" and dv > dqk:
+    pytest.skip("one case of the Pallas interpreter is enough for the CPU suite")
+  B, T, S, N, K = 2, 21, 19, 4, 2
+  q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.float32)
+  do = jnp.asarray(rng.standard_normal((B, T, N, dv)), jnp.float32)
+  kw = dict(is_causal=True, causal_alignment="bottom_right",
+            key_value_seq_lengths=jnp.array([19, 7], jnp.int32),
+            query_seq_lengths=jnp.array([21, 21], jnp.int32))
+
+  def run(q, k, v, implementation):
+    out, lse = jaxflash.dot_product_attention(q, k, v, implementation=implementation,
+                                              return_residual=True, residual_dtype=jnp.float32,
+                                              **kw)
+    return out, lse
+
+  def grads(q, k, v, implementation):
+    loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0] * do.astype(q.dtype))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  f64 = lambda x: np.asarray(x, np.float64)
+  with jax.enable_x64(True):
+    truth = run(*(jnp.asarray(f64(x)) for x in (q, k, v)), "xla")
+    truth_grads = grads(*(jnp.asarray(f64(x)) for x in (q, k, v)), "xla")
+  out, lse = run(q, k, v, impl)
+  assert out.shape == (B, T, N, dv) and lse.shape == (B, T, N)
+  base, base_lse = run(q, k, v, "xla")
+  assert_within_budget(out, truth[0], base, "o")
+  assert_within_budget(lse, truth[1], base_lse, "lse")
+  for name, g, t, b in zip("qkv", grads(q, k, v, impl), truth_grads, grads(q, k, v, "xla")):
+    assert g.shape == t.shape
+    assert_within_budget(g, t, b, f"d{name}")
+  # Forward mode: the tangent of the output equals the reverse-mode product.
+  tq, tk, tv = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+  _, t_out = jax.jvp(lambda q, k, v: run(q, k, v, impl)[0], (q, k, v), (tq, tk, tv))
+  _, t_base = jax.jvp(lambda q, k, v: run(q, k, v, "xla")[0], (q, k, v), (tq, tk, tv))
+  assert max_abs(t_out, t_base) < 1e-4
+  # The one rank mismatch left is the batch, length or heads of key and value.
+  with pytest.raises(ValueError, match="same batch, length and heads"):
+    jaxflash.dot_product_attention(q, k, v[:, :, :1])
 
 
 def test_an_implementation_sequence_takes_the_first_that_serves(rng):
