@@ -18,12 +18,13 @@ from jaxflash import tile_cache
 # The FFI targets, versioned (ffi/handlers/module.cc): an exported program names
 # them, and a later jaxflash keeps serving every version it has shipped. v2 adds
 # the `softcap` attribute to v1's, v3 the two segment-table operands to v2's
-# forward and backward (jaxflash/segments.py); calls are traced with the newest,
+# forward and backward (jaxflash/segments.py), v4 the ALiBi slopes operand to v3's
+# (the paged forward's too); calls are traced with the newest,
 # and the older ones stay registered for programs exported before them.
 FORWARD_TARGET = "jaxflash_fwd_v4"
 BACKWARD_TARGET = "jaxflash_bwd_v4"
-PAGED_TARGET = "jaxflash_paged_fwd_v3"
-LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v2",
+PAGED_TARGET = "jaxflash_paged_fwd_v4"
+LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3", "jaxflash_paged_fwd_v2",
                   "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
                   "jaxflash_paged_fwd_v1")
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).

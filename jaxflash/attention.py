@@ -111,8 +111,8 @@ def dot_product_attention(
       where ``i + offset`` is the row's diagonal under ``causal_alignment`` (and
       the lengths, for bottom-right), after the soft-cap and before masking.
       Computed in the kernels, never materialised; the slopes are constants
-      (no gradient flows to them). Native (GPU and CPU), Pallas and ``xla``; not
-      with ``num_splits`` > 1.
+      (no gradient flows to them). Native (GPU and CPU; decode steps and
+      split-KV included), Pallas and ``xla``.
 
   Returns:
     The output, shaped like ``query``; with ``return_residual=True`` a tuple

@@ -36,10 +36,14 @@ FALLBACK = ("native", "pallas")
 DECODE_QUERIES = 4
 
 
+def is_decode(q_len: int) -> bool:
+  return q_len <= DECODE_QUERIES
+
+
 def call_class(dtype, head_dim: int, causal: bool, q_len: int) -> tuple[int, int | None, bool, str]:
   """(dtype width in bits, head-dim bucket, causal, queries) of a call."""
   return (np.dtype(dtype).itemsize * 8, tile_cache.bucket(head_dim), bool(causal),
-          "decode" if q_len <= DECODE_QUERIES else "train")
+          "decode" if is_decode(q_len) else "train")
 
 
 @functools.lru_cache(maxsize=4)

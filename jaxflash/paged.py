@@ -96,8 +96,8 @@ def _choose(q, implementation) -> str:
   return implementation
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _native_paged(q, kp, vp, table, lengths, tables, spec):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _native_paged(q, kp, vp, table, lengths, tables, alibi, spec):
   keys = (q.shape[0], table.shape[1] * kp.shape[1], kp.shape[2], kp.shape[3])
   splits = (1 if tables is not None else
             _splits.native(spec.num_splits, q.shape, keys, q.dtype, _core.platform(), paged=True))
@@ -106,7 +106,7 @@ def _native_paged(q, kp, vp, table, lengths, tables, spec):
   call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
                           vmap_method="sequential")
   o, _, _, _ = call(q, kp, vp, table, lengths, *_segments.operands(tables),
-                    scale=np.float32(spec.scale),
+                    reference.alibi_operand(alibi), scale=np.float32(spec.scale),
                     window_left=np.int64(spec.window_left),
                     window_right=np.int64(spec.window_right),
                     tile=np.int64(_native.forced_tile_attr()), num_splits=np.int64(splits),
@@ -114,8 +114,8 @@ def _native_paged(q, kp, vp, table, lengths, tables, spec):
   return o
 
 
-def _native_paged_fwd(q, kp, vp, table, lengths, tables, spec):
-  return _native_paged(q, kp, vp, table, lengths, tables, spec), None
+def _native_paged_fwd(q, kp, vp, table, lengths, tables, alibi, spec):
+  return _native_paged(q, kp, vp, table, lengths, tables, alibi, spec), None
 
 
 def _native_paged_bwd(spec, residuals, cotangent):
@@ -131,7 +131,7 @@ _native_paged.defvjp(_native_paged_fwd, _native_paged_bwd)
 def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, scale=None,
                     is_causal: bool = True, local_window_size=None, num_splits=None,
                     logits_soft_cap=None, query_segment_ids=None, key_value_segment_ids=None,
-                    implementation=None):
+                    alibi_slopes=None, implementation=None):
   r"""Attention of new queries against a paged KV cache (decoding, chunked prefill).
 
   Args:
@@ -162,6 +162,10 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
       packed sequences: a row sees only the cached keys of its own segment, as in
       :func:`jaxflash.dot_product_attention` (both must be given; not with
       ``num_splits`` > 1).
+    alibi_slopes: float ``[q_heads]`` or ``[batch, q_heads]`` ALiBi slopes: the
+      score of row ``i`` (at its position in the cache) and key ``j`` gets
+      ``-slope * |position - j|`` added, as in
+      :func:`jaxflash.dot_product_attention`; split-KV included.
     implementation: ``None`` (``native`` where it can serve the call, else
       ``xla``), ``"native"`` (reads the pages in place, CUDA on GPU and C++ on
       CPU) or ``"xla"`` (gathers the pages, then the reference; materialises
@@ -198,13 +202,14 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
   ids = _segments.validate(query_segment_ids, key_value_segment_ids, (B,), T, S)
   if ids is not None and spec.num_splits > 1:
     raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
+  alibi = _core.resolve_alibi(alibi_slopes, (B,), q.shape[2])
   if _choose(q, implementation) == "native":
     tables = None if ids is None else _segments.tables(*ids, None, lengths, spec)
-    return _native_paged(q, kp, vp, table, lengths, tables, spec)
+    return _native_paged(q, kp, vp, table, lengths, tables, alibi, spec)
   k = reference.gather_pages(kp, table)
   v = reference.gather_pages(vp, table)
   out, _ = reference.attention(q, k, v, scale=spec.scale, is_causal=bool(is_causal),
                                causal_alignment="bottom_right", local_window_size=window,
                                key_value_seq_lengths=lengths, logits_soft_cap=spec.softcap or None,
-                               segment_ids=ids)
+                               segment_ids=ids, alibi_slopes=alibi)
   return out

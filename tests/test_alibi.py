@@ -96,10 +96,35 @@ def test_slopes_get_no_gradient_and_bad_slopes_are_refused():
     with pytest.raises((TypeError, ValueError), match=match):
       jaxflash.dot_product_attention(q, q, q, alibi_slopes=bad)
   s = slopes(2)
-  with pytest.raises(ValueError, match="num_splits > 1"):
-    jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, num_splits=2)
   with pytest.raises(ValueError, match="extra keywords"):
     jaxflash.dot_product_attention(q, q, q, alibi_slopes=s, implementation="cudnn")
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_split_kv_decode_steps(rng, splits):
+  """Short queries (the decode kernel's calls on a GPU; packed rows mix the heads of a
+  group, each with its own slope), unsplit and split."""
+  for shape in [(2, 1, 150, 8, 2, 32), (2, 3, 97, 4, 4, 16)]:
+    check_forward(rng, shape, "lengths_causal_bottom_right", jnp.float32, alibi=slopes(shape[3]),
+                  num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_nan_value_reaches_only_the_rows_that_see_it(rng, splits):
+  """A NaN in the last key's value, inside a tile the other rows also read: only the row
+  that sees the key turns NaN, in that column (the kernels recompute the others' outputs
+  exactly, with their slopes); everything else equals xla's result without the NaN."""
+  dtype = jnp.bfloat16 if HAS_GPU else jnp.float32
+  B, T, S, N, K, D = 1, 4, 200, 8, 2, 64
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
+  kw = dict(is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes(N))
+  out = np.asarray(jaxflash.dot_product_attention(q, k, v.at[0, S - 1, 0, 3].set(jnp.nan),
+                                                  num_splits=splits, **kw), np.float32)
+  want = np.asarray(jaxflash.dot_product_attention(q, k, v, implementation="xla", **kw), np.float32)
+  nan = np.zeros(out.shape, bool)
+  nan[0, T - 1, :N // K, 3] = True        # the last row of K/V head 0's query heads
+  assert np.array_equal(np.isnan(out), nan)
+  assert np.max(np.abs(out[~nan] - want[~nan])) < (2e-2 if dtype == jnp.bfloat16 else 1e-5)
 
 
 @pytest.mark.parametrize("mask", ["lengths_causal_bottom_right"])
@@ -132,12 +157,35 @@ def test_gpu_kernels(rng, dtype, mask):
     check_forward(rng, shape, mask, dtype, alibi=slopes(shape[3]))
     if shape[1] > 1:
       check_gradients(rng, shape, mask, dtype, alibi=slopes(shape[3]))
+
   shape = (1, 300, 300, 4, 2, 128)
   check_forward(rng, shape, mask, dtype, magnitude=2.0, softcap=5.0, alibi=slopes(4))
   check_gradients(rng, shape, mask, dtype, magnitude=2.0, softcap=5.0, alibi=slopes(4))
   ids = lambda rng, B, T, S: (jnp.asarray(np.sort(rng.integers(0, 4, (B, T)), axis=1), jnp.int32),) * 2
   if mask != "lengths_causal_bottom_right":
     check_gradients(rng, shape, mask, dtype, alibi=slopes(4), segments=ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+def test_gpu_decode_kernel(rng, dtype, mask):
+  """The decode kernel (short queries: 16- and 64-row tiles whose rows mix the heads of a
+  group, each row with its own slope), split and not; the automatic choice runs it."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in [(2, 1, 500, 8, 2, 128), (2, 4, 700, 16, 2, 64), (1, 9, 333, 32, 4, 256)]:
+    for splits in (1, 5):
+      check_forward(rng, shape, mask, dtype, alibi=slopes(shape[3]), num_splits=splits)
+  q = jnp.ones((2, 1, 8, 128), dtype)
+  assert _core_order_of(q, slopes(8))[0] == "native"
+
+
+def _core_order_of(q, alibi):
+  from jaxflash import _core
+  call = _core.validate(q, q, q, None, None, None, True, None, None, None, "bottom_right", False,
+                        alibi_slopes=alibi)
+  return _core.automatic_order(call)
 
 
 @pytest.mark.gpu

@@ -72,6 +72,23 @@ def test_the_choice_takes_the_first_implementation_that_serves_the_call(monkeypa
   assert _core.choose(call, None) == ("native" if _core.platform() == "cpu" else "pallas")
 
 
+def test_a_decode_step_with_slopes_or_ids_puts_native_first(monkeypatch):
+  """The orders are measured on plain calls; Pallas's decode kernel takes neither ALiBi
+  slopes nor segment ids, so such a decode step goes to native first."""
+  monkeypatch.setattr(choice, "order", lambda *a: ("pallas", "native"))
+  validate = lambda q, k, **kw: _core.validate(q, k, k, None, None, None, True, None, None, None,
+                                               "bottom_right", False, **kw)
+  step, k = jnp.zeros((2, 1, 4, 16), jnp.float32), jnp.zeros((2, 64, 4, 16), jnp.float32)
+  slopes = jnp.ones(4, jnp.float32)
+  ids = dict(query_segment_ids=jnp.zeros((2, 1), jnp.int32),
+             key_value_segment_ids=jnp.zeros((2, 64), jnp.int32))
+  assert _core.automatic_order(validate(step, k)) == ("pallas", "native")
+  assert _core.automatic_order(validate(step, k, alibi_slopes=slopes)) == ("native", "pallas")
+  assert _core.automatic_order(validate(step, k, **ids)) == ("native", "pallas")
+  train = jnp.zeros((2, 64, 4, 16), jnp.float32)   # not a decode step: the measured order
+  assert _core.automatic_order(validate(train, k, alibi_slopes=slopes)) == ("pallas", "native")
+
+
 def test_the_shipped_table_is_well_formed():
   shipped = tile_cache.read(choice.SHIPPED, "orders")
   assert shipped, "jaxflash/orders.json holds no orders"

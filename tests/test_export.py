@@ -80,7 +80,7 @@ def test_programs_of_older_targets_still_run(rng):
   v4 = jax.ffi.ffi_call(_native.FORWARD_TARGET, outs)(q, k, v, none, none, none, none, none,
                                                       jnp.zeros((0,), jnp.float32), **attrs,
                                                       softcap=np.float32(0))
-  # The paged forward: v1 and v2 (before its segment tables) against v3.
+  # The paged forward: v1, v2 (before its segment tables) and v3 (before its slopes) against v4.
   pages = jnp.asarray(rng.standard_normal((4, 8, 2, 16)), jnp.float32)
   table, lengths = jnp.array([[0, 1], [3, 2]], jnp.int32), jnp.array([16, 9], jnp.int32)
   paged_attrs = dict(scale=np.float32(0.25), window_left=np.int64(-1), window_right=np.int64(0),
@@ -89,10 +89,12 @@ def test_programs_of_older_targets_still_run(rng):
                                         **cap)[0]
            for name, extra, cap in (("jaxflash_paged_fwd_v1", (), {}),
                                     ("jaxflash_paged_fwd_v2", (), dict(softcap=np.float32(0))),
-                                    (_native.PAGED_TARGET, (none, none),
+                                    ("jaxflash_paged_fwd_v3", (none, none),
+                                     dict(softcap=np.float32(0))),
+                                    (_native.PAGED_TARGET, (none, none, jnp.zeros((0,), jnp.float32)),
                                      dict(softcap=np.float32(0))))]
-  for old in paged[:2]:
-    np.testing.assert_array_equal(np.asarray(old), np.asarray(paged[2]))
+  for old in paged[:3]:
+    np.testing.assert_array_equal(np.asarray(old), np.asarray(paged[3]))
   for old in (v1, v2, v3):
     for a, b in zip(old[:2], v4[:2]):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

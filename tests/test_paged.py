@@ -91,6 +91,27 @@ def test_paged_against_float64(rng, group, dtype):
   assert_within_budget(out, truth, base, "paged output")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=_ids)
+def test_paged_alibi_against_float64(rng, dtype):
+  """ALiBi slopes on the paged cache: each query row's bias from its position in the
+  cache; split and not; the paged call gives the contiguous call's bits."""
+  B, T, N, K, D, page_size = 3, 4, 8, 2, 64, 16
+  q, kp, vp, table, lengths, k, v = make_cache(rng, B, T, N, K, D, page_size, 12, dtype,
+                                              lengths=[4, 77, 192])
+  slopes = (2.0 ** (-np.arange(1, N + 1))).astype(np.float32)
+  truth, _, _ = numpy_reference.forward(q, k, v, scale=1 / np.sqrt(D), right=0, bottom_right=True,
+                                        kv_lengths=np.asarray(lengths), alibi=slopes)
+  base = jaxflash.paged_attention(q, kp, vp, table, lengths, alibi_slopes=slopes,
+                                  implementation="xla")
+  for splits in (1, 3):
+    out = jaxflash.paged_attention(q, kp, vp, table, lengths, alibi_slopes=slopes,
+                                   num_splits=splits, implementation="native")
+    assert_within_budget(out, truth, base, f"paged output, {splits} splits")
+    dense = contiguous(q, k, v, lengths, alibi_slopes=slopes, num_splits=splits,
+                       implementation="native")
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(dense, np.float32))
+
+
 def test_shared_prefix_pages(rng):
   """Two sequences whose tables point at the same first pages (prefix sharing)."""
   q, kp, vp, table, lengths, k, v = make_cache(rng, 2, 2, 4, 2, 32, 16, 6, jnp.float32,

@@ -133,7 +133,12 @@ constexpr auto CpuBackwardV2 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf
   return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CpuForwardV1 = [](auto... args) { return CpuForwardV2(args..., 0.f); };
-// The paged forward: v3 passes the segment tables after kv_lengths, v2 none.
+// The paged forward: v4 passes the segment tables and the ALiBi slopes after
+// kv_lengths, v3 the tables, v2 neither.
+constexpr auto CpuPagedForwardV4 = [](ffi::ThreadPool pool, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
+                                      Buf kv_seg, Buf alibi, auto... rest) {
+  return CpuPagedForward(pool, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
+};
 constexpr auto CpuPagedForwardV3 = [](ffi::ThreadPool pool, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
                                       Buf kv_seg, auto... rest) {
   return CpuPagedForward(pool, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg}, rest...);
@@ -156,7 +161,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV3, CpuBackwardV3,
                               BindBackward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV2, CpuForwardV2,
                               BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForward, CpuPagedForwardV4,
+                              BindPagedForward<4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForwardV3, CpuPagedForwardV3,
                               BindPagedForward<3>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuPagedForwardV2, CpuPagedForwardV2,
                               BindPagedForward<2>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -111,7 +111,12 @@ constexpr auto CudaBackwardV2 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf
   return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag, ExtraOperands{}, rest...);
 };
 constexpr auto CudaForwardV1 = [](auto... args) { return CudaForwardV2(args..., 0.f); };
-// The paged forward: v3 passes the segment tables after kv_lengths, v2 none.
+// The paged forward: v4 passes the segment tables and the ALiBi slopes after
+// kv_lengths, v3 the tables, v2 neither.
+constexpr auto CudaPagedForwardV4 = [](cudaStream_t stream, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
+                                       Buf kv_seg, Buf alibi, auto... rest) {
+  return CudaPagedForward(stream, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
+};
 constexpr auto CudaPagedForwardV3 = [](cudaStream_t stream, Buf q, Buf kp, Buf vp, Buf table, Buf kvl, Buf q_seg,
                                       Buf kv_seg, auto... rest) {
   return CudaPagedForward(stream, q, kp, vp, table, kvl, ExtraOperands{&q_seg, &kv_seg}, rest...);
@@ -139,7 +144,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV3, CudaBackwardV3,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV2, CudaForwardV2,
                               BindForward<2>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForwardV3,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForward, CudaPagedForwardV4,
+                              BindPagedForward<4>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV3, CudaPagedForwardV3,
                               BindPagedForward<3>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaPagedForwardV2, CudaPagedForwardV2,

@@ -169,11 +169,10 @@ struct ExtraOperands {
   const ffi::AnyBuffer* kv = nullptr;
   const ffi::AnyBuffer* alibi = nullptr;
 };
-inline ffi::Error DecodeAlibi(ExtraOperands t, const AttentionShape& s, int num_splits, const float** out) {
+inline ffi::Error DecodeAlibi(ExtraOperands t, const AttentionShape& s, const float** out) {
   if (t.alibi == nullptr || t.alibi->element_count() == 0) return ffi::Error::Success();
   if (t.alibi->element_type() != ffi::DataType::F32) return Invalid("alibi slopes must be float32");
   JAXFLASH_RETURN_IF_ERROR(ExpectShape("alibi slopes", t.alibi->dimensions(), {s.q_heads}, s.batch));
-  if (num_splits > 1) return Invalid("split-KV (num_splits > 1) does not take alibi slopes");
   *out = static_cast<const float*>(t.alibi->untyped_data());
   return ffi::Error::Success();
 }
@@ -282,7 +281,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(extras, p->shape, p->num_splits, &p->mask));
-  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(extras, p->shape, p->num_splits, &p->alibi));
+  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(extras, p->shape, &p->alibi));
   p->mask.diag_offsets = PerBatch(diag_offsets);
   p->scale = scale;
   p->q = q.untyped_data();
@@ -338,6 +337,7 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   // Segment tables (v3) index keys by their logical position in the table's sequence.
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(extras, sh, p->num_splits, &p->mask));
+  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(extras, sh, &p->alibi));  // v4
   p->scale = scale;
   p->q = q.untyped_data();
   p->k = k_pages.untyped_data();
@@ -382,7 +382,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
                                        p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.extras, p->shape, 1, &p->mask));
-  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(in.extras, p->shape, 1, &p->alibi));
+  JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(in.extras, p->shape, &p->alibi));
   p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
   p->deterministic = deterministic;
@@ -474,7 +474,7 @@ auto WithForwardResults(Binding binding) {
 // The target versions (module.cc): v1; v2 = v1 + the `softcap` attribute;
 // v3 = v2 + the two segment-table operands after diagonal_offsets; v4 = v3 +
 // the ALiBi slopes operand after them (forward and backward; the paged forward
-// has v3 = v2 + the two tables after kv_lengths, and stops there). A binding cannot be moved,
+// has them after kv_lengths). A binding cannot be moved,
 // only built, so each step takes a function `make` that builds the one before.
 template <int kVersion, typename Make>
 auto WithSoftcap(Make make) {
@@ -520,7 +520,6 @@ auto BindForward(Binding binding) {
 
 template <int kVersion, typename Binding>
 auto BindPagedForward(Binding binding) {
-  static_assert(kVersion <= 3, "the paged forward has no v4");
   return WithSoftcap<kVersion>([&] { return WithForwardResults(WithSegments<kVersion>([&] {
                                 return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                                 .template Arg<ffi::AnyBuffer>()                // key_pages

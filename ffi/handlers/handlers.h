@@ -6,6 +6,7 @@
 extern "C" {
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuPagedForwardV3(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForwardV3(XLA_FFI_CallFrame* call_frame);
@@ -18,6 +19,7 @@ XLA_FFI_Error* JaxflashCpuBackwardV1(XLA_FFI_CallFrame* call_frame);
 #ifdef JAXFLASH_WITH_CUDA
 XLA_FFI_Error* JaxflashCudaForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaPagedForward(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaPagedForwardV3(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaPagedForwardV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV3(XLA_FFI_CallFrame* call_frame);

@@ -16,12 +16,12 @@ nb::capsule Capsule(Fn* fn) {
 
 using Handler = XLA_FFI_Error*(XLA_FFI_CallFrame*);
 
-// One platform's targets, newest first: forward and backward at v4 (v3 + the
-// ALiBi slopes), v3 (v2 + the segment tables) and v2 (v1 + the softcap
-// attribute), the paged forward at v3 (v2 + the segment tables) and v2, and
-// every v1, kept for programs exported before the versions after it.
+// One platform's targets, newest first: forward, backward and the paged
+// forward at v4 (v3 + the ALiBi slopes), v3 (v2 + the segment tables) and v2
+// (v1 + the softcap attribute), and every v1, kept for programs exported
+// before the versions after it.
 struct PlatformTargets {
-  Handler *fwd, *bwd, *fwd_v3, *bwd_v3, *fwd_v2, *paged, *paged_v2, *bwd_v2, *fwd_v1, *paged_v1, *bwd_v1;
+  Handler *fwd, *bwd, *fwd_v3, *bwd_v3, *fwd_v2, *paged, *paged_v3, *paged_v2, *bwd_v2, *fwd_v1, *paged_v1, *bwd_v1;
 };
 nb::dict Targets(const PlatformTargets& t) {
   nb::dict d;
@@ -30,7 +30,8 @@ nb::dict Targets(const PlatformTargets& t) {
   d["jaxflash_fwd_v3"] = Capsule(t.fwd_v3);
   d["jaxflash_bwd_v3"] = Capsule(t.bwd_v3);
   d["jaxflash_fwd_v2"] = Capsule(t.fwd_v2);
-  d["jaxflash_paged_fwd_v3"] = Capsule(t.paged);
+  d["jaxflash_paged_fwd_v4"] = Capsule(t.paged);
+  d["jaxflash_paged_fwd_v3"] = Capsule(t.paged_v3);
   d["jaxflash_paged_fwd_v2"] = Capsule(t.paged_v2);
   d["jaxflash_bwd_v2"] = Capsule(t.bwd_v2);
   d["jaxflash_fwd_v1"] = Capsule(t.fwd_v1);
@@ -50,7 +51,7 @@ NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
     return Targets({JaxflashCpuForward, JaxflashCpuBackward, JaxflashCpuForwardV3, JaxflashCpuBackwardV3,
-                    JaxflashCpuForwardV2, JaxflashCpuPagedForward, JaxflashCpuPagedForwardV2,
+                    JaxflashCpuForwardV2, JaxflashCpuPagedForward, JaxflashCpuPagedForwardV3, JaxflashCpuPagedForwardV2,
                     JaxflashCpuBackwardV2, JaxflashCpuForwardV1, JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1});
   });
   m.def("cuda_targets", [] {
@@ -58,7 +59,7 @@ NB_MODULE(_jaxflash, m) {
     // The segment tables have a kernel on the GPU only (elsewhere XLA builds them:
     // jaxflash/segments.py).
     nb::dict d = Targets({JaxflashCudaForward, JaxflashCudaBackward, JaxflashCudaForwardV3, JaxflashCudaBackwardV3,
-                    JaxflashCudaForwardV2, JaxflashCudaPagedForward, JaxflashCudaPagedForwardV2,
+                    JaxflashCudaForwardV2, JaxflashCudaPagedForward, JaxflashCudaPagedForwardV3, JaxflashCudaPagedForwardV2,
                     JaxflashCudaBackwardV2, JaxflashCudaForwardV1, JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1});
     d["jaxflash_segment_tables_v1"] = Capsule(JaxflashCudaSegmentTables);
     return d;

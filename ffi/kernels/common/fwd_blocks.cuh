@@ -131,19 +131,27 @@ __device__ __forceinline__ void AddAlibi(float (&s)[kMT][kNT][4], const AlibiBia
     for (int half = 0; half < 2; ++half) alibi.Add<true>(s[mt], half, row0 + mt * 16 + g + half * 8, c0 + 2 * t);
 }
 
+// The same for tiles whose rows mix heads (the decode kernel: one slab of
+// 16 packed rows per warp, its slopes and diagonals in `alibi`).
+template <int kNT>
+__device__ __forceinline__ void AddAlibi(float (&s)[1][kNT][4], const PackedAlibi& alibi, int /*row0*/, int c0,
+                                         int lane) {
+  alibi.Add(s[0], c0 + 2 * (lane & 3));
+}
+
 // Multiplies the scores of key tile [c0, c0 + kNT * 8) by scale * log2(e)
 // (unless kScale is false: MaskScores) and sets the entries the mask hides to
 // -inf. `full` (the policy admits the whole tile for the CTA's rows) skips the
 // per-element test; `r0` is the CTA's first row, `query_row` maps a row to the
 // query row the mask knows.
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores instead
-// of scaling them, and `alibi` adds ALiBi's bias after that; with either,
-// kScale must be true, and QueryRow the identity (the decode kernels, whose
-// rows mix heads, take no ALiBi slopes: their launcher routes such calls elsewhere).
-template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow>
+// of scaling them, and `alibi` adds ALiBi's bias after that (an AlibiBias,
+// or the decode kernel's PackedAlibi, whose rows mix heads); with either,
+// kScale must be true.
+template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow, typename Bias = AlibiBias>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
-                                             QueryRow query_row = {}, SoftCap cap = {}, AlibiBias alibi = {}) {
+                                             QueryRow query_row = {}, SoftCap cap = {}, Bias alibi = {}) {
   if constexpr (kScale) {
     // Uniform branches: capped calls take the first, ALiBi's without a cap the
     // second, the others the loop below. (One branch for both, with a select

@@ -128,13 +128,18 @@ struct ExactPackedRow {
         p(p_),
         pol(pol),
         k(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
-        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim) {}
+        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim),
+        alibi(Alibi::Of(p_.alibi, batch_, rows.Head(kv_head, r), p_.shape.q_heads)),
+        diagonal(Alibi::Diagonal(pol, row)) {}
   __device__ __forceinline__ int64_t RowOf(int j) const {
     return p.paged.Row(batch, p.shape.kv_len, j) * p.shape.kv_row_stride();
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j); }
   __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
   __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j); }
+  __device__ __forceinline__ float Bias(int j) const { return alibi.Bias(diagonal, static_cast<float>(j)); }
+  Alibi alibi;  // the row's head's slope (common/alibi.h)
+  float diagonal;
 };
 
 // Shared memory of a decode CTA with loader Kv: the K/V stages (aligned as
@@ -261,7 +266,8 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
     }
 
     const bool full = pol.TileIsFull(q0, q_end, c0, c0 + kNw);
-    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row, tc::SoftCap::Of(p));
+    tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, query_row, tc::SoftCap::Of(p),
+                     tc::PackedAlibi::Of(p, pol, rows, batch, kv_head, r0 + warp_row0, lane));
     softmax.Update(s, o);
 
     // ---- O += P V, P straight from the score registers

@@ -20,13 +20,10 @@ constexpr int kMaxPackedRows = 128;
 
 // Whether the decode kernel takes this tensor-core call: always when it is
 // split or paged (only the decode kernel splits or reads pages), and for
-// short queries.
-// A call with ALiBi slopes (never split or paged: the handlers refuse the
-// first, the paged targets take no slopes) runs the tile kernels: its bias
-// differs per head, and a decode tile's rows mix the heads of a group.
+// short queries. ALiBi included: its rows mix the heads of a group, and each
+// row takes its own head's slope (score_mod.cuh, PackedAlibi).
 inline bool UseDecodeKernel(const FwdParams& p) {
-  return p.num_splits > 1 || p.paged.table != nullptr ||
-         (p.alibi == nullptr && p.shape.q_len * p.shape.group_size() <= kMaxPackedRows);
+  return p.num_splits > 1 || p.paged.table != nullptr || p.shape.q_len * p.shape.group_size() <= kMaxPackedRows;
 }
 
 // `tma`: the GPU runs this build's sm_90a code, so the decode kernel may copy
