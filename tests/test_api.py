@@ -264,11 +264,10 @@ def test_handlers_revalidate_what_reaches_them(rng):
            jax.ShapeDtypeStruct((2, 3, 33, 4), jnp.float32))
   refused((o, lse) + split, "jaxflash: split-KV", tables=(table(33), table(29)),
           num_splits=np.int64(3))
-  # ALiBi slopes: float32 [batch, q_heads], one split.
+  # ALiBi slopes: float32 [batch, q_heads] (split-KV takes them).
   refused((o, lse) + empty, "jaxflash: alibi slopes has shape", slopes=jnp.zeros((2, 3)))
   refused((o, lse) + empty, "jaxflash: alibi slopes must be float32",
           slopes=jnp.zeros((2, 4), jnp.bfloat16))
-  refused((o, lse) + split, "jaxflash: split-KV", slopes=jnp.zeros((2, 4)), num_splits=np.int64(3))
 
   # The backward's workspaces: delta like lse; the dQ sums like q in float32,
   # or empty (last dimension 0), nothing else.
