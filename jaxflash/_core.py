@@ -35,7 +35,13 @@ Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
 FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-MAX_FUSED_HEAD_DIM = 256
+MAX_FUSED_HEAD_DIM = 256   # the CUDA and Pallas kernels
+MAX_CPU_HEAD_DIM = 512     # the native CPU kernels (params.h, kMaxCpuHeadDim)
+
+
+def max_head_dim(name: str) -> int:
+  """The widest head dim implementation `name` takes here."""
+  return MAX_CPU_HEAD_DIM if name == "native" and platform() == "cpu" else MAX_FUSED_HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -423,8 +429,8 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")
-  if call.width > MAX_FUSED_HEAD_DIM:
-    return (f"implementation={name!r} supports head_dim <= {MAX_FUSED_HEAD_DIM}, got "
+  if call.width > max_head_dim(name):
+    return (f"implementation={name!r} supports head_dim <= {max_head_dim(name)} here, got "
             f"{call.width}")
   if name == "native":
     return _native.unavailable_reason(platform())

@@ -85,8 +85,8 @@ def _choose(q, implementation) -> str:
   reason = None
   if q.dtype not in _core.FUSED_DTYPES:
     reason = f"the native paged kernels take float32, float16 and bfloat16, got {q.dtype}"
-  elif q.shape[-1] > _core.MAX_FUSED_HEAD_DIM:
-    reason = f"the native paged kernels take head_dim <= {_core.MAX_FUSED_HEAD_DIM}"
+  elif q.shape[-1] > _core.max_head_dim("native"):
+    reason = f"the native paged kernels take head_dim <= {_core.max_head_dim('native')} here"
   else:
     reason = _native.unavailable_reason(_core.platform())
   if implementation == "native" and reason:

@@ -6,7 +6,7 @@ Bad inputs tested (each must raise at trace time, naming the argument):
   dtypes; lengths of the wrong shape; non-integer lengths; negative window;
   malformed window; non-bool is_causal; unknown causal_alignment; non-finite
   scale; traced scale; bias that does not broadcast; non-boolean mask; unknown
-  implementation; native with bias; native with float64; native head_dim > 256;
+  implementation; native with bias; native with float64; native head_dim > 512;
   cudnn with jaxflash-only keywords.
 The FFI handlers re-validate: a malformed direct ffi_call returns an error.
 """
@@ -193,7 +193,7 @@ def _bad_cases(rng):
       ("implementation", lambda: jaxflash.dot_product_attention(q, k, v, implementation="fast"),
        ValueError, "implementation"),
       ("native head_dim", lambda: jaxflash.dot_product_attention(
-          *_inputs(rng, D=264), implementation="native"), ValueError, "head_dim"),
+          *_inputs(rng, D=520), implementation="native"), ValueError, "head_dim"),
       ("cudnn extras", lambda: jaxflash.dot_product_attention(
           q, k, v, implementation="cudnn", causal_alignment="bottom_right"), ValueError, "cudnn"),
       # Segment ids: [*batch, len] integers; key ids default to query ids only when T == S.

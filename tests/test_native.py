@@ -153,6 +153,23 @@ def test_gradients(rng, shape, mask_name, dtype):
   check_gradients(rng, shape, mask_name, dtype)
 
 
+@pytest.mark.parametrize("shape,dtype", [((2, 33, 47, 4, 2, 264), jnp.float32),
+                                         ((1, 20, 40, 2, 1, 512), jnp.bfloat16)], ids=str)
+def test_head_dims_past_256(rng, shape, dtype):
+  """Head dims 257-512: the CPU kernels take them (against float64, forward and
+  gradients, GQA 2, ragged lengths); the CUDA kernels refuse them with a clear error."""
+  if jax.default_backend() != "cpu":
+    q = jnp.ones((1, 8, 2, 320), dtype)
+    with pytest.raises(ValueError, match="head_dim <= 256"):
+      jaxflash.dot_product_attention(q, q, q, implementation="native")
+    return
+  check_forward(rng, shape, "lengths", dtype)
+  check_gradients(rng, shape, "causal_bottom_right", dtype)
+  q = jnp.ones((1, 8, 2, 520), dtype)
+  with pytest.raises(ValueError, match="head_dim <= 512"):
+    jaxflash.dot_product_attention(q, q, q, implementation="native")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)
 def test_large_logits_stay_finite_and_exact(rng, dtype):
   # Logits of magnitude ~1e3: a kernel without the running max overflows.

@@ -24,7 +24,7 @@ namespace ffi = xla::ffi;
 
 // Shape limits the kernels rely on (int32 row/column indices).
 constexpr int64_t kMaxSequence = int64_t{1} << 30;
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = kMaxCpuHeadDim;  // the widest any kernel takes (params.h)
 
 #define JAXFLASH_RETURN_IF_ERROR(expr)     \
   do {                                     \
@@ -98,7 +98,8 @@ inline ffi::Error CheckProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
     return Invalid("query, key and value must share one dtype");
   }
   if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim) {
-    return Invalid("head_dim must be in [1, 256], got " + std::to_string(shape.head_dim));
+    return Invalid("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " +
+                   std::to_string(shape.head_dim));
   }
   if (shape.kv_heads < 1 || shape.q_heads % shape.kv_heads != 0) {
     return Invalid("query heads (" + std::to_string(shape.q_heads) +

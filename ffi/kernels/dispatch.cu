@@ -161,7 +161,14 @@ Status CudaCurrentDevice(CudaDevice* device) {
   return Status::Ok();
 }
 
+static Status HeadDimRefusal(const AttentionShape& sh) {
+  if (sh.head_dim <= kMaxCudaHeadDim) return Status::Ok();
+  return Status::Unimplemented("the CUDA kernels support head_dim <= " + std::to_string(kMaxCudaHeadDim) +
+                               ", got " + std::to_string(sh.head_dim));
+}
+
 Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionForward(p, stream);
   if (p.dtype == DType::kFloat16) return ForwardBucket<__half>(p, device, stream);
   return ForwardBucket<__nv_bfloat16>(p, device, stream);
@@ -173,6 +180,7 @@ size_t CudaBackwardWorkspaceBytes(const BwdParams& p, const CudaDevice& device) 
 }
 
 Status CudaAttentionBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
+  if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionBackward(p, workspace, stream);
   if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, device, stream);
   return BackwardBucket<__nv_bfloat16>(p, device, stream);

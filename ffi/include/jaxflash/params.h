@@ -36,6 +36,12 @@ namespace jaxflash {
 // not an inf, which jax.debug_infs would report.
 constexpr float kEmptyRowLse = -3.40282346638528859812e+38f;
 
+// Head dims the kernels take: the CUDA kernels up to 256 (their tile shapes,
+// and the SIMT kernels' fixed slices per lane), the CPU kernels up to 512
+// (their per-thread scratch tiles). The handlers accept the wider.
+constexpr int64_t kMaxCudaHeadDim = 256;
+constexpr int64_t kMaxCpuHeadDim = 512;
+
 enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 
 inline const char* DTypeName(DType t) {

@@ -243,7 +243,7 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
 
 Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
   if (p.shape.head_dim > kMaxHeadDim) {
-    return Status::Unimplemented("CPU kernels support head_dim <= 256");
+    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
   }
   if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");
   const Geometry g(p);

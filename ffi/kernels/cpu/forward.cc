@@ -202,7 +202,7 @@ JAXFLASH_CPU_CLONES void MergeRow(const FwdParams& p, int64_t row, float* out) {
 
 Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
   if (p.shape.head_dim > kMaxHeadDim) {
-    return Status::Unimplemented("CPU kernels support head_dim <= 256");
+    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
   }
   const PackedRows packed = PackedRows::For(p.shape);
   const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;

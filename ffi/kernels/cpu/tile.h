@@ -36,10 +36,12 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
 // Query rows and keys per tile. Small enough that a tile of each operand stays
-// in L1/L2 for head_dim <= 256, large enough to amortise the loads.
+// in L1/L2 for head_dim <= 256, large enough to amortise the loads. The
+// scratch tiles hold head dims up to kMaxHeadDim; a call touches only `dim`
+// columns of them, so the wider allocation costs smaller calls nothing.
 constexpr int kRowsPerTile = 32;
 constexpr int kKeysPerTile = 64;
-constexpr int kMaxHeadDim = 256;
+constexpr int kMaxHeadDim = static_cast<int>(kMaxCpuHeadDim);
 
 inline float Bits2Float(uint32_t bits) {
   float f;
