@@ -449,10 +449,11 @@ def device_kind() -> str:
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
-  The orders are measured on plain calls. A decode step with ALiBi slopes or segment ids
-  puts native first: Pallas's decode kernel takes neither, so Pallas would run such a call
-  on its training kernel, unsplit (H200, B 8, 32 query heads, S 8k, bf16: 211.7 us against
-  the native decode kernel's ~90).
+  The orders are measured on plain calls. A decode step with segment ids or ALiBi slopes
+  puts native first. Pallas's decode kernel takes no ids, so Pallas runs such a call on its
+  training kernel, unsplit; with slopes it did too until its decode kernel took them (H200,
+  B 8, 32 query heads, S 8k, bf16: 211.7 us against the native decode kernel's ~90), and
+  that path is not yet measured against native's on a GPU.
   """
   order = choice.order(device_kind(), _native.build_id, call.q.dtype, call.width,
                        call.spec.window_right >= 0, call.q.shape[-3])

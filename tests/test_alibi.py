@@ -109,8 +109,8 @@ def test_split_kv_decode_steps(rng, splits):
                   num_splits=splits)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_a_nan_value_reaches_only_the_rows_that_see_it(rng, splits):
+@pytest.mark.parametrize("implementation, splits", [("native", 1), ("native", 3), ("pallas", 3)])
+def test_a_nan_value_reaches_only_the_rows_that_see_it(rng, implementation, splits):
   """A NaN in the last key's value, inside a tile the other rows also read: only the row
   that sees the key turns NaN, in that column (the kernels recompute the others' outputs
   exactly, with their slopes); everything else equals xla's result without the NaN."""
@@ -119,7 +119,8 @@ def test_a_nan_value_reaches_only_the_rows_that_see_it(rng, splits):
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
   kw = dict(is_causal=True, causal_alignment="bottom_right", alibi_slopes=slopes(N))
   out = np.asarray(jaxflash.dot_product_attention(q, k, v.at[0, S - 1, 0, 3].set(jnp.nan),
-                                                  num_splits=splits, **kw), np.float32)
+                                                  num_splits=splits, implementation=implementation,
+                                                  **kw), np.float32)
   want = np.asarray(jaxflash.dot_product_attention(q, k, v, implementation="xla", **kw), np.float32)
   nan = np.zeros(out.shape, bool)
   nan[0, T - 1, :N // K, 3] = True        # the last row of K/V head 0's query heads
@@ -130,13 +131,15 @@ def test_a_nan_value_reaches_only_the_rows_that_see_it(rng, splits):
 @pytest.mark.parametrize("mask", ["lengths_causal_bottom_right"])
 def test_pallas(rng, mask):
   """The Pallas kernels (forward, dQ and dK/dV, tangent; the CPU interpreter here) with
-  slopes, a soft-cap beside them; a short query runs the unsplit kernel, not decode's."""
+  slopes, a soft-cap beside them; short queries run the decode kernel (packed rows of a
+  GQA group, each with its own head's slope), split and not."""
   shape = (1, 24, 40, 4, 2, 16)
   check_forward(rng, shape, mask, jnp.float32, implementation="pallas", alibi=slopes(4))
   check_gradients(rng, shape, mask, jnp.float32, implementation="pallas", alibi=slopes(4),
                   softcap=5.0, magnitude=2.0)
-  check_forward(rng, (2, 1, 40, 4, 1, 16), mask, jnp.float32, implementation="pallas",
-                alibi=slopes(4))
+  for splits in (1, 3):
+    check_forward(rng, (2, 3, 40, 4, 2, 16), mask, jnp.float32, implementation="pallas",
+                  alibi=slopes(4), num_splits=splits)
   q, k, v = random_inputs(rng, 1, 24, 40, 4, 2, 16, jnp.float32)
   tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
   f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(

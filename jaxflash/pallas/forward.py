@@ -104,7 +104,7 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
     def key(j, acc):
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
-      p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1)), rows[:, 0], j) - lse2)
+      p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1))[:, None], rows, j)[:, 0] - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
       ids = mask.with_keys(q_ids, j, 1)
       return acc + jnp.where(mask.visible(rows, j, ids), p[:, None] * vj, 0.0)
@@ -135,14 +135,16 @@ def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bo
   lse_ref[...] = lse
 
 
-def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                   scores: Scores, left: int, right: int, bottom_right: bool,
-                   block_r: int, block_k: int, group: int, total_rows: int,
-                   row_tiles: int, num_splits: int):
+def _decode_kernel(q_len_ref, kv_len_ref, *refs, scores: Scores, alibi: bool, left: int,
+                   right: int, bottom_right: bool, block_r: int, block_k: int, group: int,
+                   total_rows: int, row_tiles: int, num_splits: int):
   """One split of one tile of packed rows (the query heads of a K/V head's
   group stacked over the query rows: packed row r is query row r // group).
   Writes the split's normalised output (float32) and natural LSE, EMPTY_LSE
-  for rows that see no key of the split (the merge skips those)."""
+  for rows that see no key of the split (the merge skips those). With ALiBi
+  the first ref holds the tile's per-row slopes (each row its own head's)."""
+  slope_ref, refs = (refs[0], refs[1:]) if alibi else (None, refs)
+  q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   # Integer division as lax.div/lax.rem (operands are non-negative), which the
   # Triton lowering takes directly.
   div = lambda x, n: lax.div(x, jnp.int32(n))
@@ -163,14 +165,15 @@ def _decode_kernel(q_len_ref, kv_len_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *
   s_hi = lo + lax.div(n * (split + 1), jnp.int32(num_splits))
   cut = lambda x: jnp.clip(x, s_lo, s_hi)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
+  bias = Alibi() if slope_ref is None else Alibi(slope_ref[...][:, None] * -LOG2E, mask.offset)
   carry = _attend(q, k_ref, v_ref, rows, mask, (cut(lo), cut(a), cut(bb), cut(hi)),
-                  scores=scores, block_k=block_k)
+                  scores=scores, block_k=block_k, alibi=bias)
   k0, k1 = s_lo * block_k, s_hi * block_k
   r = rows[:, 0]
   seen = ((r < mask.q_valid) &
           (jnp.maximum(mask.key_begin(r), k0) < jnp.minimum(mask.key_end(r), k1)))
   o, lse = _finish(q, k_ref, v_ref, rows, mask, seen, (k0, k1), carry, scores=scores,
-                   partial=True)
+                   partial=True, alibi=bias)
   o_ref[...] = o
   lse_ref[...] = lse
 
@@ -208,9 +211,10 @@ def _merge_splits(o_part, lse_part):
 
 def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
                     scores: Scores, window_left: int, window_right: int,
-                    bottom_right: bool):
+                    bottom_right: bool, alibi=None):
   """The forward over packed rows (GQA heads stacked, so a K/V block is read
-  once per K/V head) in `splits` key ranges, merged in jnp."""
+  once per K/V head) in `splits` key ranges, merged in jnp; `alibi` [B, Hq]
+  slopes, laid out per packed row."""
   batch, t, hq, d = q.shape
   _, s, hkv, _ = k.shape
   group = hq // hkv
@@ -225,7 +229,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
   qp = pad_to(qp, {2: r_pad, 3: dp})
 
   kernel = functools.partial(
-      _decode_kernel, scores=scores, left=int(window_left),
+      _decode_kernel, scores=scores, alibi=alibi is not None, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_r=br,
       block_k=bk, group=group, total_rows=total, row_tiles=row_tiles,
       num_splits=splits)
@@ -237,14 +241,19 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
                         lambda i, b, h: (b, h, split_of(i), tile_of(i), 0))
   lse_spec = pl.BlockSpec((None, None, None, br),
                           lambda i, b, h: (b, h, split_of(i), tile_of(i)))
-  operands = same_varying_axes(q_len, kv_len, qp, kp, vp)
+  extras, extra_specs = [], []
+  if alibi is not None:   # packed row r takes head r % G's slope; padding rows 0
+    slopes = jnp.tile(jnp.asarray(alibi, jnp.float32).reshape(batch, hkv, group), (1, 1, t))
+    extras.append(pad_to(slopes, {2: r_pad}))
+    extra_specs.append(pl.BlockSpec((None, None, br), lambda i, b, h: (b, h, tile_of(i))))
+  operands = same_varying_axes(q_len, kv_len, *extras, qp, kp, vp)
   o_part, lse_part = pl.pallas_call(
       kernel,
       grid=(row_tiles * splits, batch, hkv),
-      in_specs=[length_spec(batch), length_spec(batch), q_spec, kv_spec, kv_spec],
+      in_specs=[length_spec(batch), length_spec(batch), *extra_specs, q_spec, kv_spec, kv_spec],
       out_specs=[o_spec, lse_spec],
-      out_shape=[output((batch, hkv, splits, r_pad, dp), jnp.float32, operands[2]),
-                 output((batch, hkv, splits, r_pad), jnp.float32, operands[2])],
+      out_shape=[output((batch, hkv, splits, r_pad, dp), jnp.float32, operands[-3]),
+                 output((batch, hkv, splits, r_pad), jnp.float32, operands[-3])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
                        compiler_params(cfg.num_warps, cfg.num_stages, br, bk)),
@@ -307,11 +316,11 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
   scores = Scores(float(scale), float(softcap))
-  if (diagonal_offsets is None and alibi is None and segments is None and
+  if (diagonal_offsets is None and segments is None and
       (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS)):
     return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scores=scores,
                            window_left=window_left, window_right=window_right,
-                           bottom_right=bottom_right)
+                           bottom_right=bottom_right, alibi=alibi)
   dp = padded_head_dim(d)
   bq, t_pad = block_sizes(t, cfg.block_q)
   bk, s_pad, kp, vp = _padded_kv(k, v, cfg.block_k, dp)
