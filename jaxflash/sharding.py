@@ -165,16 +165,16 @@ def _extras(extras, segments: bool):
   return ids, (extras[-1] if len(extras) > (2 if segments else 0) else None)
 
 
-def _to_mirror(seq, lazy_rows, rows, ids, lses=()):
-  """`ring.to_mirror` of a rule's operands: the row tensors (`lazy_rows` sliced lazily,
-  `rows` not), the log-sum-exps (sequence axis 2, lazy) and the segment ids, which
-  come back whole (the ring reads them as arrays)."""
+def _to_mirror(seq, read, travel, ids):
+  """`ring.to_mirror` of a rule's operands, in the order given: `read`, (tensor, sequence
+  axis) pairs only blocks read (their staying half sliced inside the blocks), `travel`,
+  K/V, and the segment ids, which come back whole (the ring reads them as arrays)."""
   ids = ids or ()
-  xs = tuple(lazy_rows) + tuple(rows) + tuple(lses) + tuple(ids)
-  axes = (1,) * (len(lazy_rows) + len(rows)) + (2,) * len(lses) + (1,) * len(ids)
-  lazy = (True,) * len(lazy_rows) + (False,) * len(rows) + (True,) * len(lses) + (False,) * len(ids)
+  items = ([(x, axis, True) for x, axis in read] + [(x, 1, False) for x in travel]
+           + [(x, 1, False) for x in ids])
+  xs, axes, lazy = zip(*items)
   pieces = ring_lib.to_mirror(xs, seq, axes, lazy)
-  n = len(xs) - len(ids)
+  n = len(read) + len(travel)
   return pieces[:n] + ((tuple(jnp.concatenate(p, axis=1) for p in pieces[n:]) or None),)
 
 
@@ -189,7 +189,7 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
       return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.mirror:
-      q, k, v, ids = _to_mirror(ring.q_seq, (q,), (k, v), ids)
+      q, k, v, ids = _to_mirror(ring.q_seq, [(q, 1)], (k, v), ids)
     o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     if plan.mirror:
       o, lse = ring_lib.from_mirror(o, ring.q_seq, 1), ring_lib.from_mirror(lse, ring.q_seq, 2)
@@ -216,8 +216,8 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
       # through the forward.
       q, k, v, o, lse, do, dlse = lax.optimization_barrier((q, k, v, o, lse, do, dlse))
       if plan.mirror:
-        q, o, do, k, v, lse, dlse, ids = _to_mirror(ring.q_seq, (q, o, do), (k, v), ids,
-                                                    (lse, dlse))
+        q, o, do, lse, dlse, k, v, ids = _to_mirror(
+            ring.q_seq, [(q, 1), (o, 1), (do, 1), (lse, 2), (dlse, 2)], (k, v), ids)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=ids, alibi=alibi)
       if plan.mirror:
