@@ -137,11 +137,12 @@ struct AlibiBias {
 
 // ALiBi for tiles whose rows mix the query heads of a GQA group (the decode
 // kernel's packed rows, common/decode.h): each of a lane's two accumulator
-// rows has its own head's slope and its own diagonal, looked up once per tile
-// (two loads per lane). `Rows` maps a packed row to its query row and head.
+// rows has its own head's slope and its own query row, looked up once per
+// tile (two loads per lane); the bias itself is AlibiBias's.
 struct PackedAlibi {
   float neg_slope2[2] = {0.f, 0.f};  // per accumulator row (half); 0: no bias
-  float diagonal[2] = {0.f, 0.f};
+  int row[2] = {0, 0};               // the half's query row
+  float offset = 0.f;                // the policy's diagonal offset
   bool on = false;
 
   // This lane's rows of the 16-row slab starting at packed row `row0`; rows
@@ -152,29 +153,24 @@ struct PackedAlibi {
     PackedAlibi a;
     a.on = p.alibi != nullptr;
     if (!a.on) return a;
+    a.offset = static_cast<float>(pol.offset);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = row0 + (lane >> 2) + 8 * half;
       if (r < rows.total) {
         a.neg_slope2[half] = Alibi::Of(p.alibi, batch, rows.Head(kv_head, r), p.shape.q_heads).neg_slope2;
-        a.diagonal[half] = Alibi::Diagonal(pol, rows.QueryRow(r));
+        a.row[half] = rows.QueryRow(r);
       }
     }
     return a;
   }
   __device__ __forceinline__ bool On() const { return on; }
-  // Adds the bias to this lane's scores of a key tile [c0, c0 + kNT * 8) of a
-  // query-major slab (col0 = c0 + 2t: the lane's first column).
+  // Adds the bias to this lane's scores of a query-major slab's key tile
+  // (col0: the lane's first column).
   template <int kNT>
   __device__ __forceinline__ void Add(float (&s)[kNT][4], int col0) const {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float base = diagonal[half] - static_cast<float>(col0);
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += neg_slope2[half] * fabsf(base - float(nt * 8 + j));
-    }
+    for (int half = 0; half < 2; ++half) AlibiBias{neg_slope2[half], offset}.Add<true>(s, half, row[half], col0);
   }
 };
 
