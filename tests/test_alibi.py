@@ -199,7 +199,9 @@ def test_gpu_pallas(rng, dtype):
   for shape in [(1, 300, 300, 4, 2, 64), (2, 129, 200, 8, 1, 128), (2, 1, 500, 8, 2, 128)]:
     for mask in ("causal", "lengths_causal_bottom_right"):
       check_forward(rng, shape, mask, dtype, implementation="pallas", alibi=slopes(shape[3]))
-      if shape[1] > 1:
+      # float32 gradients are the bf16 kernels' code at a wider type, and Triton takes
+      # ~45 s a shape to compile them: the fast tier checks them at bf16 only.
+      if shape[1] > 1 and dtype != jnp.float32:
         check_gradients(rng, shape, mask, dtype, implementation="pallas", alibi=slopes(shape[3]))
 
 
