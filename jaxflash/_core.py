@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import _native, _splits, choice, derivatives, pallas as _pallas, reference, segments as _segments
+from jaxflash import (_native, _splits, choice, dense as _dense, derivatives, pallas as _pallas, reference,
+                      segments as _segments)
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
@@ -181,6 +182,8 @@ def _dense_term(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, in
   if name == "mask" and x.dtype != jnp.bool_:
     raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
                     "masks as bias")
+  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"bias must be a floating-point array, got dtype {x.dtype}")
   lead = x.shape[:-3]
   if len(lead) > 1 and any(n != 1 for n in lead):
     x = jnp.broadcast_to(x, full[:-3] + x.shape[-3:])
@@ -211,6 +214,15 @@ class Call:
     """The head dim the fused kernels run at: the wider of query/key's and value's
     (`run_fused`)."""
     return max(self.q.shape[-1], self.v.shape[-1])
+
+  @property
+  def dense(self) -> _dense.Dense | None:
+    """The dense bias and mask as the fused kernels take them: a float64 bias in
+    float32 (the kernels' score precision), or None when the call has neither."""
+    bias = self.bias
+    if bias is not None and bias.dtype not in FUSED_DTYPES:
+      bias = bias.astype(jnp.float32)
+    return _dense.make(bias, self.mask)
 
   @property
   def empty(self) -> bool:
@@ -316,25 +328,33 @@ class NativeKernels:
             jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
+  @staticmethod
+  def _target(index: int, dense):
+    """The forward (0) or backward (1) target: v5 for calls with a dense term (the
+    CPU's only), else v4, which every platform serves."""
+    if dense is None:
+      return (_native.FORWARD_TARGET, _native.BACKWARD_TARGET)[index], ()
+    return _native.DENSE_TARGETS[index], _dense.operands(dense)
+
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None,
-              alibi=None):
-    splits = (1 if segments is not None else
+              alibi=None, dense=None):
+    splits = (1 if segments is not None or dense is not None else
               _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform()))
+    target, dense_operands = cls._target(0, dense)
     # broadcast_all: under vmap every operand gains the same leading axes, which
     # the handlers fold into the batch.
-    call = jax.ffi.ffi_call(_native.FORWARD_TARGET, cls.out_types(q, splits),
-                            vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(target, cls.out_types(q, splits), vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, reference.per_batch_operand(offsets),
                         *_segments.operands(segments), reference.alibi_operand(alibi),
-                        **cls._attrs(spec),
+                        *dense_operands, **cls._attrs(spec),
                         tile=np.int64(_native.tile_attr("fwd", q.shape[-1], spec.window_right >= 0)),
                         num_splits=np.int64(splits))
     return o, lse
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None, alibi=None):
+               offsets=None, segments=None, alibi=None, dense=None):
     # The last two results are the kernels' workspaces: delta (O(B * N * T))
     # and room for the fused backward's float32 dQ sums (like q, or with a
     # last dimension of 0); as outputs they keep the handlers free of run-time
@@ -343,11 +363,12 @@ class NativeKernels:
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
-    call = jax.ffi.ffi_call(_native.BACKWARD_TARGET, out_types, vmap_method="broadcast_all")
+    target, dense_operands = cls._target(1, dense)
+    call = jax.ffi.ffi_call(target, out_types, vmap_method="broadcast_all")
     dq, dk, dv, _, _ = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          reference.per_batch_operand(offsets),
                          *_segments.operands(segments), reference.alibi_operand(alibi),
-                         **cls._attrs(spec), deterministic=bool(spec.deterministic),
+                         *dense_operands, **cls._attrs(spec), deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
 
@@ -365,18 +386,18 @@ class PallasKernels:
 
   @classmethod
   def forward(cls, q, k, v, q_lengths, kv_lengths, spec: MaskSpec, offsets=None, segments=None,
-              alibi=None):
+              alibi=None, dense=None):
     return _pallas.pallas_forward(q, k, v, q_lengths, kv_lengths, **cls._kw(spec),
                                   diagonal_offsets=offsets, num_splits=spec.num_splits or None,
-                                  alibi=alibi, segments=segments)
+                                  alibi=alibi, segments=segments, dense=dense)
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None, alibi=None):
+               offsets=None, segments=None, alibi=None, dense=None):
     # No atomics: always deterministic, so spec.deterministic needs nothing.
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                                    **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi,
-                                   segments=segments)
+                                   segments=segments, dense=dense)
 
   @classmethod
   def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
@@ -387,26 +408,29 @@ class PallasKernels:
                                   segments=segments)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(7, 8))
-def fused(q, k, v, q_lengths, kv_lengths, segments, alibi, kernels, spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9))
+def fused(q, k, v, q_lengths, kv_lengths, segments, alibi, dense, kernels, spec):
   """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a
   call with segment ids: `segments.tables`, computed once for the forward and the
   backward; everything below reads the ids from them (`segments.ids_of`).
   `alibi`: None, or the ALiBi slopes [B, N] float32 (`resolve_alibi`; constants,
-  their tangent is dropped)."""
-  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments, alibi=alibi)
+  their tangent is dropped). `dense`: None, or the call's dense bias and mask
+  (dense.py); the bias is differentiable."""
+  return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments, alibi=alibi,
+                         dense=dense)
 
 
 @fused.defjvp
 def _fused_jvp(kernels, spec, primals, tangents):
-  q, k, v, q_lengths, kv_lengths, segments, alibi = primals
+  q, k, v, q_lengths, kv_lengths, segments, alibi, dense = primals
   tq, tk, tv = tangents[:3]  # the lengths' and ids' tangents are float0, the slopes' dropped
+  t_bias = None if dense is None or dense.bias is None else tangents[7].bias
   # The value through fused itself, so that an outer jvp (a Hessian-vector
   # product) differentiates it by this rule rather than the FFI call.
-  o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, alibi, kernels, spec)
+  o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, alibi, dense, kernels, spec)
   return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
                                                kernels=kernels, spec=spec, segments=segments,
-                                               alibi=alibi)
+                                               alibi=alibi, dense=dense, t_bias=t_bias)
 
 
 KERNELS = {"native": NativeKernels, "pallas": PallasKernels}
@@ -424,15 +448,18 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   `explicit` is False when choosing automatically: Pallas on the CPU runs in
   the (slow) interpreter, fine when asked for, never picked unasked.
   """
-  if call.bias is not None or call.mask is not None:
-    return f"implementation={name!r} does not take a dense bias or mask; use 'xla'"
   if call.q.dtype not in FUSED_DTYPES:
     return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
             f"{call.q.dtype}")
   if call.width > max_head_dim(name):
     return (f"implementation={name!r} supports head_dim <= {max_head_dim(name)} here, got "
             f"{call.width}")
+  if call.dense is not None and call.spec.num_splits > 1:
+    return f"implementation={name!r}: num_splits > 1 (split-KV) does not take a dense bias or mask"
   if name == "native":
+    if call.dense is not None and platform() != "cpu":
+      return ("implementation='native' takes a dense bias or mask on the CPU only so far; "
+              "use 'pallas' (fused) or 'xla'")
     return _native.unavailable_reason(platform())
   if name == "pallas":
     q, k, v = (x.shape[:-1] + (call.width,) for x in (call.q, call.k, call.v))
@@ -526,7 +553,7 @@ def run_fused(call: Call, q_lengths, kv_lengths, tables, kernels):
   pad = lambda x: (x if x.shape[-1] == call.width else
                    jnp.pad(x, [(0, 0)] * 3 + [(0, call.width - x.shape[-1])]))
   out, lse = fused(pad(call.q), pad(call.k), pad(call.v), q_lengths, kv_lengths, tables,
-                   call.alibi, kernels, call.spec)
+                   call.alibi, call.dense, kernels, call.spec)
   return (out[..., :call.v.shape[-1]] if call.width > call.v.shape[-1] else out), lse
 
 

@@ -25,8 +25,13 @@ log, scale c, sums over visible keys j):
 
     P = exp(S - LSE),  S = c Q Kᵀ,  tS = c (tQ Kᵀ + Q tKᵀ),
     (with a logit soft-cap S and tS are the capped score and its tangent:
-    reference.soft_cap, times its slope; ALiBi adds a constant to S)
+    reference.soft_cap, times its slope; ALiBi adds a constant to S, a dense
+    bias B adds B to S and its tangent tB to tS; a dense mask hides pairs)
     tLSE = Σ_j P tS,   tO = Σ_j P (tS V_j + tV_j) - tLSE O.
+
+The transpose with respect to tB is the bias gradient dB = dS = P (dP - delta)
+reduced over the bias's broadcast axes (`bias_gradient`): the kernels compute
+dQ, dK and dV, this blockwise pass dB, and only when the bias is differentiated.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy as np
 from jax import lax
 from jax.interpreters import ad, batching, mlir
 
-from jaxflash import reference, segments as _segments
+from jaxflash import dense as _dense, reference, segments as _segments
 
 _BLOCK = 128  # keys per scan step
 _HIGHEST = lax.Precision.HIGHEST
@@ -52,7 +57,8 @@ class _KeyBlocks:
   """A call's geometry, cut into blocks of keys, in float32 with the query
   heads grouped over their key/value head ([B, T, K, G, H])."""
 
-  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None, alibi=None):
+  def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None, alibi=None,
+               dense=None):
     self.B, self.T, self.N, self.H = q.shape
     self.S, self.K = k.shape[1], k.shape[2]
     self.G = self.N // self.K
@@ -65,6 +71,7 @@ class _KeyBlocks:
     # The segment tables' (q_ids, kv_ids), or None.
     self.segments = None if segments is None else _segments.ids_of(segments)
     self.alibi = alibi       # ALiBi slopes [B, N] float32, or None
+    self.dense = dense       # the call's dense bias / mask (dense.py), or None
 
   def grouped(self, x):
     """[B, T, N, H] -> [B, T, K, G, H] float32."""
@@ -93,8 +100,15 @@ class _KeyBlocks:
         window_left=None if left < 0 else left, window_right=None if right < 0 else right,
         bottom_right=self.spec.bottom_right, batch=self.B,
         keys=j0 + jnp.arange(self.block, dtype=jnp.int32), diagonal_offsets=self.offsets,
-        segment_ids=self.segments)
-    return vis[:, :, None]
+        segment_ids=self.segments)[:, :, None]
+    mask = self.dense_block("mask", j0)
+    return vis if mask is None else vis & mask
+
+  def dense_block(self, name: str, j0):
+    """Key block j0 of the call's dense bias or mask (`name`), broadcastable to
+    [B, K, G, T, block]; None when the call has none."""
+    x = None if self.dense is None else getattr(self.dense, name)
+    return None if x is None else _dense.key_block(x, self.N, self.K, j0, self.block)
 
   def starts(self):
     return jnp.arange(self.count, dtype=jnp.int32) * self.block
@@ -113,6 +127,9 @@ class _KeyBlocks:
           batch=self.B, keys=j0 + jnp.arange(self.block, dtype=jnp.int32),
           diagonal_offsets=self.offsets)
       s = s + bias.reshape(self.B, self.K, self.G, self.T, self.block)
+    bias = self.dense_block("bias", j0)
+    if bias is not None:
+      s = s + bias.astype(jnp.float32)
     # exp sees visible pairs only; rows with no key (LSE = the empty value)
     # have none, so nothing overflows.
     p = jnp.where(vis, jnp.exp(jnp.where(vis, s - lse[..., None], 0)), 0)
@@ -120,15 +137,17 @@ class _KeyBlocks:
 
 
 def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
-                 segments=None, alibi=None):
+                 segments=None, alibi=None, dense=None, t_bias=None):
   """The three sums over keys of the tangent, float32: (Σ_j P (tS V_j + tV_j)
   [B, T, N, H], tLSE = Σ_j P tS [B, N, T], O = Σ_j P V_j [B, T, N, H]).
 
   With the LSE of the whole row given, all are sums over keys, so a call over
   part of the keys (a ring block, placed by `offsets`, the kernels' per-batch
-  diagonal offsets; None for 0) gives that part's share exactly.
+  diagonal offsets; None for 0) gives that part's share exactly. `t_bias` is the
+  tangent of the dense bias (shaped like it), None for none.
   """
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi)
+  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense)
+  t_dense = None if t_bias is None else _dense.Dense(bias=t_bias)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
@@ -139,6 +158,8 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
     ts = spec.scale * (jnp.einsum("btkgh,bskh->bkgts", tqg, kb, precision=_HIGHEST) +
                        jnp.einsum("btkgh,bskh->bkgts", qg, tkb, precision=_HIGHEST))
     ts = ts if slope is None else ts * slope
+    if t_dense is not None:
+      ts = ts + _dense.key_block(t_dense.bias, g.N, g.K, j0, g.block).astype(jnp.float32)
     pts = jnp.where(vis, p * ts, 0)
     acc = acc + (jnp.einsum("bkgts,bskh->btkgh", pts, vb, precision=_HIGHEST) +
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
@@ -165,35 +186,55 @@ def finish_tangent(sums, t_lse, o_sum, dtype):
 
 
 def tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offsets=None,
-            segments=None, alibi=None):
-  """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv.
+            segments=None, alibi=None, dense=None, t_bias=None):
+  """(tO [B, T, N, H] in o's dtype, tLSE [B, N, T] float32), linear in tq, tk, tv
+  (and `t_bias`, the dense bias's tangent, None for none).
 
   `offsets` are the kernels' per-batch diagonal offsets (params.h), None for 0;
   `segments` the call's segment tables (segments.py), None without; `alibi` its ALiBi
-  slopes [B, N], None without. Only o's dtype is read (see `finish_tangent`).
+  slopes [B, N], None without; `dense` its dense bias / mask (dense.py), None without.
+  Only o's dtype is read (see `finish_tangent`).
   """
   sums, t_lse, o_sum = tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-                                    offsets=offsets, segments=segments, alibi=alibi)
+                                    offsets=offsets, segments=segments, alibi=alibi, dense=dense,
+                                    t_bias=t_bias)
   return finish_tangent(sums, t_lse, o_sum, o.dtype), t_lse
 
 
+class _ScoreGradients(_KeyBlocks):
+  """The backward's blocks: dS = P (dP - delta) of key block j0 with the rows' delta."""
+
+  def __init__(self, q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
+               alibi, dense):
+    super().__init__(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense)
+    self.qg, self.dog = self.grouped(q), self.grouped(do)
+    self.lse_g = self.rows(lse)
+    delta = (jnp.einsum("btkgh,btkgh->bkgt", self.dog, self.grouped(o), precision=_HIGHEST)
+             - self.rows(dlse))
+    # Rows that see no key carry no gradient.
+    self.delta = jnp.where(self.lse_g == reference.empty_lse(jnp.float32), 0, delta)
+
+  def scores_of(self, kb, vb, j0):
+    """(P, dS with respect to the score, dS with respect to scale * q.k) [B, K, G, T,
+    block], zero on hidden pairs; the two differ by a soft-cap's slope."""
+    vis = self.visible(j0)
+    p, slope = self.probabilities(self.qg, kb, self.lse_g, vis, j0)
+    dp = jnp.einsum("btkgh,bskh->bkgts", self.dog, vb, precision=_HIGHEST)
+    ds = jnp.where(vis, p * (dp - self.delta[..., None]), 0)
+    return p, ds, (ds if slope is None else ds * slope)
+
+
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
-             segments=None, alibi=None):
+             segments=None, alibi=None, dense=None):
   """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets`,
-  `segments` and `alibi` as for `tangent`)."""
-  g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi)
-  qg, dog = g.grouped(q), g.grouped(do)
-  lse_g = g.rows(lse)
-  delta = jnp.einsum("btkgh,btkgh->bkgt", dog, g.grouped(o), precision=_HIGHEST) - g.rows(dlse)
-  delta = jnp.where(lse_g == reference.empty_lse(jnp.float32), 0, delta)  # rows that see no key
+  `segments`, `alibi` and `dense` as for `tangent`)."""
+  g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
+                      alibi, dense)
+  qg, dog = g.qg, g.dog
 
   def step(dq, block):
     kb, vb, j0 = block
-    vis = g.visible(j0)
-    p, slope = g.probabilities(qg, kb, lse_g, vis, j0)
-    dp = jnp.einsum("btkgh,bskh->bkgts", dog, vb, precision=_HIGHEST)
-    ds = p * (dp - delta[..., None])
-    ds = jnp.where(vis, ds if slope is None else ds * slope, 0)
+    p, _, ds = g.scores_of(kb, vb, j0)
     dq = dq + spec.scale * jnp.einsum("bkgts,bskh->btkgh", ds, kb, precision=_HIGHEST)
     dk = spec.scale * jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=_HIGHEST)
     dv = jnp.einsum("bkgts,btkgh->bskh", p, dog, precision=_HIGHEST)
@@ -203,14 +244,39 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
   return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
 
 
+def bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, dense,
+                  offsets=None, segments=None, alibi=None):
+  """The gradient of the dense bias `dense.bias` [Bb, Nb, Tb, Sb], in its dtype: the
+  score gradient dS of every pair, summed over the bias's broadcast axes block by
+  block (memory: dB and one [B, N, T, 128] block)."""
+  g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
+                      alibi, dense)
+  bias = dense.bias
+  Bb, Nb, Tb, Sb = bias.shape
+  block_shape = (Bb, Nb, Tb, g.block if Sb > 1 else 1)
+
+  def step(total, block):
+    kb, vb, j0 = block
+    _, ds, _ = g.scores_of(kb, vb, j0)
+    ds = _dense.reduce_to(ds.reshape(g.B, g.N, g.T, g.block), block_shape)
+    return (total + ds, None) if Sb == 1 else (total, ds)
+
+  total, blocks = lax.scan(step, jnp.zeros(block_shape if Sb == 1 else (), jnp.float32),
+                           (g.split(k), g.split(v), g.starts()))
+  if Sb > 1:
+    total = jnp.moveaxis(blocks, 0, 3).reshape(Bb, Nb, Tb, g.count * g.block)[..., :Sb]
+  return total.astype(bias.dtype)
+
+
 # ------------------------------------------------------------------ the kernels' backward, differentiable
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(11, 12))
-def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, segments, alibi, kernels,
-                    spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(12, 13))
+def kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, segments, alibi, dense,
+                    kernels, spec):
   """(dQ, dK, dV) from the kernels, differentiable by the blockwise backward."""
   return kernels.backward(q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32),
-                          q_lengths, kv_lengths, spec, segments=segments, alibi=alibi)
+                          q_lengths, kv_lengths, spec, segments=segments, alibi=alibi,
+                          dense=dense)
 
 
 @kernel_backward.defjvp
@@ -219,9 +285,15 @@ def _kernel_backward_jvp(kernels, spec, primals, tangents):
     raise NotImplementedError(f"{kernels.name}: second derivatives (jvp of grad, Hessians) are "
                               "not available for this call; ring attention has first ones only")
   out = kernel_backward(*primals, kernels, spec)
-  *arrays, segments, alibi = primals
-  _, t_out = jax.jvp(functools.partial(backward, spec=spec, segments=segments, alibi=alibi),
-                     tuple(arrays), tuple(tangents[:-2]))
+  *arrays, segments, alibi, dense = primals
+  t_dense = tangents[-1]
+  if dense is None or dense.bias is None:
+    fn = functools.partial(backward, spec=spec, segments=segments, alibi=alibi, dense=dense)
+    _, t_out = jax.jvp(fn, tuple(arrays), tuple(tangents[:-3]))
+  else:  # the bias is an input of the backward too
+    fn = lambda *xs: backward(*xs[:-1], spec=spec, segments=segments, alibi=alibi,
+                              dense=_dense.Dense(xs[-1], dense.mask))
+    _, t_out = jax.jvp(fn, (*arrays, dense.bias), (*tangents[:-3], t_dense.bias))
   return out, t_out
 
 
@@ -232,31 +304,40 @@ tangent_p.multiple_results = True
 
 
 def output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, kernels, spec,
-                    segments=None, alibi=None):
-  """(tO, tLSE) of the fused call whose outputs are (o, lse)."""
+                    segments=None, alibi=None, dense=None, t_bias=None):
+  """(tO, tLSE) of the fused call whose outputs are (o, lse); `t_bias` is the tangent
+  of `dense.bias` (None: the call has no bias)."""
+  t_bias = _dense.operands(None)[0] if t_bias is None else t_bias
   return tuple(tangent_p.bind(q, k, v, o, lse, q_lengths, kv_lengths,
                               *_segments.operands(segments), reference.alibi_operand(alibi),
-                              tq, tk, tv, kernels=kernels, spec=spec))
+                              *_dense.operands(dense), tq, tk, tv, t_bias,
+                              kernels=kernels, spec=spec))
 
 
-# The primitive's operands: q, k, v, o, lse, the lengths, the two segment tables
-# and the ALiBi slopes (empty arrays for none), then tq, tk, tv.
-_EXTRAS = slice(7, 10)
+# The primitive's operands: q, k, v, o, lse, the lengths, the two segment tables,
+# the ALiBi slopes, the dense bias and mask (empty arrays for none), then tq, tk, tv
+# and the bias's tangent (empty without a bias).
+_EXTRAS = slice(7, 12)
 
 
-def _extras(q_table, kv_table, slopes):
-  """(segments, alibi) keywords from the primitive's three extra operands."""
+def _extras(q_table, kv_table, slopes, bias, mask):
+  """(segments, alibi, dense) keywords from the primitive's five extra operands."""
   return dict(segments=_segments.from_operands(q_table, kv_table),
-              alibi=None if slopes.size == 0 else slopes)
+              alibi=None if slopes.size == 0 else slopes,
+              dense=_dense.from_operands(bias, mask))
 
 
-def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes, tq, tk, tv, *,
-                  kernels, spec):
-  # Kernels with a tangent pass of their own (Pallas, ring attention's
-  # shards) use it; for the others the blockwise jnp one is exact.
-  fn = kernels.tangent if hasattr(kernels, "tangent") else tangent
-  return fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
-            **_extras(q_table, kv_table, slopes))
+def _tangent_impl(q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes, bias, mask,
+                  tq, tk, tv, t_bias, *, kernels, spec):
+  extras = _extras(q_table, kv_table, slopes, bias, mask)
+  # Kernels with a tangent pass of their own (Pallas, ring attention's shards) use it
+  # where it takes the call; for the others the blockwise jnp one is exact.
+  if hasattr(kernels, "tangent") and extras["dense"] is None:
+    del extras["dense"]
+    return kernels.tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                           **extras)
+  return tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                 t_bias=None if t_bias.size == 0 else t_bias, **extras)
 
 
 def _tangent_abstract(*args, kernels, spec):
@@ -268,14 +349,21 @@ def _tangent_abstract(*args, kernels, spec):
 
 
 def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_table, slopes,
-                       tq, tk, tv, *, kernels, spec):
-  """The transpose of tQ, tK, tV -> (tO, tLSE): the kernels' backward."""
+                       bias, mask, tq, tk, tv, t_bias, *, kernels, spec):
+  """The transpose of tQ, tK, tV, tBias -> (tO, tLSE): the kernels' backward, and the
+  bias gradient where the bias is differentiated."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
-  extras = _extras(q_table, kv_table, slopes)
-  grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                          extras["segments"], extras["alibi"], kernels, spec)
-  return [None] * 10 + [g if ad.is_undefined_primal(t) else None
-                       for g, t in zip(grads, (tq, tk, tv))]
+  extras = _extras(q_table, kv_table, slopes, bias, mask)
+  grads = [None] * 3
+  if any(ad.is_undefined_primal(t) for t in (tq, tk, tv)):
+    grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
+                            extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
+  d_bias = None
+  if ad.is_undefined_primal(t_bias):
+    d_bias = bias_gradient(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, spec=spec,
+                           **extras)
+  return [None] * 12 + [g if ad.is_undefined_primal(t) else None
+                        for g, t in zip(grads, (tq, tk, tv))] + [d_bias]
 
 
 def _tangent_batch(args, dims, *, kernels, spec):
@@ -286,9 +374,26 @@ def _tangent_batch(args, dims, *, kernels, spec):
     x = jnp.broadcast_to(x, (size,) + x.shape) if d is None else jnp.moveaxis(x, d, 0)
     return x.reshape((size * x.shape[1],) + x.shape[2:])
 
-  folded = [fold(x, d) for x, d in zip(args, dims)]
-  t_o, t_lse = output_tangents(*folded[:7], *folded[10:], kernels=kernels, spec=spec,
-                               **_extras(*folded[_EXTRAS]))
+  B = (args[0].shape if dims[0] is None else np.delete(args[0].shape, dims[0]))[0]  # q's batch
+
+  def fold_dense(x, d):
+    """A bias, mask or bias tangent [Bb, ...]: a batch of one stays one unless the
+    vmapped axis varies it (then it is broadcast to B, like the folded q)."""
+    if x.size == 0 or d is None and x.shape[0] == 1:
+      return x
+    if d is None:
+      x = jnp.broadcast_to(x, (size,) + x.shape)
+    else:
+      x = jnp.moveaxis(x, d, 0)
+    x = jnp.broadcast_to(x, (size, B) + x.shape[2:])
+    return x.reshape((size * B,) + x.shape[2:])
+
+  folded = [fold_dense(x, d) if i in (10, 11, 15) else fold(x, d)
+            for i, (x, d) in enumerate(zip(args, dims))]
+  extras = _extras(*folded[_EXTRAS])
+  t_bias = folded[15]
+  t_o, t_lse = output_tangents(*folded[:7], *folded[12:15], kernels=kernels, spec=spec,
+                               t_bias=None if t_bias.size == 0 else t_bias, **extras)
   unfold = lambda x: x.reshape((size, x.shape[0] // size) + x.shape[1:])
   return (unfold(t_o), unfold(t_lse)), (0, 0)
 
@@ -297,12 +402,18 @@ def _tangent_jvp(primals, tangents, *, kernels, spec):
   """Forward over forward: the blockwise tangent differentiated like any jnp."""
   del kernels
   tangents = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
-                   else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
-  primals = list(primals)
-  extras = _extras(*primals[_EXTRAS])
-  del primals[_EXTRAS], tangents[_EXTRAS]
-  out, t_out = jax.jvp(functools.partial(tangent, spec=spec, **extras), tuple(primals),
-                       tuple(tangents))
+              else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
+  q_table, kv_table, slopes, _, mask = primals[_EXTRAS]
+  extras = _extras(q_table, kv_table, slopes, _dense.operands(None)[0], mask)
+  del extras["dense"]
+
+  def fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, bias, t_bias):
+    dense = _dense.from_operands(bias, mask)
+    return tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec, dense=dense,
+                   t_bias=None if t_bias.size == 0 else t_bias, **extras)
+
+  order = (0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 10, 15)  # fn's arguments among the operands
+  out, t_out = jax.jvp(fn, tuple(primals[i] for i in order), tuple(tangents[i] for i in order))
   return list(out), list(t_out)
 
 

@@ -19,12 +19,15 @@ runs the same kernels on the local block:
   rule marks it need-replication).
 * segment tables ([B, T, 8], [B, S, 8]) shard with their rows and keys; under
   sequence sharding the ring reads their ids and builds each block's own.
-  ALiBi slopes ([B, N]) shard with the batch and the query heads.
+  ALiBi slopes ([B, N]) shard with the batch and the query heads; a dense
+  bias or mask ([Bb, Nb, Tb, Sb], dense.py) with the batch and the query heads
+  where it has them (a broadcast axis of size 1 is replicated).
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
   mirror layout (`ring.to_mirror`: half of each shard swapped on the way in
   and back on the way out) so every device does the same work at every step.
+  Calls with a dense bias or mask gather the sequences instead.
 
 Everything that is not named above is replicated, which is always correct.
 A wrapper with `custom_vmap` folds vmapped axes into the batch, as the FFI
@@ -43,7 +46,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflash import derivatives, reference, ring as ring_lib, segments as _segments
+from jaxflash import dense as _dense, derivatives, reference, ring as ring_lib, segments as _segments
 
 
 # ------------------------------------------------------------------ the plan
@@ -110,13 +113,18 @@ class _Plan:
   def slopes(self):     # [B, N] ALiBi slopes
     return self._named(self.batch, self.heads)
 
+  def dense(self, shape):  # a dense bias or mask [Bb, Nb, Tb, Sb]: size-1 axes replicated
+    return self._named(self.batch if shape[0] > 1 else (), self.heads if shape[1] > 1 else ())
+
   @property
   def sliced_kv_heads(self) -> bool:
     return bool(self.heads) and not self.kv_heads
 
 
-def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
-  """The partition this rule runs for operands sharded like q and k."""
+def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding, dense: bool = False) -> _Plan:
+  """The partition this rule runs for operands sharded like q and k (`dense`: the call
+  has a dense bias or mask, whose sequence axes are never split: no ring, no
+  query-sequence shards)."""
   if mesh is None or getattr(mesh, "empty", True):
     return _Plan(mesh)
   B, T, N, _ = q_shape
@@ -133,6 +141,8 @@ def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding) -> _Plan:
     if (N // K) % (N // size(heads)):
       heads = ()
   used = set(batch) | set(heads)
+  if dense:
+    return _Plan(mesh, batch, heads, kv_heads)
   kv_seq = kd[1] if not set(kd[1]) & used else ()
   q_seq = kv_seq or (qd[1] if not set(qd[1]) & used else ())
   if T % size(q_seq) or S % size(kv_seq):
@@ -159,10 +169,36 @@ def _kv_head_slice(plan: _Plan, N: int, K: int):
   return lax.axis_index(_axis(plan.heads)) * local // (N // K)
 
 
-def _extras(extras, segments: bool):
-  """(segment tables or None, slopes or None) from a call's extra operands."""
-  ids = tuple(extras[:2]) if segments else None
-  return ids, (extras[-1] if len(extras) > (2 if segments else 0) else None)
+@dataclasses.dataclass(frozen=True)
+class _Extras:
+  """Which extra operands a call passes after its arrays, in this order: the two
+  segment tables, the ALiBi slopes, the dense bias, the dense mask."""
+  segments: bool = False
+  alibi: bool = False
+  bias: bool = False
+  mask: bool = False
+
+  @classmethod
+  def of(cls, segments, alibi, dense) -> "_Extras":
+    return cls(segments is not None, alibi is not None, dense is not None and dense.bias is not None,
+               dense is not None and dense.mask is not None)
+
+  @staticmethod
+  def operands(segments, alibi, dense) -> tuple:
+    return (*(segments or ()), *(() if alibi is None else (alibi,)),
+            *(() if dense is None else tuple(x for x in (dense.bias, dense.mask) if x is not None)))
+
+  def split(self, extras):
+    """(segment tables or None, slopes or None, Dense or None) from the operands."""
+    extras = list(extras)
+    take = lambda flag, n=1: [extras.pop(0) for _ in range(n)] if flag else [None]  # noqa: E731
+    ids = tuple(take(self.segments, 2)) if self.segments else None
+    (slopes,), (bias,), (mask,) = take(self.alibi), take(self.bias), take(self.mask)
+    return ids, slopes, _dense.make(bias, mask)
+
+  @property
+  def dense(self) -> bool:
+    return self.bias or self.mask
 
 
 def _to_mirror(seq, read, travel, ids):
@@ -179,14 +215,15 @@ def _to_mirror(seq, read, travel, ids):
 
 
 def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
-                   segments: bool):
+                   extra: _Extras):
   def run(q, k, v, q_lengths, kv_lengths, *extras):
-    ids, alibi = _extras(extras, segments)
+    ids, alibi, dense = extra.split(extras)
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
-      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
+      return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi,
+                             dense=dense)
     ring = _ring(plan, kernels, q_len, kv_len)
     if plan.mirror:
       q, k, v, ids = _to_mirror(ring.q_seq, [(q, 1)], (k, v), ids)
@@ -198,16 +235,16 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
 
 
 def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, K: int,
-                    segments: bool):
+                    extra: _Extras):
   def run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *extras):
-    ids, alibi = _extras(extras, segments)
+    ids, alibi, dense = extra.split(extras)
     full_k, full_v = k, v
     if plan.sliced_kv_heads:
       start = _kv_head_slice(plan, N, K)
       k, v = (lax.dynamic_slice_in_dim(x, start, 1, axis=2) for x in (k, v))
     if not plan.q_seq:
       dq, dk, dv = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                    segments=ids, alibi=alibi)
+                                    segments=ids, alibi=alibi, dense=dense)
     else:
       ring = _ring(plan, kernels, q_len, kv_len)
       # Nothing of the backward's ring starts before the forward's results exist: a
@@ -234,7 +271,7 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
 
 # ------------------------------------------------------------------ partition callbacks
 
-def _shardy_rule(backward: bool, segments: bool, alibi: bool):
+def _shardy_rule(backward: bool, extra: _Extras):
   """The einsum-like Shardy rule of the forward or backward call.
 
   Every dimension gets its own factor, query and key/value heads and the two
@@ -253,72 +290,76 @@ def _shardy_rule(backward: bool, segments: bool, alibi: bool):
       results = [rows, keys, keys]
     else:
       operands, results = [rows, keys, keys, "b", "b"], [rows, stats]
-    if segments:
+    if extra.segments:
       operands += ["b t f", "b s f"]
-    if alibi:
+    if extra.alibi:
       operands += ["b n"]
+    # A dense term's axes are the call's or broadcast ones of size 1: factors of their
+    # own (the partition callback shards them with the batch and heads it has).
+    operands += [f"{x}b {x}n {x}t {x}s" for x, on in (("bias", extra.bias), ("mask", extra.mask)) if on]
     return (", ".join(operands) + " -> " + ", ".join(results),
             dict(need_replication_factors=("d",)))
   return rule
 
 
-def _extra_shardings(plan: _Plan, segments: bool, alibi: bool):
-  tables = (plan.q_table(), plan.kv_table()) if segments else ()
-  return tables + ((plan.slopes(),) if alibi else ())
+def _extra_shardings(plan: _Plan, extra: _Extras, arg_shapes):
+  tables = (plan.q_table(), plan.kv_table()) if extra.segments else ()
+  dense = tuple(plan.dense(x.shape) for x in arg_shapes[len(arg_shapes) - extra.bias - extra.mask:])
+  return tables + ((plan.slopes(),) if extra.alibi else ()) + dense
 
 
-def _forward_shardings(plan: _Plan, segments: bool, alibi: bool):
+def _forward_shardings(plan: _Plan, extra: _Extras, arg_shapes):
   return (plan.rows(), plan.keys(), plan.keys(), plan.lengths(), plan.lengths(),
-          *_extra_shardings(plan, segments, alibi)), (plan.rows(), plan.stats())
+          *_extra_shardings(plan, extra, arg_shapes)), (plan.rows(), plan.stats())
 
 
-def _backward_shardings(plan: _Plan, segments: bool, alibi: bool):
+def _backward_shardings(plan: _Plan, extra: _Extras, arg_shapes):
   rows, keys, stats, lengths = plan.rows(), plan.keys(), plan.stats(), plan.lengths()
   return ((rows, keys, keys, rows, stats, rows, stats, lengths, lengths,
-           *_extra_shardings(plan, segments, alibi)), (rows, keys, keys))
+           *_extra_shardings(plan, extra, arg_shapes)), (rows, keys, keys))
 
 
-def _plan_of(spec, mesh, arg_shapes) -> _Plan:
+def _plan_of(spec, mesh, arg_shapes, dense: bool) -> _Plan:
   q, k = arg_shapes[0], arg_shapes[1]
-  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding)
+  return _plan(mesh, spec, q.shape, k.shape, q.sharding, k.sharding, dense)
 
 
-def _partition(backward: bool, segments: bool, alibi: bool):
+def _partition(backward: bool, extra: _Extras):
   shardings = _backward_shardings if backward else _forward_shardings
 
   def partition(kernels, spec, mesh, arg_shapes, result_shape):
     del result_shape
-    plan = _plan_of(spec, mesh, arg_shapes)
+    plan = _plan_of(spec, mesh, arg_shapes, extra.dense)
     q, k = arg_shapes[0].shape, arg_shapes[1].shape
     local = _local_backward if backward else _local_forward
-    fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2], segments)
-    args, results = shardings(plan, segments, alibi)
+    fn = local(plan, kernels, spec, q[1], k[1], q[2], k[2], extra)
+    args, results = shardings(plan, extra, arg_shapes)
     return plan.mesh, fn, results, args
 
   def infer(kernels, spec, mesh, arg_shapes, result_shape):
     del kernels, result_shape
-    return shardings(_plan_of(spec, mesh, arg_shapes), segments, alibi)[1]
+    return shardings(_plan_of(spec, mesh, arg_shapes, extra.dense), extra, arg_shapes)[1]
   return partition, infer
 
 
 @functools.cache
-def _op(backward: bool, segments: bool, alibi: bool):
-  """The partitioned forward or backward call for calls with or without segment tables
-  (two more operands) and ALiBi slopes (one more): one op per operand list."""
+def _op(backward: bool, extra: _Extras):
+  """The partitioned forward or backward call for one list of extra operands (segment
+  tables, ALiBi slopes, dense bias and mask; `_Extras`): one op per operand list."""
   arrays = 9 if backward else 5
-  extras = 2 * segments + alibi
+  count = 2 * extra.segments + extra.alibi + extra.bias + extra.mask
 
   def fn(*args):
     *operands, kernels, spec = args
-    ids, slopes = _extras(operands[arrays:], segments)
+    ids, slopes, dense = extra.split(operands[arrays:])
     call = kernels.backward if backward else kernels.forward
-    return call(*operands[:arrays], spec, segments=ids, alibi=slopes)
+    return call(*operands[:arrays], spec, segments=ids, alibi=slopes, dense=dense)
 
-  n = arrays + extras
+  n = arrays + count
   op = custom_partitioning(fn, static_argnums=(n, n + 1))
-  partition, infer = _partition(backward, segments, alibi)
+  partition, infer = _partition(backward, extra)
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
-                   sharding_rule=_shardy_rule(backward, segments, alibi))
+                   sharding_rule=_shardy_rule(backward, extra))
   return op
 
 
@@ -328,6 +369,10 @@ def _fold_vmap(fn, axis_size: int, in_batched, args):
   """Runs fn on args whose (leading) vmapped axis is folded into the batch."""
   args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
           for a, b in zip(args, in_batched)]
+  # A dense bias or mask may have a batch of one (broadcast); folded, it must match q's.
+  batch = args[0].shape[1]
+  args = [jnp.broadcast_to(a, a.shape[:1] + (batch,) + a.shape[2:])
+          if a.ndim > 1 and a.shape[1] == 1 else a for a in args]
   outs = fn(*(a.reshape((-1,) + a.shape[2:]) for a in args))
   outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs)
   return outs, (True,) * len(outs)
@@ -399,29 +444,28 @@ def partitioned(kernels):
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).
     @staticmethod
-    def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None):
+    def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None, dense=None):
       if jax.device_count() == 1:
         o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments,
-                                 alibi=alibi)
+                                 alibi=alibi, dense=dense)
       else:
-        op = _op(False, segments is not None, alibi is not None)
+        op = _op(False, _Extras.of(segments, alibi, dense))
         run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k, ("rows", "stats"))
-        o, lse = run(q, k, v, q_lengths, kv_lengths, *(segments or ()),
-                     *(() if alibi is None else (alibi,)))
+        o, lse = run(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
       return reference.varying_like(o, q), reference.varying_like(lse, q)
 
     @staticmethod
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
-                 alibi=None):
+                 alibi=None, dense=None):
       if jax.device_count() == 1:
         grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                 segments=segments, alibi=alibi)
+                                 segments=segments, alibi=alibi, dense=dense)
       else:
-        op = _op(True, segments is not None, alibi is not None)
+        op = _op(True, _Extras.of(segments, alibi, dense))
         run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k,
                                      ("rows", "keys", "keys"))
-        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *(segments or ()),
-                    *(() if alibi is None else (alibi,)))
+        grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                    *_Extras.operands(segments, alibi, dense))
       return tuple(reference.varying_like(g, x) for g, x in zip(grads, (q, k, v)))
 
     if hasattr(kernels, "tangent"):

@@ -6,7 +6,7 @@ Bad inputs tested (each must raise at trace time, naming the argument):
   dtypes; lengths of the wrong shape; non-integer lengths; negative window;
   malformed window; non-bool is_causal; unknown causal_alignment; non-finite
   scale; traced scale; bias that does not broadcast; non-boolean mask; unknown
-  implementation; native with bias; native with float64; native head_dim > 512;
+  implementation; native with float64; native head_dim > 512;
   cudnn with jaxflash-only keywords.
 The FFI handlers re-validate: a malformed direct ffi_call returns an error.
 """
@@ -136,13 +136,22 @@ def test_native_is_the_default_and_really_runs():
 
 
 def test_unsupported_calls_fall_back_only_when_not_named(rng):
-  q, k, v = _inputs(rng)
-  bias = jnp.zeros((1, 1, 33, 29))
-  hlo = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v, bias)).lower(
-      q, k, v).as_text()
+  q, k, v = (jnp.zeros((1, 8, 2, 520), jnp.float32) for _ in range(3))  # past every kernel
+  hlo = jax.jit(lambda q, k, v: jaxflash.dot_product_attention(q, k, v)).lower(q, k, v).as_text()
   assert "jaxflash_fwd" not in hlo
-  with pytest.raises(ValueError, match="bias"):
-    jaxflash.dot_product_attention(q, k, v, bias, implementation="native")
+  with pytest.raises(ValueError, match="head_dim"):
+    jaxflash.dot_product_attention(q, k, v, implementation="native")
+
+
+def test_a_dense_bias_or_mask_runs_fused_on_the_cpu(rng):
+  """The CPU kernels take them (the v5 targets); on a GPU native refuses them for now."""
+  q, k, v = _inputs(rng)
+  bias, mask = jnp.zeros((1, 1, 33, 29)), jnp.ones((33, 29), bool)
+  f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, bias, mask)
+  assert "jaxflash_fwd_v5" in jax.jit(f).lower(q, k, v).as_text()
+  grad = jax.grad(lambda q, b: f(q, k, v).sum() + jaxflash.dot_product_attention(
+      q, k, v, b).sum(), argnums=(0, 1))
+  assert "jaxflash_bwd_v5" in jax.jit(grad).lower(q, bias).as_text()
 
 
 def test_float64_uses_xla_and_native_refuses(rng):
@@ -406,7 +415,7 @@ def test_leading_batch_axes_are_flattened_and_restored(rng, impl):
   k, v = (jnp.asarray(rng.standard_normal((2, 3, 24, 2, 16)), jnp.float32) for _ in range(2))
   ql = jnp.array([[20, 5, 0], [1, 2, 20]], jnp.int32)
   kl = jnp.array([[24, 3, 10], [24, 24, 1]], jnp.int32)
-  bias = jnp.asarray(rng.standard_normal((3, 1, 20, 24)), jnp.float32) if impl == "xla" else None
+  bias = jnp.asarray(rng.standard_normal((3, 1, 20, 24)), jnp.float32)
   out, lse = jaxflash.dot_product_attention(
       q, k, v, bias, is_causal=True, query_seq_lengths=ql, key_value_seq_lengths=kl,
       implementation=impl, return_residual=True, residual_dtype=jnp.float32)
@@ -480,12 +489,12 @@ def test_an_implementation_sequence_takes_the_first_that_serves(rng):
       q, k, v, causal_alignment="bottom_right", implementation=("cudnn", "native", "xla"))
                 ).lower(q).as_text()
   assert "jaxflash_fwd" in hlo                      # cudnn takes no alignment: native did
-  mask = jnp.ones((8, 8), bool)
+  wide = jnp.zeros((1, 8, 2, 520), jnp.float32)
   hlo = jax.jit(lambda q: jaxflash.dot_product_attention(
-      q, k, v, mask=mask, implementation=["native", "xla"])).lower(q).as_text()
-  assert "jaxflash_fwd" not in hlo                  # native takes no dense mask: xla did
-  with pytest.raises(ValueError, match="'native': .*dense bias or mask.*'pallas': "):
-    jaxflash.dot_product_attention(q, k, v, mask=mask, implementation=("native", "pallas"))
+      q, q, q, implementation=["pallas", "xla"])).lower(wide).as_text()
+  assert "jaxflash_fwd" not in hlo and "pallas" not in hlo   # head dim 520: xla did
+  with pytest.raises(ValueError, match="'native': .*head_dim.*'pallas': "):
+    jaxflash.dot_product_attention(wide, wide, wide, implementation=("native", "pallas"))
   for bad in ((), ("native", "fast"), [None, 3]):
     with pytest.raises(ValueError, match="non-empty sequence"):
       jaxflash.dot_product_attention(q, k, v, implementation=bad)

@@ -105,9 +105,20 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 
-// The target versions (decode.h): v4 passes the segment tables and the ALiBi
-// slopes, v3 the tables only, v2 neither, v1 not the soft-cap attribute either.
+// The target versions (decode.h): v5 passes the segment tables, the ALiBi
+// slopes and the dense bias and mask, v4 the tables and the slopes, v3 the
+// tables only, v2 neither, v1 not the soft-cap attribute either.
 using Buf = ffi::AnyBuffer;
+constexpr auto CpuForwardV5 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
+                                 Buf kv_seg, Buf alibi, Buf bias, Buf mask, auto... rest) {
+  return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
+};
+constexpr auto CpuBackwardV5 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
+                                  auto... rest) {
+  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
+                     ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
+};
 constexpr auto CpuForwardV4 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
   return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
@@ -151,6 +162,10 @@ constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackwardV2(args..., 
 
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV5, CpuForwardV5,
+                              BindForward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV5, CpuBackwardV5,
+                              BindBackward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForwardV4,
                               BindForward<4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV3, CpuForwardV3,

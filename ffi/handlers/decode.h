@@ -163,13 +163,52 @@ inline const int32_t* PerBatch(ffi::AnyBuffer buf) {
 // The operands newer target versions add: the segment tables of v3
 // (params.h, SegmentField: int32 [batch, q_len, kSegmentFields] and [batch,
 // kv_len, kSegmentFields], both or neither; empty arrays: no segment ids) and
-// the ALiBi slopes of v4 (float32 [batch, q_heads]; empty: none). Null: a
-// target version without them.
+// the ALiBi slopes of v4 (float32 [batch, q_heads]; empty: none), the dense
+// bias and mask of v5 (params.h, DenseTerm; empty: none). Null: a target
+// version without them.
 struct ExtraOperands {
   const ffi::AnyBuffer* q = nullptr;
   const ffi::AnyBuffer* kv = nullptr;
   const ffi::AnyBuffer* alibi = nullptr;
+  const ffi::AnyBuffer* bias = nullptr;
+  const ffi::AnyBuffer* mask = nullptr;
 };
+// One dense term: rank 4, each axis the call's size or 1, row-major strides (0 on
+// a broadcast axis).
+inline ffi::Error DecodeDenseTerm(const char* name, const ffi::AnyBuffer* buf, const AttentionShape& s,
+                                  bool is_mask, DenseTerm* out) {
+  if (buf == nullptr || buf->element_count() == 0) return ffi::Error::Success();
+  const ffi::DataType t = buf->element_type();
+  if (is_mask) {
+    if (t != ffi::DataType::PRED) return Invalid("the dense mask must be boolean");
+  } else if (t == ffi::DataType::F32 || t == ffi::DataType::F16 || t == ffi::DataType::BF16) {
+    out->dtype = t == ffi::DataType::F32 ? DType::kFloat32 : t == ffi::DataType::F16 ? DType::kFloat16
+                                                                                      : DType::kBFloat16;
+  } else {
+    return Invalid("the dense bias must be float32, float16 or bfloat16");
+  }
+  const auto dims = buf->dimensions();
+  const int64_t full[4] = {s.batch, s.q_heads, s.q_len, s.kv_len};
+  bool ok = dims.size() == 4;
+  for (size_t i = 0; ok && i < 4; ++i) ok = dims[i] == 1 || dims[i] == full[i];
+  if (!ok) {
+    return Invalid(std::string(name) + " has shape " + ShapeString(dims) + "; expected each axis of [" +
+                   std::to_string(s.batch) + ", " + std::to_string(s.q_heads) + ", " + std::to_string(s.q_len) +
+                   ", " + std::to_string(s.kv_len) + "] or 1");
+  }
+  out->key_stride = dims[3] == 1 ? 0 : 1;
+  out->row_stride = dims[2] == 1 ? 0 : dims[3];
+  out->head_stride = dims[1] == 1 ? 0 : dims[2] * dims[3];
+  out->batch_stride = dims[0] == 1 ? 0 : dims[1] * dims[2] * dims[3];
+  out->data = buf->untyped_data();
+  return ffi::Error::Success();
+}
+inline ffi::Error DecodeDense(ExtraOperands t, const AttentionShape& s, int num_splits, DenseParams* out) {
+  JAXFLASH_RETURN_IF_ERROR(DecodeDenseTerm("the dense bias", t.bias, s, false, &out->bias));
+  JAXFLASH_RETURN_IF_ERROR(DecodeDenseTerm("the dense mask", t.mask, s, true, &out->mask));
+  if (out->On() && num_splits > 1) return Invalid("split-KV (num_splits > 1) does not take a dense bias or mask");
+  return ffi::Error::Success();
+}
 inline ffi::Error DecodeAlibi(ExtraOperands t, const AttentionShape& s, const float** out) {
   if (t.alibi == nullptr || t.alibi->element_count() == 0) return ffi::Error::Success();
   if (t.alibi->element_type() != ffi::DataType::F32) return Invalid("alibi slopes must be float32");
@@ -283,6 +322,7 @@ inline ffi::Error DecodeForward(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
   JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(extras, p->shape, p->num_splits, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(extras, p->shape, &p->alibi));
+  JAXFLASH_RETURN_IF_ERROR(DecodeDense(extras, p->shape, p->num_splits, &p->dense));
   p->mask.diag_offsets = PerBatch(diag_offsets);
   p->scale = scale;
   p->q = q.untyped_data();
@@ -384,6 +424,7 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.extras, p->shape, 1, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(in.extras, p->shape, &p->alibi));
+  JAXFLASH_RETURN_IF_ERROR(DecodeDense(in.extras, p->shape, 1, &p->dense));
   p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
   p->deterministic = deterministic;
@@ -475,7 +516,8 @@ auto WithForwardResults(Binding binding) {
 // The target versions (module.cc): v1; v2 = v1 + the `softcap` attribute;
 // v3 = v2 + the two segment-table operands after diagonal_offsets; v4 = v3 +
 // the ALiBi slopes operand after them (forward and backward; the paged forward
-// has them after kv_lengths). A binding cannot be moved,
+// has them after kv_lengths); v5 = v4 + the dense bias and mask operands after
+// the slopes (forward and backward; CPU only). A binding cannot be moved,
 // only built, so each step takes a function `make` that builds the one before.
 template <int kVersion, typename Make>
 auto WithSoftcap(Make make) {
@@ -487,7 +529,13 @@ auto WithSoftcap(Make make) {
 }
 template <int kVersion, typename Make>
 auto WithSegments(Make make) {
-  if constexpr (kVersion >= 4) {
+  if constexpr (kVersion >= 5) {
+    return make().template Arg<ffi::AnyBuffer>()  // query segment table
+        .template Arg<ffi::AnyBuffer>()           // key segment table
+        .template Arg<ffi::AnyBuffer>()           // ALiBi slopes
+        .template Arg<ffi::AnyBuffer>()           // dense bias
+        .template Arg<ffi::AnyBuffer>();          // dense mask
+  } else if constexpr (kVersion >= 4) {
     return make().template Arg<ffi::AnyBuffer>()  // query segment table
         .template Arg<ffi::AnyBuffer>()           // key segment table
         .template Arg<ffi::AnyBuffer>();          // ALiBi slopes

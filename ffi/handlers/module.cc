@@ -50,9 +50,14 @@ nb::dict Targets(const PlatformTargets& t) {
 NB_MODULE(_jaxflash, m) {
   m.doc() = "jaxflash FFI handlers";
   m.def("cpu_targets", [] {
-    return Targets({JaxflashCpuForward, JaxflashCpuBackward, JaxflashCpuForwardV3, JaxflashCpuBackwardV3,
+    nb::dict d = Targets({JaxflashCpuForward, JaxflashCpuBackward, JaxflashCpuForwardV3, JaxflashCpuBackwardV3,
                     JaxflashCpuForwardV2, JaxflashCpuPagedForward, JaxflashCpuPagedForwardV3, JaxflashCpuPagedForwardV2,
                     JaxflashCpuBackwardV2, JaxflashCpuForwardV1, JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1});
+    // v5 (v4 + the dense bias and mask) has CPU kernels only so far; calls
+    // without a dense term keep using v4 on both platforms.
+    d["jaxflash_fwd_v5"] = Capsule(JaxflashCpuForwardV5);
+    d["jaxflash_bwd_v5"] = Capsule(JaxflashCpuBackwardV5);
+    return d;
   });
   m.def("cuda_targets", [] {
 #ifdef JAXFLASH_WITH_CUDA

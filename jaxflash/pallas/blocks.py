@@ -277,6 +277,69 @@ class Alibi:
     return s + self.neg_slope2 * jnp.abs(q + self.offset - k).astype(jnp.float32)
 
 
+@dataclasses.dataclass(frozen=True)
+class DenseTile:
+  """A program's dense bias and mask (jaxflash/dense.py; host.dense_operands lays them
+  out): refs over the program's rows and keys, a broadcast axis of size 1. Query-major
+  programs (forward, dQ) hold [rows, keys] refs and read a block of keys; key-major
+  ones (dK/dV) hold [heads, rows, keys] refs and read a block of rows of head g,
+  returned transposed ([keys, rows], like their tiles). The mask is int8 with a
+  summary per tile (0: all hidden; `skip`). Without them every method is a no-op."""
+
+  bias: object = None
+  mask: object = None
+  summary: object = None
+  key_major: bool = False
+
+  @classmethod
+  def take(cls, refs, bias: bool, mask: bool, key_major: bool):
+    """(DenseTile, the other refs): the dense refs come first when the call has them."""
+    n = int(bias) + 2 * int(mask)
+    got = list(refs[:n])
+    tile = cls(got.pop(0) if bias else None, *(got if mask else (None, None)),
+               key_major=key_major)
+    return tile, refs[n:]
+
+  def _read(self, ref, at, n: int, g=0):
+    """A block of `n` keys from `at` (query-major) or of `n` rows of head g (key-major)."""
+    if not self.key_major:
+      return ref[:, pl.ds(at, n)] if ref.shape[-1] > 1 else ref[...]
+    head = g if ref.shape[0] > 1 else 0
+    rows = pl.ds(at, n) if ref.shape[1] > 1 else pl.ds(0, 1)
+    return ref[head, rows, :].T
+
+  def add(self, s, at, n: int, g=0):
+    """s (log2 units) plus the bias of the block at `at` (see `_read`)."""
+    if self.bias is None:
+      return s
+    return s + self._read(self.bias, at, n, g).astype(jnp.float32) * LOG2E
+
+  def shows(self, at, n: int, g=0):
+    """Boolean: the pairs of the block the mask shows, broadcastable to the tile; None
+    without a mask."""
+    return None if self.mask is None else self._read(self.mask, at, n, g) != 0
+
+  def hidden(self, index, g=0):
+    """Whether the mask hides the whole tile `index` (a key block of a query-major
+    program, a query block of a key-major one): such tiles are skipped."""
+    ref = self.summary
+    if self.key_major:
+      return ref[g if ref.shape[0] > 1 else 0, index if ref.shape[1] > 1 else 0, 0] == 0
+    return ref[0, index if ref.shape[-1] > 1 else 0] == 0
+
+  def walk(self, body, g=0):
+    """`body(index, carry)` of a block loop, skipping the tiles the mask hides."""
+    if self.summary is None:
+      return body
+    return lambda index, carry: lax.cond(self.hidden(index, g), lambda c: c,
+                                         functools.partial(body, index), carry)
+
+
+def both(a, b):
+  """a & b where either may be None (no condition)."""
+  return b if a is None else a if b is None else a & b
+
+
 def take_extras(refs, alibi: bool, segments: bool):
   """(slope_ref or None, (q table ref, kv table ref) or (None, None), the other refs):
   a kernel's refs after its lengths and offsets begin with the slopes when the call

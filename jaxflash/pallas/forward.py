@@ -18,14 +18,15 @@ from jax.experimental import pallas as pl
 
 from jaxflash import _splits
 from jaxflash.pallas.blocks import (
-    Alibi, Mask, Scores, dot, exact_where_nan, key_blocks, query_block, take_extras, zero_padding)
+    Alibi, DenseTile, Mask, Scores, both, dot, exact_where_nan, key_blocks, query_block,
+    take_extras, zero_padding)
 from jaxflash.pallas.config import (
     EMPTY_LSE, LN2, LOG2E, MIN_BLOCK, PallasConfig, compiler_params, next_pow2,
     padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     output, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
-    round_up, extra_operands)
+    round_up, extra_operands, dense_operands)
 
 __all__ = ["pallas_forward"]
 
@@ -36,26 +37,34 @@ __all__ = ["pallas_forward"]
 
 
 def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
-            block_k: int, alibi: Alibi = Alibi(), q_ids=None):
+            block_k: int, alibi: Alibi = Alibi(), q_ids=None, dense: DenseTile = DenseTile()):
   """Online softmax of q against the key blocks of ``ranges`` = (lo, a, b, hi):
-  [lo, a) and [b, hi) element-masked, [a, b) entirely visible. ``rows`` [bq, 1]
-  are the query rows the mask knows for q's rows (q's padding rows zeroed),
-  ``q_ids`` their segment ids (`Mask.row_ids`; None without).
-  Returns (acc, m, l): the unnormalised output, the running max (log2 units)
-  and sum per row."""
+  [lo, a) and [b, hi) element-masked, [a, b) entirely visible to the mask rule
+  (a dense mask may still hide pairs there: `dense`, the program's dense bias and
+  mask). ``rows`` [bq, 1] are the query rows the mask knows for q's rows (q's
+  padding rows zeroed), ``q_ids`` their segment ids (`Mask.row_ids`; None without).
+  Returns ((acc, m, l), seen): the unnormalised output, the running max (log2
+  units) and sum per row; with a dense mask `seen` says which rows saw a key it
+  shows (int32 > 0), else None."""
   lo, a, bb, hi = ranges
 
   def step(masked, kb, carry):
-    acc, m, l = carry
+    acc, m, l, *seen = carry
     start = pl.multiple_of(kb * block_k, block_k)
     k = k_ref[pl.ds(start, block_k), :]
     v = v_ref[pl.ds(start, block_k), :]
     cols = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
-    s = alibi.add(scores.log2(dot(q, k, 1, 1)), rows, cols)
+    s = dense.add(alibi.add(scores.log2(dot(q, k, 1, 1)), rows, cols), start, block_k)
+    visible = None
     if masked:
-      ids = mask.with_keys(q_ids, start, block_k)
-      s = jnp.where(mask.visible(rows, cols, ids), s, -jnp.inf)
+      visible = mask.visible(rows, cols, mask.with_keys(q_ids, start, block_k))
       v = zero_padding(v, cols.T, mask.kv_valid)
+    visible = both(visible, dense.shows(start, block_k))
+    if visible is not None:
+      s = jnp.where(visible, s, -jnp.inf)
+    if seen:
+      shown = jnp.broadcast_to(visible, s.shape).astype(jnp.int32)
+      seen = [jnp.maximum(seen[0], jnp.max(shown, axis=1))]
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     # A row may have seen only masked (or -inf) scores so far: shift by 0.
     m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -63,19 +72,22 @@ def _attend(q, k_ref, v_ref, rows, mask, ranges, *, scores: Scores,
     p = jnp.exp2(s - m_ref[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, 1, 0)
-    return acc, m_new, l
+    return (acc, m_new, l, *seen)
 
   block_q, dp = q.shape
   carry = (jnp.zeros((block_q, dp), jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  carry = lax.fori_loop(lo, a, functools.partial(step, True), carry)
-  carry = lax.fori_loop(a, bb, functools.partial(step, False), carry)
-  return lax.fori_loop(bb, hi, functools.partial(step, True), carry)
+  if dense.mask is not None:
+    carry += (jnp.zeros((block_q,), jnp.int32),)
+  carry = lax.fori_loop(lo, a, dense.walk(functools.partial(step, True)), carry)
+  carry = lax.fori_loop(a, bb, dense.walk(functools.partial(step, False)), carry)
+  carry = lax.fori_loop(bb, hi, dense.walk(functools.partial(step, True)), carry)
+  return carry[:3], (carry[3] if len(carry) > 3 else None)
 
 
 def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
-            partial: bool, alibi: Alibi = Alibi(), q_ids=None):
+            partial: bool, alibi: Alibi = Alibi(), q_ids=None, dense: DenseTile = DenseTile()):
   """The rows of an `_attend` pass: (o float32, LSE in natural units).
 
   `seen` [bq] says which rows see a key of the pass's element range `keys` =
@@ -104,10 +116,11 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
     def key(j, acc):
       kj = k_ref[pl.ds(j, 1), :].astype(jnp.float32)
       vj = v_ref[pl.ds(j, 1), :].astype(jnp.float32)
-      p = jnp.exp2(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1))[:, None], rows, j)[:, 0] - lse2)
+      s = dense.add(alibi.add(scores.log2(jnp.sum(qf * kj, axis=1))[:, None], rows, j), j, 1)
+      p = jnp.exp2(s[:, 0] - lse2)
       p = jnp.where(lse == -jnp.inf, 0.0, p)
-      ids = mask.with_keys(q_ids, j, 1)
-      return acc + jnp.where(mask.visible(rows, j, ids), p[:, None] * vj, 0.0)
+      visible = both(mask.visible(rows, j, mask.with_keys(q_ids, j, 1)), dense.shows(j, 1))
+      return acc + jnp.where(visible, p[:, None] * vj, 0.0)
 
     acc = lax.fori_loop(keys[0], keys[1], key, jnp.zeros_like(o))
     return (jnp.where(rows_ok[:, None], acc, o),)
@@ -117,20 +130,24 @@ def _finish(q, k_ref, v_ref, rows, mask, seen, keys, carry, *, scores: Scores,
 
 
 def _fwd_kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
-                segments: bool, heads: int, left: int, right: int, bottom_right: bool,
-                block_q: int, block_k: int, num_q_blocks: int):
-  slope_ref, tables, (q_ref, k_ref, v_ref, o_ref, lse_ref) = take_extras(refs, alibi, segments)
+                segments: bool, bias: bool, dense_mask: bool, heads: int, left: int, right: int,
+                bottom_right: bool, block_q: int, block_k: int, num_q_blocks: int):
+  slope_ref, tables, refs = take_extras(refs, alibi, segments)
+  dense, (q_ref, k_ref, v_ref, o_ref, lse_ref) = DenseTile.take(refs, bias, dense_mask, False)
   mask, r0, rows, ranges = query_block(q_len_ref, kv_len_ref, off_ref, left=left, right=right,
                                        bottom_right=bottom_right, block_q=block_q,
                                        block_k=block_k, num_q_blocks=num_q_blocks, tables=tables)
-  bias = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
+  slopes = Alibi.of(slope_ref, pl.program_id(1) * heads + pl.program_id(2), mask)
   q_ids = mask.row_ids(r0, block_q)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
-  carry = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores, block_k=block_k,
-                  alibi=bias, q_ids=q_ids)
-  o, lse = _finish(q, k_ref, v_ref, rows, mask, mask.has_keys(rows[:, 0], r0),
+  carry, dense_seen = _attend(q, k_ref, v_ref, rows, mask, ranges, scores=scores,
+                              block_k=block_k, alibi=slopes, q_ids=q_ids, dense=dense)
+  seen = mask.has_keys(rows[:, 0], r0)
+  if dense_seen is not None:   # rows the dense mask leaves without a key are empty
+    seen &= dense_seen > 0
+  o, lse = _finish(q, k_ref, v_ref, rows, mask, seen,
                    (ranges[0] * block_k, ranges[3] * block_k), carry,
-                   scores=scores, partial=False, alibi=bias, q_ids=q_ids)
+                   scores=scores, partial=False, alibi=slopes, q_ids=q_ids, dense=dense)
   o_ref[...] = o.astype(o_ref.dtype)
   lse_ref[...] = lse
 
@@ -166,8 +183,8 @@ def _decode_kernel(q_len_ref, kv_len_ref, *refs, scores: Scores, alibi: bool, le
   cut = lambda x: jnp.clip(x, s_lo, s_hi)
   q = zero_padding(q_ref[...], rows, mask.q_valid)
   bias = Alibi() if slope_ref is None else Alibi(slope_ref[...][:, None] * -LOG2E, mask.offset)
-  carry = _attend(q, k_ref, v_ref, rows, mask, (cut(lo), cut(a), cut(bb), cut(hi)),
-                  scores=scores, block_k=block_k, alibi=bias)
+  carry, _ = _attend(q, k_ref, v_ref, rows, mask, (cut(lo), cut(a), cut(bb), cut(hi)),
+                     scores=scores, block_k=block_k, alibi=bias)
   k0, k1 = s_lo * block_k, s_hi * block_k
   r = rows[:, 0]
   seen = ((r < mask.q_valid) &
@@ -269,7 +286,8 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
 def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                    window_left: int, window_right: int, bottom_right: bool,
                    config: PallasConfig | None = None, num_splits: int | None = None,
-                   diagonal_offsets=None, softcap: float = 0.0, alibi=None, segments=None):
+                   diagonal_offsets=None, softcap: float = 0.0, alibi=None, segments=None,
+                   dense=None):
   """Attention forward with the Pallas kernel.
 
   Args:
@@ -296,6 +314,8 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
       such calls run the unsplit kernel too (a decode block mixes heads).
     segments: optional segment tables (`jaxflash.segments.tables`, computed for the same
       lengths, mask and offsets); such calls run the unsplit kernel too.
+    dense: optional `jaxflash.dense.Dense` (a dense bias and/or boolean mask, each
+      [Bb, Hq or 1, T or 1, S or 1]); such calls run the unsplit kernel too.
 
   Returns:
     ``(o, lse)``: ``o`` ``[B, T, Hq, D]`` in the input dtype, ``lse`` float32
@@ -316,7 +336,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
   splits = _splits.pallas(_splits.validate(num_splits), q.shape, k.shape,
                           "cpu" if cfg.interpret else "gpu")
   scores = Scores(float(scale), float(softcap))
-  if (diagonal_offsets is None and segments is None and
+  if (diagonal_offsets is None and segments is None and dense is None and
       (splits > 1 or t * group <= _splits.DECODE_MAX_ROWS)):
     return _decode_forward(q, k, v, q_len, kv_len, cfg, splits=splits, scores=scores,
                            window_left=window_left, window_right=window_right,
@@ -329,10 +349,14 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
 
   kernel = functools.partial(
       _fwd_kernel, scores=scores, alibi=alibi is not None, segments=segments is not None,
-      heads=hq, left=int(window_left),
+      bias=dense is not None and dense.bias is not None,
+      dense_mask=dense is not None and dense.mask is not None, heads=hq, left=int(window_left),
       right=int(window_right), bottom_right=bool(bottom_right), block_q=bq,
       block_k=bk, num_q_blocks=nq)
   extras, extra_specs = extra_operands(alibi, segments, batch, hq, t_pad, s_pad)
+  dense_ops, dense_specs = dense_operands(dense, key_major=False, group=group, t_pad=t_pad,
+                                          s_pad=s_pad, block_q=bq, block_k=bk)
+  extras, extra_specs = extras + dense_ops, extra_specs + dense_specs
   q_spec = pl.BlockSpec((None, bq, None, dp),
                         lambda i, b, h: (b, nq - 1 - i, h, 0))
   kv_spec = pl.BlockSpec((None, s_pad, None, dp),

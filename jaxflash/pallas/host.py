@@ -112,3 +112,59 @@ def extra_operands(alibi, segments, batch: int, heads: int, t_pad: int, s_pad: i
       operands.append(pad_to(table, {1: n}))
       specs.append(pl.BlockSpec((None, n, table.shape[-1]), lambda *g: (g[1], 0, 0)))
   return operands, specs
+
+
+def dense_operands(dense, *, key_major: bool, group: int, t_pad: int, s_pad: int,
+                   block_q: int, block_k: int):
+  """(operands, specs) of a call's dense bias and mask (jaxflash/dense.py) for one kernel,
+  after its other extras, in the order blocks.DenseTile.take reads them: the bias, the
+  mask (as int8) and the mask's tile summary (`tile_summary`); none without them.
+
+  A query-major kernel (grid: query block, batch, query head) reads its block of rows
+  (or the one broadcast row) over every key; a key-major one (grid: key block, batch,
+  K/V head) every row of its group's heads over its block of keys. Broadcast axes stay 1.
+  """
+  operands, specs = [], []
+  if dense is None:
+    return operands, specs
+  for x in (dense.bias, dense.mask):
+    if x is None:
+      continue
+    Bb, Nb, Tb, Sb = x.shape
+    x = pad_to(x.astype(jnp.int8) if x.dtype == jnp.bool_ else x,
+               {**({2: t_pad} if Tb > 1 else {}), **({3: s_pad} if Sb > 1 else {})})
+    rows, keys = (t_pad if key_major else block_q) if Tb > 1 else 1, (
+        (block_k if key_major else s_pad) if Sb > 1 else 1)
+    operands.append(x)
+    specs.append(_dense_spec(x.shape, key_major, group, rows, keys))
+    if x.dtype == jnp.int8:
+      summary = tile_summary(x, block_q if Tb > 1 else 1, block_k if Sb > 1 else 1)
+      n_rows, n_keys = summary.shape[2:]
+      operands.append(summary)
+      specs.append(_dense_spec(summary.shape, key_major, group, n_rows if key_major else 1,
+                               1 if key_major else n_keys))
+  return operands, specs
+
+
+def _dense_spec(shape, key_major: bool, group: int, rows: int, keys: int):
+  """The BlockSpec of a [Bb, Nb, R, C] dense operand: `rows` x `keys` blocks, batch and
+  head axes followed where not broadcast (size 1)."""
+  Bb, Nb, R, C = shape
+  b_of = (lambda b: b) if Bb > 1 else (lambda b: 0)
+  if key_major:   # grid (key block j, batch b, K/V head h): all of h's group at once
+    heads = group if Nb > 1 else 1
+    return pl.BlockSpec((None, heads, rows, keys),
+                        lambda j, b, h: (b_of(b), h if Nb > 1 else 0, 0, j if C > keys else 0))
+  # grid (query block i, batch b, query head h); blocks of rows visited last to first
+  n = R // rows
+  return pl.BlockSpec((None, None, rows, keys),
+                      lambda i, b, h: (b_of(b), h if Nb > 1 else 0, n - 1 - i if n > 1 else 0, 0))
+
+
+def tile_summary(mask, block_q: int, block_k: int):
+  """int32 [Bm, Nm, R, C]: per tile of `block_q` x `block_k` pairs of an int8 mask
+  [Bm, Nm, T, S] (a broadcast axis of 1 counts as one block), 0 when the mask hides the
+  whole tile, 2 when it shows the whole tile, 1 when mixed. One pass over the mask."""
+  Bm, Nm, T, S = mask.shape
+  x = mask.reshape(Bm, Nm, T // block_q, block_q, S // block_k, block_k)
+  return (jnp.max(x, axis=(3, 5)) + jnp.min(x, axis=(3, 5))).astype(jnp.int32)

@@ -208,6 +208,30 @@ struct PagedKv {
 // offset_b - j| to the score of row i and key j after the soft-cap and before
 // masking (offset_b as in MaskParams: the row's diagonal). The slopes are
 // constants: no gradient is computed for them (common/alibi.h).
+// A dense bias or mask (jax.nn's `bias` and `mask` arguments), row-major
+// [Bb, Nb, Tb, Sb] where every axis is the call's size (batch, q_heads, q_len,
+// kv_len) or 1: a broadcast axis has stride 0, so it is never expanded in
+// memory. Null data: none. The mask is one byte a pair (nonzero: attend) and
+// joins the mask rule above (a hidden pair is excluded exactly like one outside
+// the window; a row it leaves without keys is empty); the bias, in its own float
+// dtype, is added to the score after the soft-cap and ALiBi. The CPU kernels
+// read them (the CUDA kernels do not yet: their targets take neither).
+struct DenseTerm {
+  const void* data = nullptr;
+  DType dtype = DType::kFloat32;  // the bias's (the mask's bytes ignore it)
+  int64_t batch_stride = 0, head_stride = 0, row_stride = 0, key_stride = 0;  // in elements
+
+  JAXFLASH_HD bool On() const { return data != nullptr; }
+  // Element offset of (batch b, query head, query row, key 0).
+  JAXFLASH_HD int64_t RowOffset(int64_t b, int64_t head, int64_t row) const {
+    return b * batch_stride + head * head_stride + row * row_stride;
+  }
+};
+struct DenseParams {
+  DenseTerm bias, mask;
+  JAXFLASH_HD bool On() const { return bias.On() || mask.On(); }
+};
+
 struct FwdParams {
   AttentionShape shape;
   DType dtype = DType::kFloat32;
@@ -244,6 +268,7 @@ struct FwdParams {
   float* lse_partial = nullptr;
 
   PagedKv paged;  // dense K/V unless paged.table is set
+  DenseParams dense;  // the dense bias and mask (above); none by default
 };
 
 struct BwdParams {
@@ -278,6 +303,7 @@ struct BwdParams {
   // is converted from it). Null when the caller gave none: the dispatch then
   // runs the two-kernel backward, as it does for deterministic calls.
   float* dq_accum = nullptr;
+  DenseParams dense;  // as FwdParams::dense
 };
 
 }  // namespace jaxflash

@@ -17,6 +17,7 @@
 #include "jaxflash/launch.h"
 #include "common/alibi.h"
 #include "common/mask.h"
+#include "cpu/dense.h"
 #include "cpu/tile.h"
 
 namespace jaxflash {
@@ -97,13 +98,40 @@ JAXFLASH_CPU_CLONES void DeltaItem(const Geometry& g, int64_t item) {
   }
 }
 
+// What the tile products of a tile may do (`ProbabilitiesAndScoreGrads`): run over
+// the whole tile (`plain`), else over `cols_of` / `rows_of` spans, asking `sees`
+// for each pair of a span that is not exact.
+struct TileVisibility {
+  const MaskPolicy& mask;
+  const DenseRows& dense;
+  int64_t h;
+  int r0, c0;
+  bool plain, mixed;  // mixed: the dense mask hides some pairs of the tile
+
+  VisibleSpan ColsOf(int r, int cols) const {
+    VisibleSpan span = VisibleColsOf(mask, r0 + r, c0, cols);
+    span.exact &= !mixed;
+    return span;
+  }
+  VisibleSpan RowsOf(int c, int rows) const {
+    VisibleSpan span = VisibleRowsOf(mask, c0 + c, r0, rows);
+    span.exact &= !mixed;
+    return span;
+  }
+  bool Sees(int r, int c) const {
+    return mask.SameSegment(r0 + r, c0 + c) && (!mixed || dense.Shows(h, r0 + r, c0 + c));
+  }
+};
+
 // Loads the per-row statistics of rows [r0, r0 + rows) and fills t.s with the
 // probabilities and t.ds with dS for the tile [r0, +rows) x [c0, +cols).
-// Expects t.q, t.dout, t.kt, t.vt loaded. Returns whether the mask admits the
-// whole tile; when it does not, the callers' products read only visible pairs
-// (masked entries of t.s and t.ds may hold NaN from non-finite inputs).
-bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64_t b, int64_t h,
-                                int r0, int rows, int c0, int cols, BackwardTile& t) {
+// Expects t.q, t.dout, t.kt, t.vt loaded. Returns how the callers' products may
+// read the tile: whole when the masks admit all of it, or when a dense mask's
+// hidden pairs were zeroed here and no operand holds a NaN or Inf; else only the
+// visible pairs (masked entries of t.s and t.ds may hold NaN from non-finite inputs).
+TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, const DenseRows& dense,
+                                          DenseRows::View view, int64_t b, int64_t h, int r0, int rows,
+                                          int c0, int cols, BackwardTile& t) {
   const BwdParams& p = g.p;
   const int64_t stat = g.RowStatsOffset(b, h, r0);
   for (int r = 0; r < rows; ++r) {
@@ -116,6 +144,7 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
   RowsTimesTransposed(t.q, rows, g.dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
   RowsTimesTransposed(t.dout, rows, g.dim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
   const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
+  const bool mixed = view == DenseRows::View::kMixed;
   const bool capped = p.softcap > 0;
   const Alibi alibi = Alibi::Of(p.alibi, b, h, p.shape.q_heads);
   for (int r = 0; r < rows; ++r) {
@@ -128,6 +157,7 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
         if (!mask.Visible(r0 + r, c0 + c)) s[c] = kNegInf;
       }
     }
+    if (mixed) dense.Hide(h, r0 + r, c0, cols, s);
     const float lse2 = t.lse2[r];
     if (capped) {
       // dS with respect to the uncapped score: times the cap's slope 1 - tanh^2
@@ -136,6 +166,7 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
       float* bias = t.bias;
       const float diagonal = Alibi::Diagonal(mask, r0 + r);
       for (int c = 0; c < cols; ++c) bias[c] = alibi.Bias(diagonal, static_cast<float>(c0 + c));
+      dense.AddBias(h, r0 + r, c0, cols, bias);
       for (int c = 0; c < cols; ++c) {  // vectorised
         const float th = cap.TanhOf(s[c]);
         const float prob = Exp2(s[c] + bias[c] - lse2);
@@ -148,13 +179,28 @@ bool ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, int64
       const float diagonal = Alibi::Diagonal(mask, r0 + r);
       for (int c = 0; c < cols; ++c) s[c] += alibi.Bias(diagonal, static_cast<float>(c0 + c));
     }
+    dense.AddBias(h, r0 + r, c0, cols, s);
     for (int c = 0; c < cols; ++c) {  // vectorised
       const float prob = Exp2(s[c] - lse2);
       s[c] = prob;
       ds[c] = prob * (ds[c] - t.delta[r]);
     }
   }
-  return full;
+  TileVisibility vis{mask, dense, h, r0, c0, full && !mixed, mixed};
+  if (!vis.plain && p.dense.mask.On()) {
+    // Exact zeros at every hidden pair; then finite operands let the products run
+    // over the whole tile.
+    for (int r = 0; r < rows; ++r) {
+      const VisibleSpan span = vis.ColsOf(r, cols);
+      for (int c = 0; c < cols; ++c) {
+        const bool shown = c >= span.begin && c < span.end && (span.exact || vis.Sees(r, c));
+        if (!shown) t.s[r * kKeysPerTile + c] = t.ds[r * kKeysPerTile + c] = 0.f;
+      }
+    }
+    vis.plain = Finite(t.q, rows, g.dim, g.dim) && Finite(t.dout, rows, g.dim, g.dim) &&
+                Finite(t.kt, g.dim, cols, kKeysPerTile) && Finite(t.vt, g.dim, cols, kKeysPerTile);
+  }
+  return vis;
 }
 
 JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
@@ -166,6 +212,7 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   const int c0 = static_cast<int>((item % g.key_tiles) * kKeysPerTile);
   const int cols = static_cast<int>(std::min<int64_t>(kKeysPerTile, sh.kv_len - c0));
   const MaskPolicy mask = g.Mask(b);
+  const DenseRows dense{p.dense, b};
   BackwardTile& t = Scratch();
 
   std::fill(t.acc_a, t.acc_a + cols * dim, 0.f);
@@ -182,19 +229,21 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   for (int64_t h = kv_head * sh.group_size(); h < (kv_head + 1) * sh.group_size(); ++h) {
     for (int r0 = row_begin; r0 < row_end; r0 += kRowsPerTile) {
       const int rows = std::min(kRowsPerTile, row_end - r0);
+      const auto view = dense.Tile(rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, valid_cols);
+      if (view == DenseRows::View::kHidden) continue;
       const int64_t q_off = g.QOffset(b, h, r0);
       LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
       LoadRows(p.dout, q_off, sh.q_row_stride(), rows, dim, p.dtype, 1.f, t.dout);
-      const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, rows, c0, valid_cols, t);
+      const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, rows, c0, valid_cols, t);
       // dV += P^T dO; dK += dS^T Q, where t.q carries scale * log2(e) and ln 2
       // turns that back into scale. A partly visible tile multiplies, per key,
       // only the rows that see it.
       Transpose(t.s, kKeysPerTile, rows, valid_cols, 1.f, t.st, kRowsPerTile);
       Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
-      const auto rows_of = [&](int c) { return VisibleRowsOf(mask, c0 + c, r0, rows); };
-      const auto sees = [&](int c, int r) { return mask.SameSegment(r0 + r, c0 + c); };
-      AccumulateVisible(full, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of, sees);
-      AccumulateVisible(full, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of, sees);
+      const auto rows_of = [&](int c) { return vis.RowsOf(c, rows); };
+      const auto sees = [&](int c, int r) { return vis.Sees(r, c); };
+      AccumulateVisible(vis.plain, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of, sees);
+      AccumulateVisible(vis.plain, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of, sees);
     }
   }
   const int64_t kv_off = g.KvOffset(b, kv_head, c0);
@@ -212,6 +261,7 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
   const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
   const int64_t kv_head = h / sh.group_size();
   const MaskPolicy mask = g.Mask(b);
+  const DenseRows dense{p.dense, b};
   BackwardTile& t = Scratch();
 
   std::fill(t.acc_a, t.acc_a + rows * dim, 0.f);
@@ -225,15 +275,16 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
   }
   for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
     const int cols = std::min(kKeysPerTile, key_end - c0);
+    const auto view = dense.Tile(valid_rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, cols);
+    if (view == DenseRows::View::kHidden) continue;
     const int64_t kv_off = g.KvOffset(b, kv_head, c0);
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
     LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
     LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
-    const bool full = ProbabilitiesAndScoreGrads(g, mask, b, h, r0, valid_rows, c0, cols, t);
+    const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0, cols, t);
     // dQ += dS K, over each row's visible keys when the tile is partly masked.
-    AccumulateVisible(full, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
-                      [&](int r) { return VisibleColsOf(mask, r0 + r, c0, cols); },
-                      [&](int r, int c) { return mask.SameSegment(r0 + r, c0 + c); });
+    AccumulateVisible(vis.plain, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
+                      [&](int r) { return vis.ColsOf(r, cols); }, [&](int r, int c) { return vis.Sees(r, c); });
   }
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);

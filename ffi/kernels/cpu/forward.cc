@@ -16,6 +16,7 @@
 #include "common/alibi.h"
 #include "common/decode.h"
 #include "common/mask.h"
+#include "cpu/dense.h"
 #include "cpu/tile.h"
 #include "jaxflash/launch.h"
 
@@ -32,6 +33,7 @@ struct ForwardTile {
   float acc[kRowsPerTile * kMaxHeadDim];      // unnormalised output
   float row_max[kRowsPerTile];
   float row_sum[kRowsPerTile];
+  bool dense_seen[kRowsPerTile];              // the row saw a key the dense mask shows
 };
 
 // Loads keys [c0, c0 + cols) of one K/V head: K transposed into kt, V into v.
@@ -71,6 +73,11 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
   std::fill(t.acc, t.acc + rows * dim, 0.f);
   std::fill(t.row_max, t.row_max + rows, kNegInf);
   std::fill(t.row_sum, t.row_sum + rows, 0.f);
+  std::fill(t.dense_seen, t.dense_seen + rows, false);
+  const DenseRows dense{p.dense, b};
+  const auto head_row = [&](int r) {
+    return std::pair<int64_t, int>(packed.Head(static_cast<int>(kv_head), r0 + r), packed.QueryRow(r0 + r));
+  };
 
   // Packed rows of padding queries (past q_lengths) come last in the tile.
   const int valid_rows = std::min(rows, std::max(0, mask.q_valid * packed.group - r0));
@@ -89,6 +96,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
   }
   for (int c0 = split_begin; c0 < split_end; c0 += kKeysPerTile) {
     const int cols = std::min(kKeysPerTile, split_end - c0);
+    const auto view = dense.Tile(valid_rows, head_row, c0, cols);
+    if (view == DenseRows::View::kHidden) continue;
     LoadKeys(p, b, kv_head, c0, cols, t);
     RowsTimesTransposed(t.q, valid_rows, dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
     if (p.softcap > 0) {
@@ -102,8 +111,26 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
         for (int c = 0; c < cols; ++c) s[c] += alibi.Bias(diagonal, static_cast<float>(c0 + c));
       }
     }
+    if (p.dense.bias.On()) {
+      for (int r = 0; r < valid_rows; ++r) {
+        const auto [head, row] = head_row(r);
+        dense.AddBias(head, row, c0, cols, t.s + r * kKeysPerTile);
+      }
+    }
 
     const bool full = mask.TileIsFull(packed.QueryRow(r0), packed.QueryRow(r0 + valid_rows - 1) + 1, c0, c0 + cols);
+    const bool mixed = view == DenseRows::View::kMixed;
+    // Which keys of the tile row r sees: the mask rule's span, with the ids and the
+    // dense mask asked where they may leave gaps in it.
+    const auto cols_of = [&](int r) {
+      VisibleSpan span = VisibleColsOf(mask, packed.QueryRow(r0 + r), c0, cols);
+      span.exact &= !mixed;
+      return span;
+    };
+    const auto sees = [&](int r, int c) {
+      const auto [head, row] = head_row(r);
+      return mask.SameSegment(row, c0 + c) && (!mixed || dense.Shows(head, row, c0 + c));
+    };
     for (int r = 0; r < valid_rows; ++r) {
       float* s = t.s + r * kKeysPerTile;
       if (!full) {
@@ -111,6 +138,11 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
         for (int c = 0; c < cols; ++c) {
           if (!mask.Visible(query_row, c0 + c)) s[c] = kNegInf;
         }
+      }
+      if (mixed) dense.Hide(head_row(r).first, head_row(r).second, c0, cols, s);
+      if (p.dense.mask.On() && !t.dense_seen[r]) {
+        const VisibleSpan span = cols_of(r);
+        for (int c = span.begin; c < span.end && !t.dense_seen[r]; ++c) t.dense_seen[r] = span.exact || sees(r, c);
       }
       float tile_max = kNegInf;
       for (int c = 0; c < cols; ++c) tile_max = MaxNaN(tile_max, s[c]);
@@ -130,9 +162,10 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     }
     // O += P V; in a partly visible tile each row multiplies only the keys it
     // sees, so a NaN or Inf in the value of a masked key never reaches it.
-    AccumulateVisible(full, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim,
-                      [&](int r) { return VisibleColsOf(mask, packed.QueryRow(r0 + r), c0, cols); },
-                      [&](int r, int c) { return mask.SameSegment(packed.QueryRow(r0 + r), c0 + c); });
+    // With a dense mask every hidden pair has P = 0 exactly, so finite values let the
+    // whole tile's product run.
+    const bool plain = (full && !mixed) || (p.dense.mask.On() && Finite(t.v, cols, dim, dim));
+    AccumulateVisible(plain, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim, cols_of, sees);
   }
 
   // The rows' results, by the rules of params.h and common/decode.h: one
@@ -141,7 +174,8 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
   for (int r = 0; r < rows; ++r) {
     float* acc = t.acc + r * dim;
     const int pr = r0 + r;
-    const bool seen = mask.HasKeysIn(packed.QueryRow(pr), split_begin, split_end);
+    const bool seen = mask.HasKeysIn(packed.QueryRow(pr), split_begin, split_end) &&
+                      (!p.dense.mask.On() || t.dense_seen[r]);
     float lse2 = kEmptyRowLse;
     if (!seen) {
       std::fill(acc, acc + dim, 0.f);

@@ -1,0 +1,72 @@
+"""A dense `bias` or boolean `mask` as the fused implementations take them.
+
+`Dense` carries a call's bias (floating) and mask (boolean, True = attend), each
+`[Bb, Nb, Tb, Sb]` where every axis is either the call's full size (B, N, T, S)
+or 1: a broadcast axis stays 1 and is read with stride 0, never expanded in
+memory. The mask is part of the mask rule (a masked pair is invisible: a row
+whose every key is masked returns zeros, NaN of a masked key never reaches it);
+the bias is added to the score after the soft-cap and ALiBi, before masking.
+
+The kernels read both tile by tile. The bias gradient is the score gradient
+dS = P (dP - delta) reduced over the bias's broadcast axes
+(`derivatives.bias_gradient`), computed only when the bias is differentiated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Dense:
+  """A call's dense terms; either may be None (not both: no `Dense` then)."""
+
+  bias: jax.Array | None = None
+  mask: jax.Array | None = None
+
+
+def make(bias, mask) -> Dense | None:
+  """The `Dense` of a validated call's bias and mask (None when it has neither)."""
+  return None if bias is None and mask is None else Dense(bias, mask)
+
+
+_NO_BIAS = ((0, 0, 0, 0), jnp.float32)
+_NO_MASK = ((0, 0, 0, 0), jnp.bool_)
+
+
+def operands(dense: Dense | None) -> tuple[jax.Array, jax.Array]:
+  """(bias, mask) as the native targets and the tangent primitive take them: empty
+  [0, 0, 0, 0] arrays for the ones a call lacks (as for lengths)."""
+  bias = None if dense is None else dense.bias
+  mask = None if dense is None else dense.mask
+  return (jnp.zeros(*_NO_BIAS) if bias is None else bias,
+          jnp.zeros(*_NO_MASK) if mask is None else mask)
+
+
+def from_operands(bias, mask) -> Dense | None:
+  """`operands`' inverse."""
+  return make(None if bias.size == 0 else bias, None if mask.size == 0 else mask)
+
+
+def key_block(x, heads: int, kv_heads: int, j0, block: int):
+  """Keys [j0, j0 + block) of a bias or mask [Bb, Nb, Tb, Sb], shaped to broadcast
+  against [B, K, G, T, block] (query heads grouped over their K/V head); keys past
+  the end read as the last key's (the caller masks them)."""
+  Bb, Nb, Tb, Sb = x.shape
+  x = x.reshape(Bb, kv_heads, heads // kv_heads, Tb, Sb) if Nb == heads else x[:, None]
+  if Sb == 1:
+    return x
+  pad = (-Sb) % block + block
+  x = jnp.pad(x, [(0, 0)] * 4 + [(0, pad)], mode="edge")
+  return jax.lax.dynamic_slice_in_dim(x, j0, block, axis=4)
+
+
+def reduce_to(ds, shape: tuple[int, ...]):
+  """A score gradient [B, N, T, cols] summed over the axes `shape` broadcasts (size 1):
+  the gradient of a bias of that shape (the last axis: its key block)."""
+  axes = tuple(i for i, (n, m) in enumerate(zip(shape, ds.shape)) if n == 1 and m != 1)
+  return jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
