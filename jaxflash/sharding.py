@@ -343,20 +343,25 @@ def _partition(backward: bool, extra: _Extras):
 
 
 @functools.cache
-def _op(backward: bool, extra: _Extras):
-  """The partitioned forward or backward call for one list of extra operands (segment
-  tables, ALiBi slopes, dense bias and mask; `_Extras`): one op per operand list."""
+def _call(backward: bool, extra: _Extras):
+  """The kernels' forward or backward as a function of positional operands (the arrays,
+  then the extra operands `extra` lists), the kernel table and the spec last."""
   arrays = 9 if backward else 5
-  count = 2 * extra.segments + extra.alibi + extra.bias + extra.mask
 
   def fn(*args):
     *operands, kernels, spec = args
     ids, slopes, dense = extra.split(operands[arrays:])
     call = kernels.backward if backward else kernels.forward
     return call(*operands[:arrays], spec, segments=ids, alibi=slopes, dense=dense)
+  return fn
 
-  n = arrays + count
-  op = custom_partitioning(fn, static_argnums=(n, n + 1))
+
+@functools.cache
+def _op(backward: bool, extra: _Extras):
+  """The partitioned forward or backward call for one list of extra operands (segment
+  tables, ALiBi slopes, dense bias and mask; `_Extras`): one op per operand list."""
+  n = (9 if backward else 5) + 2 * extra.segments + extra.alibi + extra.bias + extra.mask
+  op = custom_partitioning(_call(backward, extra), static_argnums=(n, n + 1))
   partition, infer = _partition(backward, extra)
   op.def_partition(partition=partition, infer_sharding_from_operands=infer,
                    sharding_rule=_shardy_rule(backward, extra))
@@ -445,7 +450,11 @@ def partitioned(kernels):
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).
     @staticmethod
     def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None, dense=None):
-      if jax.device_count() == 1:
+      if jax.device_count() == 1 and dense is not None:
+        # The FFI call's own vmap rule would fold a bias of one batch element wrongly.
+        call = _vmappable(_call(False, _Extras.of(segments, alibi, dense)), kernels, spec)
+        o, lse = call(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
+      elif jax.device_count() == 1:
         o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments,
                                  alibi=alibi, dense=dense)
       else:
@@ -457,7 +466,11 @@ def partitioned(kernels):
     @staticmethod
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
                  alibi=None, dense=None):
-      if jax.device_count() == 1:
+      if jax.device_count() == 1 and dense is not None:
+        call = _vmappable(_call(True, _Extras.of(segments, alibi, dense)), kernels, spec)
+        grads = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+                     *_Extras.operands(segments, alibi, dense))
+      elif jax.device_count() == 1:
         grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=segments, alibi=alibi, dense=dense)
       else:

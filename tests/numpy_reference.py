@@ -70,13 +70,20 @@ def alibi_bias(B, N, T, S, slopes, *, bottom_right=False, q_lengths=None, kv_len
   return out
 
 
-def forward(q, k, v, *, scale, softcap=0.0, alibi=None, **mask):
+def forward(q, k, v, *, scale, softcap=0.0, alibi=None, bias=None, dense_mask=None, **mask):
+  """(o, lse [B, N, T], p). `bias` and `dense_mask` (jax.nn's bias and boolean mask,
+  broadcastable to [B, N, T, S]): the bias is added after the cap and ALiBi, the mask
+  hides pairs like the mask rule."""
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, D = q.shape
   S = k.shape[1]
   ke, ve = _expand(k, N), _expand(v, N)
   vis = visible(B, T, S, **mask)[:, None]
+  if dense_mask is not None:
+    vis = vis & np.asarray(dense_mask, bool)
   s = _cap(_scores(q, ke) * scale, softcap) + alibi_bias(B, N, T, S, alibi, **mask)
+  if bias is not None:
+    s = s + np.asarray(bias, np.float64)
   s = np.where(vis, s, -np.inf)
   m = np.max(s, axis=-1, keepdims=True)
   m = np.where(np.isfinite(m), m, 0.0)
@@ -130,8 +137,10 @@ def in_dtype(q, k, v, do, dlse, dtype, *, scale, softcap=0.0, alibi=None, **mask
   return o, lse, dq, fold(dk), fold(dv)
 
 
-def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, alibi=None, **mask):
-  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v.
+def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, alibi=None,
+             bias=None, dense_mask=None, **mask):
+  """Gradients of <o, do> + <lse, dlse> with respect to q, k, v, and with a `bias` (as
+  for `forward`) a fourth: the bias's, summed over its broadcast axes.
 
   `o_stored` (the output as an implementation stored it, say rounded to
   bfloat16) replaces the exact output in delta = rowsum(dO * O): the
@@ -140,7 +149,8 @@ def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, alibi
   q, k, v, do = (np.asarray(x, np.float64) for x in (q, k, v, do))
   B, T, N, D = q.shape
   K = k.shape[2]
-  o, lse, p = forward(q, k, v, scale=scale, softcap=softcap, alibi=alibi, **mask)
+  o, lse, p = forward(q, k, v, scale=scale, softcap=softcap, alibi=alibi, bias=bias,
+                      dense_mask=dense_mask, **mask)
   if o_stored is not None:
     o = np.asarray(o_stored, np.float64)
   ke, ve = _expand(k, N), _expand(v, N)
@@ -150,12 +160,18 @@ def backward(q, k, v, do, dlse=None, *, scale, o_stored=None, softcap=0.0, alibi
   if dlse is not None:
     delta = delta - np.asarray(dlse, np.float64)
   ds = p * (dp - delta[..., None])
+  d_bias = ds
   if softcap:   # times the cap's slope 1 - tanh^2 (masked pairs have p = 0)
     ds = ds * (1 - np.square(_cap(_scores(q, ke) * scale, softcap) / softcap))
   dq = np.einsum("bnts,bsnd->btnd", ds, ke) * scale
   dk = np.einsum("bnts,btnd->bsnd", ds, q) * scale
   fold = lambda x: x.reshape(B, x.shape[1], K, N // K, D).sum(3)
-  return dq, fold(dk), fold(dv)
+  if bias is None:
+    return dq, fold(dk), fold(dv)
+  shape = np.shape(bias)
+  shape = (1,) * (4 - len(shape)) + shape
+  axes = tuple(i for i in range(4) if shape[i] == 1 and d_bias.shape[i] != 1)
+  return dq, fold(dk), fold(dv), d_bias.sum(axis=axes, keepdims=True).reshape(np.shape(bias))
 
 
 

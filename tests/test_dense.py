@@ -1,0 +1,197 @@
+"""A dense `bias` and boolean `mask` in the fused implementations, against float64 truth.
+
+Native on the default backend (the C++ kernels on a CPU; on a GPU native refuses them
+for now and the GPU tests run Pallas), Pallas (the interpreter on a CPU), each against
+numpy_reference with the bias added after the scores and the mask joining the mask
+rule; the yardstick is xla in the input dtype (tests/conftest.py's tolerance rule). Bias
+and mask shapes cover every broadcast pattern the kernels read with stride 0; masks hide
+whole rows (their output must be zeros with the empty LSE) and whole tiles (skipped).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxflash
+from cases import mask_kwargs, numpy_mask
+from conftest import HAS_GPU, assert_within_budget, max_abs, numpy_reference, random_inputs
+from test_native import attention, finite_baseline
+
+IMPLEMENTATIONS = ["pallas"] if HAS_GPU else ["native", "pallas"]
+
+
+def dense_terms(rng, shape, bias_axes, mask_axes, dtype=jnp.float32):
+  """(bias, mask): arrays whose axes named in `*_axes` ("BNTS" letters) have the call's
+  size, the others 1 (None for no term). The mask shows ~70% of pairs, hides query row 1
+  entirely and leaves the first key block of the last row's keys hidden."""
+  B, T, S, N, _, _ = shape
+  size = lambda axes: tuple(n if a in axes else 1 for a, n in zip("BNTS", (B, N, T, S)))
+  bias = None if bias_axes is None else jnp.asarray(rng.standard_normal(size(bias_axes)), dtype)
+  mask = None
+  if mask_axes is not None:
+    mask = rng.random(size(mask_axes)) < 0.7
+    if "T" in mask_axes and T > 1:
+      mask[..., 1, :] = False
+    if "S" in mask_axes:
+      mask[..., -1, :min(S, 64)] = False
+    mask = jnp.asarray(mask)
+  return bias, mask
+
+
+def baseline(q, k, v, bias, mask, compute_dtype, kw):
+  o, lse = jaxflash.reference.attention(
+      q, k, v, scale=1.0 / np.sqrt(q.shape[-1]), bias=bias, mask=mask,
+      is_causal=kw.get("is_causal", False),
+      causal_alignment=kw.get("causal_alignment", "top_left"),
+      local_window_size=kw.get("local_window_size"),
+      query_seq_lengths=kw.get("query_seq_lengths"),
+      key_value_seq_lengths=kw.get("key_value_seq_lengths"), compute_dtype=compute_dtype)
+  return o, jnp.transpose(lse, (0, 2, 1))
+
+
+def check(rng, shape, mask_name, dtype, implementation, bias_axes, mask_axes, gradients=True):
+  B, T, S, N, K, D = shape
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
+  bias, mask = dense_terms(rng, shape, bias_axes, mask_axes)
+  kw = mask_kwargs(mask_name, rng, B, T, S)
+  scale = 1.0 / np.sqrt(D)
+  truth_kw = dict(scale=scale, bias=bias, dense_mask=mask, **numpy_mask(kw))
+
+  out, lse = attention(q, k, v, implementation, bias=bias, mask=mask, **kw)
+  truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, **truth_kw)
+  base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, bias, mask, c, kw), dtype)
+  assert out.dtype == q.dtype
+  assert_within_budget(out, truth_o, base_o, "output")
+  lse = np.asarray(lse).transpose(0, 2, 1)
+  empty = truth_lse == numpy_reference.EMPTY_LSE
+  assert np.array_equal(lse == numpy_reference.EMPTY_LSE, empty), \
+      "LSE is the empty-row value exactly on rows with no key (the dense mask's included)"
+  assert np.all(np.asarray(out, np.float64)[np.transpose(empty, (0, 2, 1))] == 0)
+  assert_within_budget(np.where(empty, 0, lse), np.where(empty, 0, truth_lse),
+                       np.where(empty, 0, np.asarray(base_lse, np.float64).transpose(0, 2, 1)),
+                       "lse")
+  if not gradients:
+    return
+  do = jnp.asarray(rng.standard_normal(q.shape), dtype)
+  dlse = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)
+
+  def loss(fn, q, k, v, bias):
+    o, lse = fn(q, k, v, bias)
+    lse = jnp.where(lse == numpy_reference.EMPTY_LSE, 0, lse)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)) + jnp.sum(lse * dlse)
+
+  argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
+  fused = lambda q, k, v, b: attention(q, k, v, implementation, bias=b, mask=mask, **kw)
+  grads = jax.grad(functools.partial(loss, fused), argnums)(q, k, v, bias)
+
+  def base_grads(c):
+    fn = lambda q, k, v, b: baseline(q, k, v, None if b is None else b.astype(c), mask, c, kw)
+    return jax.grad(functools.partial(loss, fn), argnums)(q, k, v, bias)
+  base = finite_baseline(base_grads, dtype)
+  truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1), **truth_kw)
+  for name, g, b, t in zip(("dq", "dk", "dv", "dbias"), grads, base, truth):
+    assert g.shape == np.shape(t), name
+    assert_within_budget(g, t, b, name)
+
+
+# (B, T, S, N, K, D): ragged lengths, GQA 1, 4 and 8, head dims off the powers of two.
+SHAPES = [(2, 37, 70, 4, 4, 40), (1, 70, 130, 8, 2, 64), (2, 45, 45, 8, 1, 32)]
+# Bias / mask broadcast patterns: full, one per head over the batch, key padding (one
+# row for all queries), per query row only.
+PATTERNS = [("BNTS", "BNTS"), ("NTS", "BTS"), ("BS", "BS"), ("T", None), (None, "NTS")]
+
+
+@pytest.mark.parametrize("bias_axes, mask_axes", PATTERNS, ids=str)
+@pytest.mark.parametrize("mask_name", ["none", "causal", "lengths_causal_bottom_right"])
+def test_native_forward_and_gradients(rng, mask_name, bias_axes, mask_axes):
+  if HAS_GPU:
+    pytest.skip("native takes a dense bias or mask on the CPU only (Pallas on the GPU)")
+  shape = SHAPES[(len(mask_name) + len(str(bias_axes))) % len(SHAPES)]
+  check(rng, shape, mask_name, jnp.float32, "native", bias_axes, mask_axes)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_native_16_bit(rng, dtype):
+  if HAS_GPU:
+    pytest.skip("native takes a dense bias or mask on the CPU only (Pallas on the GPU)")
+  check(rng, SHAPES[1], "window", dtype, "native", "NTS", "BTS")
+
+
+@pytest.mark.parametrize("mask_name", ["causal", "lengths"])
+def test_pallas(rng, mask_name):
+  check(rng, (2, 40, 70, 4, 2, 32), mask_name, jnp.float32, "pallas", "NTS", "BS")
+  check(rng, (1, 33, 33, 2, 1, 16), mask_name, jnp.float32, "pallas", "T", "BNTS",
+        gradients=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_pallas(rng, dtype):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape in [(2, 300, 300, 4, 2, 64), (1, 129, 200, 8, 1, 128)]:
+    for bias_axes, mask_axes in PATTERNS[:3]:
+      check(rng, shape, "causal", dtype, "pallas", bias_axes, mask_axes,
+            gradients=dtype == jnp.bfloat16)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_block_sparse_masks_skip_hidden_tiles_exactly(rng, implementation):
+  """Half of the 64 x 64 tiles hidden (a checkerboard of blocks), a NaN in every value
+  of a hidden block: the rows that cannot see it stay finite and equal xla."""
+  B, T, S, N, D = 1, 128, 256, 2, 32
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.float32)
+  blocks = (np.arange(T)[:, None] // 64 + np.arange(S)[None, :] // 64) % 2 == 0
+  mask = jnp.asarray(blocks)
+  # xla (like jax.nn) lets 0 * NaN of a hidden key through: its yardstick has no NaN.
+  ref = jaxflash.dot_product_attention(q, k, v, mask=mask, implementation="xla")
+  v = v.at[:, 64:128].set(jnp.nan)    # keys 64-127: hidden from rows 0-63
+  out = jaxflash.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+  assert np.all(np.isfinite(np.asarray(out[:, :64])))
+  assert max_abs(out[:, :64], ref[:, :64]) < 1e-5
+  assert np.all(np.isnan(np.asarray(out[:, 64:])))   # rows 64-127 see the NaN
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_forward_mode_vmap_and_the_default(rng, implementation):
+  """The bias's tangent reaches tO and tLSE; vmap over a batch of biases; with neither
+  argument named, a bias or mask runs fused (never xla) on the CPU."""
+  q, k, v = random_inputs(rng, 2, 24, 40, 4, 2, 16, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((1, 4, 24, 40)), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 1, 24, 40)) < 0.8)
+  tangents = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v, bias)]
+  run = lambda impl: lambda q, k, v, b: jaxflash.dot_product_attention(
+      q, k, v, b, mask, is_causal=True, implementation=impl)
+  _, t_out = jax.jvp(run(implementation), (q, k, v, bias), tuple(tangents))
+  _, t_ref = jax.jvp(run("xla"), (q, k, v, bias), tuple(tangents))
+  assert max_abs(t_out, t_ref) < 1e-4
+  biases = jnp.stack([bias, 2 * bias])
+  out = jax.vmap(lambda b: run(implementation)(q, k, v, b))(biases)
+  ref = jax.vmap(lambda b: run("xla")(q, k, v, b))(biases)
+  assert max_abs(out, ref) < 1e-5
+  if implementation == "native":
+    hlo = jax.jit(lambda q: jaxflash.dot_product_attention(q, k, v, bias, mask)).lower(q).as_text()
+    assert "jaxflash_fwd_v5" in hlo
+
+
+def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
+  """dB is a pass of its own, traced only when the bias is differentiated."""
+  q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, jnp.float32)
+  bias = jnp.zeros((1, 2, 16, 16))
+  loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, implementation="native").sum()
+  count = lambda argnums: str(jax.make_jaxpr(jax.grad(loss, argnums))(q, bias)).count("scan")
+  assert count(0) < count((0, 1))
+
+
+def test_errors(rng):
+  q, k, v = random_inputs(rng, 2, 8, 8, 2, 2, 16, jnp.float32)
+  with pytest.raises(TypeError, match="bias must be a floating-point"):
+    jaxflash.dot_product_attention(q, k, v, jnp.zeros((8, 8), jnp.int32))
+  with pytest.raises(ValueError, match="num_splits"):
+    jaxflash.dot_product_attention(q, k, v, jnp.zeros((8, 8)), implementation="native",
+                                   num_splits=2)
