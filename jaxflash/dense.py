@@ -55,13 +55,13 @@ def from_operands(bias, mask) -> Dense | None:
 def key_block(x, heads: int, kv_heads: int, j0, block: int):
   """Keys [j0, j0 + block) of a bias or mask [Bb, Nb, Tb, Sb], shaped to broadcast
   against [B, K, G, T, block] (query heads grouped over their K/V head); keys past
-  the end read as the last key's (the caller masks them)."""
+  the end read as 0 / hidden (the caller masks them anyway)."""
   Bb, Nb, Tb, Sb = x.shape
   x = x.reshape(Bb, kv_heads, heads // kv_heads, Tb, Sb) if Nb == heads else x[:, None]
   if Sb == 1:
     return x
   pad = (-Sb) % block + block
-  x = jnp.pad(x, [(0, 0)] * 4 + [(0, pad)], mode="edge")
+  x = jnp.pad(x, [(0, 0)] * 4 + [(0, pad)])
   return jax.lax.dynamic_slice_in_dim(x, j0, block, axis=4)
 
 

@@ -360,10 +360,24 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
                             extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
   d_bias = None
   if ad.is_undefined_primal(t_bias):
-    d_bias = bias_gradient(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, spec=spec,
-                           **extras)
+    fn = lambda *xs: bias_gradient(*xs[:9], spec=spec, **_extras(*xs[9:]))
+    d_bias = _outside_explicit_axes(fn, (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
+                                         q_table, kv_table, slopes, bias, mask), bias)
   return [None] * 12 + [g if ad.is_undefined_primal(t) else None
                         for g, t in zip(grads, (tq, tk, tv))] + [d_bias]
+
+
+def _outside_explicit_axes(fn, args, like):
+  """fn(*args), with the mesh's explicit axes made automatic where an argument's type is
+  sharded over them (a blockwise jnp pass over sequence-sharded operands is refused
+  there), its result typed like `like`."""
+  for x in args:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if (any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+        and any(e is not None for e in sharding.spec)):
+      return jax.sharding.auto_axes(fn, out_sharding=jax.typeof(like).sharding)(*args)
+  return fn(*args)
 
 
 def _tangent_batch(args, dims, *, kernels, spec):

@@ -313,6 +313,42 @@ def test_alibi_slopes_shard_with_their_heads(rng):
 
 
 @child_only
+def test_dense_bias_and_mask_shard_with_their_batch_and_heads(rng, partitioner):
+  """A bias [B, N, T, S] and a key-padding mask [B, 1, 1, S] split with the batch and
+  the query heads run the kernels locally (no collective); the bias's gradient (a jnp
+  pass, which may gather the [B, N, T] row statistics) and a sequence-sharded call (no
+  ring for dense terms: the sequences are gathered) are as exact."""
+  shape = (4, 24, 40, 8, 4, 16)
+  B, T, S, N = shape[:4]
+  bias = jnp.asarray(rng.standard_normal((B, N, T, S)), jnp.float32)
+  mask = jnp.asarray(rng.random((B, 1, 1, S)) < 0.8)
+  q, k, v, do, dlse = _inputs(rng, shape, jnp.float32, {})
+
+  def run(q, k, v, bias, with_bias_grad=True):
+    f = lambda q, k, v, b: jaxflash.dot_product_attention(
+        q, k, v, b, mask, is_causal=True, implementation="native", return_residual=True,
+        residual_dtype=jnp.float32, differentiable_residual=True)
+    if not with_bias_grad:
+      f = functools.partial(f, b=jax.lax.stop_gradient(bias))
+      (o, lse), vjp = jax.vjp(f, q, k, v)
+    else:
+      (o, lse), vjp = jax.vjp(f, q, k, v, bias)
+    return (o, lse) + vjp((do, dlse))
+  f = jax.jit(run)
+  unsharded = f(q, k, v, bias)
+  for spec, dense_spec in ((P("x", None, "y"), P("x", "y")), (P(None, "y"), P())):
+    mesh = _mesh((4, 2), ("x", "y"))
+    rows = NamedSharding(mesh, spec)
+    placed = [jax.device_put(x, rows) for x in (q, k, v)] + [
+        jax.device_put(bias, NamedSharding(mesh, dense_spec))]
+    if len(spec) > 2:
+      local = jax.jit(functools.partial(run, with_bias_grad=False))
+      assert _collectives(local.lower(*placed).compile()) == []
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv", "dbias"), f(*placed), unsharded):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@child_only
 def test_data_times_sequence_parallel(rng):
   """Batch over one mesh axis, sequence over the other (the trainer's --mesh)."""
   mesh = _mesh((2, 4), ("data", "seq"))
