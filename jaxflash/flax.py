@@ -25,12 +25,13 @@ Their state holds only ordinary Flax parameters, so checkpoints move freely
 between a model that uses ``jax.nn.dot_product_attention`` and the same model on
 jaxflash.
 
-Masks: a boolean (or 0/1) ``mask`` is honoured exactly. The fused kernels take
-no dense mask, so a traced mask is served by the ``xla`` implementation, which
-materialises the scores. A mask known at trace time (a concrete array) that is
-all-true or exactly the causal ``tril`` is recognised and replaced by nothing
-or ``is_causal=True``, which the fused kernels serve. For speed, say
-``is_causal=True`` (or use the ready layers) instead of building a mask.
+Masks: a boolean (or 0/1) ``mask`` is honoured exactly, and with a ``bias``
+runs fused (the CPU kernels; Pallas on a GPU, whose CUDA kernels take neither
+yet): read tile by tile, never a score matrix. A mask known at trace time (a
+concrete array) that is all-true or exactly the causal ``tril`` is recognised
+and replaced by nothing or ``is_causal=True``, which needs no mask read at all.
+For speed, say ``is_causal=True`` (or use the ready layers) instead of building
+a mask.
 
 Differences from Flax's stock attention: a query row that can see no key
 returns zeros (Flax averages the values of such a row); ``precision`` is
@@ -118,13 +119,12 @@ def dot_product_attention(
   ``flax.linen.MultiHeadDotProductAttention`` pass (``[batch..., length, heads,
   head_dim]`` query/key/value, ``mask``, ``bias``, dropout arguments, ``dtype``,
   ``precision``, ``module``, ``is_causal``) and computes what Flax's
-  ``dot_product_attention`` computes, without the score matrix when no dense
-  mask or bias is given.
+  ``dot_product_attention`` computes, without the score matrix.
 
   Args:
     query, key, value: ``[batch..., T, N, H]``, ``[batch..., S, K, H]`` with
       ``N`` a multiple of ``K`` (GQA).
-    bias: additive, broadcastable to ``[batch..., N, T, S]`` (``xla`` only).
+    bias: additive, broadcastable to ``[batch..., N, T, S]``.
     mask: True/nonzero = attend, broadcastable to ``[batch..., N, T, S]``
       (e.g. from ``make_causal_mask``/``make_attention_mask``).
     dropout_rate, deterministic, dropout_rng, broadcast_dropout: attention
