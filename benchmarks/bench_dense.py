@@ -1,8 +1,9 @@
 """A dense bias and a block-sparse mask: jaxflash against jax.nn (cuDNN and xla), one run.
 
     python benchmarks/bench_dense.py [--seq 4096] [--heads 16] [--head-dim 128] [--batch 2]
+                                     [--dtype bfloat16]
 
-Prints, for bf16 inputs and a bias [1, N, T, S] (one per head, shared by the batch):
+Prints, for bf16 inputs (by default) and a bias [1, N, T, S] (one per head, shared by the batch):
 forward and forward+backward times (the backward differentiates the bias too) of
 `jaxflash.dot_product_attention` as users call it (implementation=None), jax.nn's cuDNN
 and xla paths, and the ratios; then the time of a mask that hides half of the 128 x 128
@@ -35,13 +36,15 @@ def main():
   parser.add_argument("--heads", type=int, default=16)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--batch", type=int, default=2)
+  parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
   args = parser.parse_args()
   B, T, N, D = args.batch, args.seq, args.heads, args.head_dim
+  dtype = jnp.dtype(args.dtype)
   rng = np.random.default_rng(0)
-  q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16) for _ in range(3))
-  bias = jnp.asarray(rng.standard_normal((1, N, T, T)), jnp.bfloat16)
-  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; bf16 B {B} S {T} N {N} D {D}, "
-        f"bias [1, N, T, S]")
+  q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, D)), dtype) for _ in range(3))
+  bias = jnp.asarray(rng.standard_normal((1, N, T, T)), dtype)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {dtype.name} B {B} S {T} N {N} "
+        f"D {D}, bias [1, N, T, S]")
 
   def attend(impl):
     if impl == "jaxflash":
