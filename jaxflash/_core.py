@@ -164,32 +164,6 @@ def resolve_scale(scale, head_dim: int) -> float:
   return value
 
 
-def _dense_term(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, int]):
-  """bias or mask: broadcastable to [*batch, N, T, S], returned as [B or 1, N, T, S]
-  (the batch axes flattened like the inputs'; stride-0 batch axes stay size 1)."""
-  if x is None:
-    return None
-  x = as_array(x, name)
-  full = batch + shape3
-  if x.ndim > len(full):
-    raise ValueError(f"{name} must have rank <= {len(full)} (broadcastable to [*batch, N, T, S]), "
-                     f"got {x.shape}")
-  x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
-  try:
-    np.broadcast_shapes(x.shape, full)
-  except ValueError:
-    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [*batch, N, T, S] = {full}")
-  if name == "mask" and x.dtype != jnp.bool_:
-    raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
-                    "masks as bias")
-  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
-    raise TypeError(f"bias must be a floating-point array, got dtype {x.dtype}")
-  lead = x.shape[:-3]
-  if len(lead) > 1 and any(n != 1 for n in lead):
-    x = jnp.broadcast_to(x, full[:-3] + x.shape[-3:])
-  return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
-
-
 @dataclasses.dataclass(frozen=True)
 class Call:
   """A validated call, in [B, T, N, H] form: its batch axes (none, one or several)
@@ -293,8 +267,8 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
   segments = _segments.validate(query_segment_ids, key_value_segment_ids, batch, T, S)
   if segments is not None and spec.num_splits > 1:
     raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
-  return Call(q=q, k=k, v=v, bias=_dense_term(bias, "bias", batch, (N, T, S)),
-              mask=_dense_term(mask, "mask", batch, (N, T, S)),
+  return Call(q=q, k=k, v=v, bias=_dense.validate(bias, "bias", batch, (N, T, S)),
+              mask=_dense.validate(mask, "mask", batch, (N, T, S)),
               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
               segments=segments, alibi=resolve_alibi(alibi_slopes, batch, N),

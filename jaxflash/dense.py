@@ -15,9 +15,11 @@ dS = P (dP - delta) reduced over the bias's broadcast axes
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -27,6 +29,36 @@ class Dense:
 
   bias: jax.Array | None = None
   mask: jax.Array | None = None
+
+
+def validate(x, name: str, batch: tuple[int, ...], shape3: tuple[int, int, int]):
+  """A call's `bias` or `mask` (`name`): broadcastable to [*batch, N, T, S], returned as
+  [B or 1, N or 1, T or 1, S or 1] (the batch axes flattened like the inputs'; broadcast
+  axes stay 1), or None; every bad one raises here, at trace time."""
+  if x is None:
+    return None
+  try:
+    x = jnp.asarray(x)
+  except TypeError as e:
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}") from e
+  full = batch + shape3
+  if x.ndim > len(full):
+    raise ValueError(f"{name} must have rank <= {len(full)} (broadcastable to [*batch, N, T, S]), "
+                     f"got {x.shape}")
+  x = x.reshape((1,) * (len(full) - x.ndim) + x.shape)
+  try:
+    np.broadcast_shapes(x.shape, full)
+  except ValueError:
+    raise ValueError(f"{name} of shape {x.shape} does not broadcast to [*batch, N, T, S] = {full}")
+  if name == "mask" and x.dtype != jnp.bool_:
+    raise TypeError(f"mask must be boolean (True = attend), got dtype {x.dtype}; pass additive "
+                    "masks as bias")
+  if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"bias must be a floating-point array, got dtype {x.dtype}")
+  lead = x.shape[:-3]
+  if len(lead) > 1 and any(n != 1 for n in lead):
+    x = jnp.broadcast_to(x, full[:-3] + x.shape[-3:])
+  return x.reshape((math.prod(x.shape[:-3]),) + x.shape[-3:])
 
 
 def make(bias, mask) -> Dense | None:

@@ -231,7 +231,8 @@ class _ScoreGradients(_KeyBlocks):
     p, slope = self.probabilities(self.qg, kb, self.lse_g, vis, j0)
     dp = self.product("btkgh,bskh->bkgts", self.dog, vb)
     ds = jnp.where(vis, p * (dp - self.delta[..., None]), 0)
-    return p, ds, (ds if slope is None else ds * slope)
+    # The cap's slope of a hidden pair may be NaN (a padded key): it never multiplies in.
+    return p, ds, (ds if slope is None else jnp.where(vis, ds * slope, 0))
 
 
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
@@ -402,10 +403,14 @@ def _tangent_batch(args, dims, *, kernels, spec):
 
   B = (args[0].shape if dims[0] is None else np.delete(args[0].shape, dims[0]))[0]  # q's batch
 
-  def fold_dense(x, d):
+  # A bias is folded like its tangent (a mapped tangent gives every folded batch element
+  # its own gradient, so the bias takes the folded batch too).
+  t_bias_mapped = dims[15] is not None and args[15].size > 0
+
+  def fold_dense(x, d, force=False):
     """A bias, mask or bias tangent [Bb, ...]: a batch of one stays one unless the
     vmapped axis varies it (then it is broadcast to B, like the folded q)."""
-    if x.size == 0 or d is None and x.shape[0] == 1:
+    if x.size == 0 or d is None and x.shape[0] == 1 and not force:
       return x
     if d is None:
       x = jnp.broadcast_to(x, (size,) + x.shape)
@@ -414,8 +419,8 @@ def _tangent_batch(args, dims, *, kernels, spec):
     x = jnp.broadcast_to(x, (size, B) + x.shape[2:])
     return x.reshape((size * B,) + x.shape[2:])
 
-  folded = [fold_dense(x, d) if i in (10, 11, 15) else fold(x, d)
-            for i, (x, d) in enumerate(zip(args, dims))]
+  folded = [fold_dense(x, d, force=i == 10 and t_bias_mapped) if i in (10, 11, 15)
+            else fold(x, d) for i, (x, d) in enumerate(zip(args, dims))]
   extras = _extras(*folded[_EXTRAS])
   t_bias = folded[15]
   t_o, t_lse = output_tangents(*folded[:7], *folded[12:15], kernels=kernels, spec=spec,

@@ -301,6 +301,13 @@ def _merge(acc, o, lse):
 
 # ------------------------------------------------------------------ the ring
 
+def _no_dense(dense) -> None:
+  """Ring attention's blocks take no dense bias or mask (the partition rules never run a
+  ring for such calls, and `ring_attention` takes neither)."""
+  if dense is not None:
+    raise ValueError("ring attention does not take a dense bias or mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class Ring:
   """Fused kernels run around a ring, with the `kernels` interface of _core.py.
@@ -353,8 +360,9 @@ class Ring:
       return None
     return _segments.tables(_piece(q_ids, a, m, 1), kv_ids_c[0], lq, lk, block_spec, off)
 
-  def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None):
+  def forward(self, q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None, dense=None):
     """(o, lse) of the local query shard; segment ids' key side travels with K/V."""
+    _no_dense(dense)
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)   # folded into the offsets
     m, ks = self.q_seq.pieces, self.kv_seq
@@ -384,8 +392,9 @@ class Ring:
     return o, jnp.concatenate([a[1] for a in acc], axis=2)
 
   def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
-               alibi=None):
+               alibi=None, dense=None):
     """(dq, dk, dv) of the local shards, from the global o and lse."""
+    _no_dense(dense)
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
     m, ks = self.q_seq.pieces, self.kv_seq

@@ -174,6 +174,11 @@ def test_forward_mode_vmap_and_the_default(rng, implementation):
   out = jax.vmap(lambda b: run(implementation)(q, k, v, b))(biases)
   ref = jax.vmap(lambda b: run("xla")(q, k, v, b))(biases)
   assert max_abs(out, ref) < 1e-5
+  # A batch of bias tangents for one shared bias, transposed (vmap folds the bias like them).
+  tb = jnp.stack([tangents[3], -tangents[3]])
+  transposed = lambda impl: jax.linear_transpose(jax.vmap(
+      lambda t: jax.jvp(lambda b: run(impl)(q, k, v, b), (bias,), (t,))[1]), tb)(out)[0]
+  assert max_abs(transposed(implementation), transposed("xla")) < 1e-4
   if implementation == "native":
     hlo = jax.jit(lambda q: jaxflash.dot_product_attention(q, k, v, bias, mask)).lower(q).as_text()
     assert "jaxflash_fwd_v5" in hlo

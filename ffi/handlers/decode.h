@@ -177,7 +177,13 @@ struct ExtraOperands {
 // a broadcast axis).
 inline ffi::Error DecodeDenseTerm(const char* name, const ffi::AnyBuffer* buf, const AttentionShape& s,
                                   bool is_mask, DenseTerm* out) {
-  if (buf == nullptr || buf->element_count() == 0) return ffi::Error::Success();
+  if (buf == nullptr) return ffi::Error::Success();
+  const auto dims = buf->dimensions();
+  if (buf->element_count() == 0) {  // [0, 0, 0, 0]: a call without the term (any other empty shape is checked below)
+    bool none = dims.size() == 4;
+    for (size_t i = 0; none && i < dims.size(); ++i) none = dims[i] == 0;
+    if (none) return ffi::Error::Success();
+  }
   const ffi::DataType t = buf->element_type();
   if (is_mask) {
     if (t != ffi::DataType::PRED) return Invalid("the dense mask must be boolean");
@@ -187,7 +193,6 @@ inline ffi::Error DecodeDenseTerm(const char* name, const ffi::AnyBuffer* buf, c
   } else {
     return Invalid("the dense bias must be float32, float16 or bfloat16");
   }
-  const auto dims = buf->dimensions();
   const int64_t full[4] = {s.batch, s.q_heads, s.q_len, s.kv_len};
   bool ok = dims.size() == 4;
   for (size_t i = 0; ok && i < 4; ++i) ok = dims[i] == 1 || dims[i] == full[i];
