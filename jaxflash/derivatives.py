@@ -54,7 +54,7 @@ _HIGHEST = lax.Precision.HIGHEST
 # ------------------------------------------------------------------ the blockwise computations
 
 class _KeyBlocks:
-  """A call's geometry, cut into blocks of keys, in float32 with the query
+  """A call's geometry, cut into blocks of keys, in `dtype` with the query
   heads grouped over their key/value head ([B, T, K, G, H])."""
 
   # The operands' type in the products: float32 (IEEE products, HIGHEST), or for the
@@ -157,7 +157,6 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
   tangent of the dense bias (shaped like it), None for none.
   """
   g = _KeyBlocks(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense)
-  t_dense = None if t_bias is None else _dense.Dense(bias=t_bias)
   qg, tqg = g.grouped(q), g.grouped(tq)
 
   def step(carry, block):
@@ -168,8 +167,8 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
     ts = spec.scale * (jnp.einsum("btkgh,bskh->bkgts", tqg, kb, precision=_HIGHEST) +
                        jnp.einsum("btkgh,bskh->bkgts", qg, tkb, precision=_HIGHEST))
     ts = ts if slope is None else ts * slope
-    if t_dense is not None:
-      ts = ts + _dense.key_block(t_dense.bias, g.N, g.K, j0, g.block).astype(jnp.float32)
+    if t_bias is not None:
+      ts = ts + _dense.key_block(t_bias, g.N, g.K, j0, g.block).astype(jnp.float32)
     pts = jnp.where(vis, p * ts, 0)
     acc = acc + (jnp.einsum("bkgts,bskh->btkgh", pts, vb, precision=_HIGHEST) +
                  jnp.einsum("bkgts,bskh->btkgh", p, tvb, precision=_HIGHEST))
