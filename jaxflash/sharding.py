@@ -370,26 +370,36 @@ def _op(backward: bool, extra: _Extras):
 
 # ------------------------------------------------------------------ vmap
 
-def _fold_vmap(fn, axis_size: int, in_batched, args):
-  """Runs fn on args whose (leading) vmapped axis is folded into the batch."""
-  args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-          for a, b in zip(args, in_batched)]
-  # A dense bias or mask may have a batch of one (broadcast); folded, it must match q's.
-  batch = args[0].shape[1]
-  args = [jnp.broadcast_to(a, a.shape[:1] + (batch,) + a.shape[2:])
-          if a.ndim > 1 and a.shape[1] == 1 else a for a in args]
-  outs = fn(*(a.reshape((-1,) + a.shape[2:]) for a in args))
+def _fold_vmap(fn, axis_size: int, in_batched, args, shared: int = 0):
+  """Runs fn on args whose (leading) vmapped axis is folded into the batch. The last
+  `shared` args are dense terms [Bb, ...]: one the vmapped axis does not vary keeps a
+  batch of one (the kernels read it with stride 0); otherwise it is broadcast to q's."""
+  batch = args[0].shape[1] if in_batched[0] else args[0].shape[0]
+  folded = []
+  for i, (a, b) in enumerate(zip(args, in_batched)):
+    dense = i >= len(args) - shared
+    if dense and not b and a.shape[0] == 1:
+      folded.append(a)
+      continue
+    a = a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+    if dense:
+      a = jnp.broadcast_to(a, a.shape[:1] + (batch,) + a.shape[2:])
+    folded.append(a.reshape((-1,) + a.shape[2:]))
+  outs = fn(*folded)
   outs = tuple(o.reshape((axis_size, -1) + o.shape[1:]) for o in outs)
   return outs, (True,) * len(outs)
 
 
 @functools.cache
-def _vmappable(op, kernels, spec):
+def _vmappable(op, kernels, spec, shared: int = 0):
+  """op(*args, kernels, spec), vmapped by folding (`_fold_vmap`; `shared`: the number of
+  dense terms among the last args)."""
   @jax.custom_batching.custom_vmap
   def call(*args):
     return op(*args, kernels, spec)
 
-  call.def_vmap(lambda axis_size, in_batched, *args: _fold_vmap(call, axis_size, in_batched, args))
+  call.def_vmap(lambda axis_size, in_batched, *args: _fold_vmap(call, axis_size, in_batched,
+                                                                args, shared))
   return call
 
 
@@ -452,14 +462,16 @@ def partitioned(kernels):
     def forward(q, k, v, q_lengths, kv_lengths, spec, segments=None, alibi=None, dense=None):
       if jax.device_count() == 1 and dense is not None:
         # The FFI call's own vmap rule would fold a bias of one batch element wrongly.
-        call = _vmappable(_call(False, _Extras.of(segments, alibi, dense)), kernels, spec)
+        extra = _Extras.of(segments, alibi, dense)
+        call = _vmappable(_call(False, extra), kernels, spec, extra.bias + extra.mask)
         o, lse = call(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
       elif jax.device_count() == 1:
         o, lse = kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments,
                                  alibi=alibi, dense=dense)
       else:
-        op = _op(False, _Extras.of(segments, alibi, dense))
-        run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k, ("rows", "stats"))
+        extra = _Extras.of(segments, alibi, dense)
+        run = _outside_explicit_axes(_vmappable(_op(False, extra), kernels, spec,
+                                                extra.bias + extra.mask), q, k, ("rows", "stats"))
         o, lse = run(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
       return reference.varying_like(o, q), reference.varying_like(lse, q)
 
@@ -467,15 +479,17 @@ def partitioned(kernels):
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
                  alibi=None, dense=None):
       if jax.device_count() == 1 and dense is not None:
-        call = _vmappable(_call(True, _Extras.of(segments, alibi, dense)), kernels, spec)
+        extra = _Extras.of(segments, alibi, dense)
+        call = _vmappable(_call(True, extra), kernels, spec, extra.bias + extra.mask)
         grads = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                      *_Extras.operands(segments, alibi, dense))
       elif jax.device_count() == 1:
         grads = kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=segments, alibi=alibi, dense=dense)
       else:
-        op = _op(True, _Extras.of(segments, alibi, dense))
-        run = _outside_explicit_axes(_vmappable(op, kernels, spec), q, k,
+        extra = _Extras.of(segments, alibi, dense)
+        run = _outside_explicit_axes(_vmappable(_op(True, extra), kernels, spec,
+                                                extra.bias + extra.mask), q, k,
                                      ("rows", "keys", "keys"))
         grads = run(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                     *_Extras.operands(segments, alibi, dense))
