@@ -189,7 +189,7 @@ class Call:
     (`run_fused`)."""
     return max(self.q.shape[-1], self.v.shape[-1])
 
-  @property
+  @functools.cached_property
   def dense(self) -> _dense.Dense | None:
     """The dense bias and mask as the fused kernels take them: a float64 bias in
     float32 (the kernels' score precision), or None when the call has neither."""

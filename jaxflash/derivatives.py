@@ -434,13 +434,11 @@ def _tangent_jvp(primals, tangents, *, kernels, spec):
   tangents = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.floating)
               else ad.instantiate_zeros(t) for x, t in zip(primals, tangents)]
   q_table, kv_table, slopes, _, mask = primals[_EXTRAS]
-  extras = _extras(q_table, kv_table, slopes, _dense.operands(None)[0], mask)
-  del extras["dense"]
 
   def fn(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, bias, t_bias):
-    dense = _dense.from_operands(bias, mask)
-    return tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec, dense=dense,
-                   t_bias=None if t_bias.size == 0 else t_bias, **extras)
+    return tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, spec=spec,
+                   t_bias=None if t_bias.size == 0 else t_bias,
+                   **_extras(q_table, kv_table, slopes, bias, mask))
 
   order = (0, 1, 2, 3, 4, 5, 6, 12, 13, 14, 10, 15)  # fn's arguments among the operands
   out, t_out = jax.jvp(fn, tuple(primals[i] for i in order), tuple(tangents[i] for i in order))

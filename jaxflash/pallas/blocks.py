@@ -284,7 +284,8 @@ class DenseTile:
   programs (forward, dQ) hold [rows, keys] refs and read a block of keys; key-major
   ones (dK/dV) hold [heads, rows, keys] refs and read a block of rows of head g,
   returned transposed ([keys, rows], like their tiles). The mask is int8 with a
-  summary per tile (0: all hidden; `skip`). Without them every method is a no-op."""
+  summary per tile (0: all hidden; `walk` skips those). Without them every method is a
+  no-op."""
 
   bias: object = None
   mask: object = None
