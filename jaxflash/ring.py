@@ -113,6 +113,24 @@ class Sharded:
     perm = [(i, (i + 1) % n) for i in range(n)]
     return jax.tree.map(lambda x: lax.ppermute(x, self.axis, perm), tree)
 
+  def home(self, pieces, axis: int):
+    """The sums that travelled with the keys, at their owners, pieces joined on `axis`.
+
+    After the last step shard i holds the pieces of shard i + 1's keys: one
+    more hop. In the mirror layout each piece goes straight to the shard that
+    holds it in the contiguous layout instead (piece 0, chunk 2(i+1), to shard
+    i + 1; piece 1, chunk 2n - 3 - 2i, to shard n - 2 - i), so the result is
+    already contiguous: no swap back (`from_mirror`), and at two shards piece
+    1 stays where it is.
+    """
+    if self.shards > 1 and self.layout == "mirror":
+      n = self.shards
+      pieces = (self.send(pieces[0]),
+                lax.ppermute(pieces[1], self.axis, [(i, (n - 2 - i) % n) for i in range(n)]))
+    elif self.shards > 1:
+      pieces = self.send(pieces)
+    return jnp.concatenate(pieces, axis=axis)
+
 
 class _FirstHalf:
   """The first half of `whole` along `axis`, sliced only inside the block that reads it.
@@ -170,6 +188,19 @@ def to_mirror(xs, seq: Sharded, axes, lazy):
   firsts = (_FirstHalf(x, a) if l else lax.slice_in_dim(x, 0, h, axis=a)
             for x, a, h, l in zip(xs, axes, halves, lazy))
   return tuple(zip(firsts, received))
+
+
+def fold_output(o, do, dlse):
+  """dLSE with the output's part of the backward's delta folded in: the backward
+  then needs no O (`Ring.backward` with o None reads zeros in its place).
+
+  The kernels' delta is rowsum(dO * O) - dLSE (params.h); with O zero and
+  dLSE - rowsum(dO * O) it is the same number. The partition rule's causal
+  ring folds before its re-layout, so O is not swapped and the caller's O can
+  die before the ring runs.
+  """
+  prod = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)   # [B, T, N]
+  return dlse.astype(jnp.float32) - jnp.transpose(prod, (0, 2, 1))
 
 
 def from_mirror(x, seq: Sharded, seq_axis: int):
@@ -393,7 +424,12 @@ class Ring:
 
   def backward(self, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
                alibi=None, dense=None):
-    """(dq, dk, dv) of the local shards, from the global o and lse."""
+    """(dq, dk, dv) of the local shards, from the global o and lse.
+
+    `o` None: `dlse` has the output's part folded in (`fold_output`). dq comes
+    in the queries' layout, dk and dv in the keys' (the mirror layout's
+    contiguous: `Sharded.home`).
+    """
     _no_dense(dense)
     blocks = self._blocks(spec, q, k, q_lengths, kv_lengths)
     block_spec = dataclasses.replace(spec, bottom_right=False)
@@ -421,6 +457,8 @@ class Ring:
       return nxt, tuple(dkv), tuple(dq)
 
     q_a = _piece(q, 0, m, 1)    # only the shapes and types of these are used
+    if o is None:       # dLSE carries the output's part: every piece reads one zero O
+      o = (_like(_piece(do, 0, m, 1), 0),) * m
     pending = tuple(tuple(_like(_piece(x, 0, ks.pieces, 1), 0, jnp.float32) for x in (k, v))
                     for _ in range(ks.pieces))
     dq = tuple(_like(q_a, 0, jnp.float32) for _ in range(m))
@@ -429,9 +467,7 @@ class Ring:
     # The finished sums return to their owner in the input dtype (they are
     # rounded to it there anyway): half the bytes of the last hop.
     pending = jax.tree.map(lambda x: x.astype(_dtype(k)), pending)
-    if ks.shards > 1:
-      pending = ks.send(pending)
-    dk, dv = (jnp.concatenate([x[i] for x in pending], axis=1) for i in (0, 1))
+    dk, dv = (ks.home(tuple(x[i] for x in pending), axis=1) for i in (0, 1))
     return jnp.concatenate(dq, axis=1).astype(_dtype(q)), dk, dv
 
 

@@ -253,12 +253,14 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
       # through the forward.
       q, k, v, o, lse, do, dlse = lax.optimization_barrier((q, k, v, o, lse, do, dlse))
       if plan.mirror:
-        q, o, do, lse, dlse, k, v, ids = _to_mirror(
-            ring.q_seq, [(q, 1), (o, 1), (do, 1), (lse, 2), (dlse, 2)], (k, v), ids)
+        # O folded into dLSE: one swap fewer, and the caller's O may die here.
+        dlse, o = ring_lib.fold_output(o, do, dlse), None
+        q, do, lse, dlse, k, v, ids = _to_mirror(
+            ring.q_seq, [(q, 1), (do, 1), (lse, 2), (dlse, 2)], (k, v), ids)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=ids, alibi=alibi)
-      if plan.mirror:
-        dq, dk, dv = (ring_lib.from_mirror(x, ring.q_seq, 1) for x in (dq, dk, dv))
+      if plan.mirror:      # dK, dV come home contiguous (Sharded.home)
+        dq = ring_lib.from_mirror(dq, ring.q_seq, 1)
     if plan.sliced_kv_heads:
       # K/V are replicated over the head axis: their gradient sums its shards.
       place = lambda g, full: lax.dynamic_update_slice_in_dim(

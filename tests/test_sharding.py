@@ -570,8 +570,11 @@ def test_ring_memory_per_device():
 
   Guards what design.md (Memory) measured: ring_attention on zigzag data 1.06x of
   one device (it was 1.15x while every operand was split into its pieces up front),
-  the automatic causal ring 1.18x (its mirror re-layout's received halves; 1.37x with
-  the zigzag re-layout it replaced). Compiles only.
+  the automatic causal ring 1.31x (its mirror re-layout's received halves; 1.37x with
+  the zigzag re-layout it replaced). The backward's fold of O into dLSE
+  (`ring.fold_output`) took this program 1.18x -> 1.31x: XLA CPU's row-sum fusion
+  reads float32 copies of dO and O, made early. On two H200s the same fold took the
+  per-GPU peak 0.845x -> 0.787x of one GPU (the GPU fuses the row sum). Compiles only.
   """
   shape = (1, 1024, 4, 128)
   one = NamedSharding(_mesh((1,), ("s",), auto=True), P())
@@ -589,7 +592,7 @@ def test_ring_memory_per_device():
 
   base = _per_device_bytes(automatic, one, shape)
   assert _per_device_bytes(explicit, rows, shape) <= 1.10 * base
-  assert _per_device_bytes(automatic, rows, shape) <= 1.22 * base
+  assert _per_device_bytes(automatic, rows, shape) <= 1.34 * base
 
 
 @child_only
