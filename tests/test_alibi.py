@@ -192,7 +192,7 @@ def _core_order_of(q, alibi):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_gpu_pallas(rng, dtype):
   if not HAS_GPU:
     pytest.skip("needs a GPU")
