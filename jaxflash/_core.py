@@ -36,13 +36,13 @@ Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
 FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-MAX_FUSED_HEAD_DIM = 512   # the Pallas kernels, the native CPU ones (params.h, kMaxCpuHeadDim)
-MAX_CUDA_HEAD_DIM = 256    # the CUDA kernels
+MAX_FUSED_HEAD_DIM = 256   # the CUDA and Pallas kernels
+MAX_CPU_HEAD_DIM = 512     # the native CPU kernels (params.h, kMaxCpuHeadDim)
 
 
 def max_head_dim(name: str) -> int:
   """The widest head dim implementation `name` takes here."""
-  return MAX_CUDA_HEAD_DIM if name == "native" and platform() != "cpu" else MAX_FUSED_HEAD_DIM
+  return MAX_CPU_HEAD_DIM if name == "native" and platform() == "cpu" else MAX_FUSED_HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)

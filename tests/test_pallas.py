@@ -301,7 +301,6 @@ BACKWARD_CASES = [
          lengths="short_q", config=MIXED),
     Case(t=50, s=50, d=32, right=0, config=None),
     Case(t=30, s=30, d=32, magnitude=20.0, left=7, right=7),
-    Case(t=21, s=35, hq=2, hkv=1, d=264, dtype=BF16, right=0, lengths="ragged"),  # past 256
 ]
 
 
@@ -825,13 +824,6 @@ def test_random_sweep_interpret(index, request):
                       lengths="empty", config=None), marks=pytest.mark.slow),
     Case(b=1, t=1, s=4097, hq=16, hkv=2, d=128, dtype=BF16, right=0,
          bottom_right=True, config=None),
-    # Head dims past the CUDA kernels' 256: Pallas serves them on a GPU.
-    Case(b=2, t=300, s=411, hq=4, hkv=2, d=512, dtype=BF16, right=0, lengths="ragged",
-         config=None),
-    pytest.param(Case(b=1, t=200, s=333, hq=2, hkv=1, d=264, dtype=F16, left=50, right=0,
-                      bottom_right=True, config=None), marks=pytest.mark.slow),
-    pytest.param(Case(b=2, t=3, s=700, hq=8, hkv=2, d=384, dtype=BF16, right=0,
-                      bottom_right=True, config=None), marks=pytest.mark.slow),
 ], ids=str)
 def test_gpu_matches_reference(case, request):
   _run(case, request, grads=True)
@@ -856,8 +848,7 @@ def test_gpu_long_sequence(request):
 
 
 @pytest.mark.parametrize("d, dtype, left, right, softcap, alibi", [  # alibi: and segment ids
-    (64, BF16, -1, 0, 0.0, False), (40, F16, 5, 3, 30.0, True), (256, F32, -1, -1, 0.0, False),
-    (512, BF16, -1, 0, 0.0, False)])
+    (64, BF16, -1, 0, 0.0, False), (40, F16, 5, 3, 30.0, True), (256, F32, -1, -1, 0.0, False)])
 def test_kernels_lower_for_the_gpu_on_any_machine(d, dtype, left, right, softcap, alibi):
   """The Triton lowering of every kernel, checked without a GPU: JAX lowers
   for "cuda" on a CPU-only machine, which catches a primitive Pallas cannot

@@ -33,7 +33,7 @@ LN2 = math.log(2.0)
 # jax.debug_infs stays quiet, and low enough to act as log 0.
 EMPTY_LSE = float(np.finfo(np.float32).min)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-MAX_HEAD_DIM = 512
+MAX_HEAD_DIM = 256
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
 
