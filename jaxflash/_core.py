@@ -122,9 +122,8 @@ def check_heads_and_dtypes(q_heads: int, kv_heads: int, arrays: dict[str, jax.Ar
                     f"{', '.join(str(t) for t in dtypes)}")
 
 
-# Window sides are capped here (and as kMaxWindow in the FFI handlers): past
-# every sequence a side bounds nothing, and 2^29 keeps the kernels' 32-bit
-# position arithmetic exact.
+# Window sides are capped here (and as kMaxWindow in the FFI handlers): past every
+# sequence a side bounds nothing, and 2^29 keeps 32-bit position arithmetic exact.
 MAX_WINDOW = 1 << 29
 
 
@@ -316,8 +315,7 @@ class NativeKernels:
     splits = (1 if segments is not None or dense is not None else
               _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform()))
     target, dense_operands = cls._target(0, dense)
-    # broadcast_all: under vmap every operand gains the same leading axes, which
-    # the handlers fold into the batch.
+    # broadcast_all: under vmap every operand gains the leading axes the handlers fold.
     call = jax.ffi.ffi_call(target, cls.out_types(q, splits), vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, reference.per_batch_operand(offsets),
                         *_segments.operands(segments), reference.alibi_operand(alibi),
@@ -329,10 +327,8 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None):
-    # The last two results are the kernels' workspaces: delta (O(B * N * T))
-    # and room for the fused backward's float32 dQ sums (like q, or with a
-    # last dimension of 0); as outputs they keep the handlers free of run-time
-    # allocation.
+    # The last two results are workspaces (no run-time allocation in the handlers):
+    # delta, and the fused backward's float32 dQ sums (like q, or a last dim of 0).
     sums = _native.dq_sums_room(q.dtype, q.shape[-1], bool(spec.deterministic))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
@@ -345,6 +341,18 @@ class NativeKernels:
                          *dense_operands, **cls._attrs(spec), deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
     return dq, dk, dv
+
+  @classmethod
+  def bias_gradient(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec: MaskSpec,
+                    dense, offsets=None, segments=None, alibi=None):
+    """The dense bias's gradient (the CPU kernels' dS summed over its broadcast axes, with a
+    delta workspace), in its dtype; derivatives.bias_gradient is the definition."""
+    out_types = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (dense.bias, lse))
+    dbias, _ = jax.ffi.ffi_call(_native.BIAS_GRADIENT_TARGET, out_types)(
+        q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32), q_lengths, kv_lengths,
+        reference.per_batch_operand(offsets), *_segments.operands(segments),
+        reference.alibi_operand(alibi), *_dense.operands(dense), **cls._attrs(spec))
+    return dbias.astype(dense.bias.dtype)
 
 
 class PallasKernels:

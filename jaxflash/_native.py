@@ -26,13 +26,15 @@ from jaxflash import tile_cache
 FORWARD_TARGET = "jaxflash_fwd_v4"
 BACKWARD_TARGET = "jaxflash_bwd_v4"
 DENSE_TARGETS = ("jaxflash_fwd_v5", "jaxflash_bwd_v5")  # (forward, backward) of calls with a bias or mask
+BIAS_GRADIENT_TARGET = "jaxflash_bias_grad_v1"   # the dense bias's gradient alone (the backward v5's operands)
 PAGED_TARGET = "jaxflash_paged_fwd_v4"
 LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3", "jaxflash_paged_fwd_v2",
                   "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
                   "jaxflash_paged_fwd_v1")
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
 SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
-CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + DENSE_TARGETS + LEGACY_TARGETS
+CPU_ONLY_TARGETS = DENSE_TARGETS + (BIAS_GRADIENT_TARGET,)    # no CUDA kernels take these yet
+CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + CPU_ONLY_TARGETS + LEGACY_TARGETS
 TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET,)
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables

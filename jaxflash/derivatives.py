@@ -372,11 +372,34 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
                             extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
   d_bias = None
   if ad.is_undefined_primal(t_bias):
-    fn = lambda *xs: bias_gradient(*xs[:9], spec=spec, **_extras(*xs[9:]))
-    d_bias = _outside_explicit_axes(fn, (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                                         q_table, kv_table, slopes, bias, mask), bias)
+    d_bias = _outside_explicit_axes(_bias_gradient_of(kernels, spec),
+                                    (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
+                                     q_table, kv_table, slopes, bias, mask), bias)
   return [None] * 12 + [g if ad.is_undefined_primal(t) else None
                         for g, t in zip(grads, (tq, tk, tv))] + [d_bias]
+
+
+def _bias_gradient_of(kernels, spec):
+  """fn(q, k, v, o, lse, do, dlse, lengths, tables, slopes, bias, mask) -> dB: the kernels'
+  own pass where they have one (`bias_gradient`: the native CPU kernels), vmapped and
+  differentiated as the blockwise `bias_gradient`, the definition; else that one."""
+  blockwise = lambda *xs: bias_gradient(*xs[:9], spec=spec, **_extras(*xs[9:]))  # noqa: E731
+  own = getattr(kernels, "bias_gradient", None)
+  if own is None:
+    return blockwise
+
+  @jax.custom_batching.custom_vmap
+  def run(*xs):
+    return own(*xs[:9], spec=spec, **_extras(*xs[9:]))
+
+  @run.def_vmap
+  def _vmap(axis_size, in_batched, *xs):
+    del axis_size
+    return jax.vmap(blockwise, in_axes=[0 if b else None for b in in_batched])(*xs), True
+
+  fn = jax.custom_jvp(lambda *xs: run(*xs))
+  fn.defjvp(lambda primals, tangents: jax.jvp(blockwise, primals, tangents))
+  return fn
 
 
 def _outside_explicit_axes(fn, args, like):

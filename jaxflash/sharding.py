@@ -497,6 +497,14 @@ def partitioned(kernels):
                     *_Extras.operands(segments, alibi, dense))
       return tuple(reference.varying_like(g, x) for g, x in zip(grads, (q, k, v)))
 
+    if hasattr(kernels, "bias_gradient"):
+      # The dense bias's gradient: the kernels' pass on one device; on several the
+      # blockwise jnp one, which the partitioner splits like any jnp.
+      @staticmethod
+      def bias_gradient(*args, **kw):
+        fn = kernels.bias_gradient if jax.device_count() == 1 else derivatives.bias_gradient
+        return fn(*args, **kw)
+
     if hasattr(kernels, "tangent"):
       # Forward mode on one device is the kernels' tangent pass; on several it
       # is the blockwise jnp tangent, which the partitioner splits like any jnp.

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxflash
+from jaxflash import _native
 from cases import mask_kwargs, numpy_mask
 from conftest import HAS_GPU, assert_within_budget, max_abs, numpy_reference, random_inputs
 from test_native import attention, finite_baseline
@@ -185,12 +186,45 @@ def test_forward_mode_vmap_and_the_default(rng, implementation):
 
 
 def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
-  """dB is a pass of its own, traced only when the bias is differentiated."""
+  """dB is a pass of its own, traced only when the bias is differentiated: the native
+  CPU kernels' (its own FFI target), the blockwise jnp one elsewhere (a scan)."""
   q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, jnp.float32)
   bias = jnp.zeros((1, 2, 16, 16))
-  loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, implementation="native").sum()
-  count = lambda argnums: str(jax.make_jaxpr(jax.grad(loss, argnums))(q, bias)).count("scan")
-  assert count(0) < count((0, 1))
+  for impl, mark in (("native", _native.BIAS_GRADIENT_TARGET), ("pallas", "scan")):
+    loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, implementation=impl).sum()
+    count = lambda argnums: str(jax.make_jaxpr(jax.grad(loss, argnums))(q, bias)).count(mark)
+    assert count(0) < count((0, 1)), impl
+
+
+def test_native_bias_gradient_with_score_modifiers_vmap_and_second_order(rng):
+  """The CPU kernels' own dB pass against xla's: with a soft-cap (the bias is added
+  after it), ALiBi, segment ids and a mask; vmapped (it runs the blockwise pass
+  there) and differentiated once more (the blockwise pass's derivative)."""
+  if HAS_GPU:
+    pytest.skip("native takes a dense bias on the CPU only")
+  q, k, v = random_inputs(rng, 2, 40, 56, 4, 2, 24, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((1, 4, 40, 56)), jnp.float32)
+  mask = jnp.asarray(rng.random((2, 1, 40, 56)) < 0.8)
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, 40)), axis=1), jnp.int32)
+  kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, 56)), axis=1), jnp.int32)
+  slopes = jnp.asarray(rng.random(4), jnp.float32)
+  do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def loss(impl, q, b):
+    o = jaxflash.dot_product_attention(
+        q, k, v, b, mask, is_causal=True, logits_soft_cap=4.0, alibi_slopes=slopes,
+        query_segment_ids=ids, key_value_segment_ids=kv_ids, implementation=impl)
+    return jnp.sum(o * do)
+  grad = lambda impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1))
+  got, want = grad("native")(q, bias), grad("xla")(q, bias)
+  assert max_abs(got[1], want[1]) < 1e-4 * float(jnp.max(jnp.abs(want[1])))
+  biases = jnp.stack([bias, -bias])
+  vmapped = lambda impl: jax.vmap(lambda b: grad(impl)(q, b)[1])(biases)
+  assert max_abs(vmapped("native"), vmapped("xla")) < 1e-4 * float(jnp.max(jnp.abs(want[1])))
+  t = jnp.asarray(rng.standard_normal(bias.shape), jnp.float32)
+  second = lambda impl: jax.jvp(lambda b: grad(impl)(q, b)[1], (bias,), (t,))[1]
+  ref = second("xla")
+  assert max_abs(second("native"), ref) < 1e-4 * float(jnp.max(jnp.abs(ref)))
 
 
 def test_errors(rng):

@@ -105,6 +105,21 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 
+ffi::Error CpuBiasGradientHandler(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                  ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                                  ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                                  ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer alibi,
+                                  ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> dbias,
+                                  ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                                  int64_t window_right, bool bottom_right, float softcap) {
+  BwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeBiasGradient({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
+                                               ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
+                                              dbias, delta, scale, window_left, window_right, bottom_right, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
+  return ToFfiError(CpuBiasGradient(p, PoolRunner(&pool)));
+}
+
 // The target versions (decode.h): v5 passes the segment tables, the ALiBi
 // slopes and the dense bias and mask, v4 the tables and the slopes, v3 the
 // tables only, v2 neither, v1 not the soft-cap attribute either.
@@ -162,6 +177,8 @@ constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackwardV2(args..., 
 
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBiasGradient, CpuBiasGradientHandler,
+                              BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV5, CpuForwardV5,
                               BindForward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV5, CpuBackwardV5,

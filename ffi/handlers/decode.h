@@ -404,11 +404,10 @@ struct BackwardBuffers {
 // scratch allocator is unavailable inside command buffers). delta is the
 // O(T * H) row statistic; dq_accum is float32 laid out like q when the caller
 // leaves room for the fused backward's dQ sums, or has a last dimension of 0.
-inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
-                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                                 ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
-                                 float scale, int64_t window_left, int64_t window_right, bool bottom_right,
-                                 bool deterministic, int64_t tile, BwdParams* p) {
+// The operands and attributes of every backward-shaped target (the backward's,
+// the bias gradient's), and its delta workspace.
+inline ffi::Error DecodeBackwardInputs(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> delta, float scale,
+                                       int64_t window_left, int64_t window_right, bool bottom_right, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
   JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
@@ -417,23 +416,13 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", in.q_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("key_value_seq_lengths", in.kv_lengths, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("diagonal_offsets", in.diag_offsets, p->shape));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("delta", *delta, p->shape));
-  const bool sums = dq_accum->size_bytes() > 0;
-  if (dq_accum->element_type() != ffi::DataType::F32) return Invalid("dq_accum must be float32");
-  JAXFLASH_RETURN_IF_ERROR(ExpectShape("dq_accum", dq_accum->dimensions(),
-                                       {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
-                                       p->shape.batch));
   JAXFLASH_RETURN_IF_ERROR(DecodeMask(scale, window_left, window_right, bottom_right, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeSegments(in.extras, p->shape, 1, &p->mask));
   JAXFLASH_RETURN_IF_ERROR(DecodeAlibi(in.extras, p->shape, &p->alibi));
   JAXFLASH_RETURN_IF_ERROR(DecodeDense(in.extras, p->shape, 1, &p->dense));
   p->mask.diag_offsets = PerBatch(in.diag_offsets);
   p->scale = scale;
-  p->deterministic = deterministic;
-  JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   p->q = in.q.untyped_data();
   p->k = in.k.untyped_data();
   p->v = in.v.untyped_data();
@@ -443,11 +432,49 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   p->dlse = static_cast<const float*>(in.dlse.untyped_data());
   p->q_lengths = PerBatch(in.q_lengths);
   p->kv_lengths = PerBatch(in.kv_lengths);
+  p->delta = static_cast<float*>(delta->untyped_data());
+  return ffi::Error::Success();
+}
+
+inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dq,
+                                 ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                                 ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
+                                 float scale, int64_t window_left, int64_t window_right, bool bottom_right,
+                                 bool deterministic, int64_t tile, BwdParams* p) {
+  JAXFLASH_RETURN_IF_ERROR(DecodeBackwardInputs(in, delta, scale, window_left, window_right, bottom_right, p));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dq", *dq, in.q));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dk", *dk, in.k));
+  JAXFLASH_RETURN_IF_ERROR(CheckLike("dv", *dv, in.v));
+  const bool sums = dq_accum->size_bytes() > 0;
+  if (dq_accum->element_type() != ffi::DataType::F32) return Invalid("dq_accum must be float32");
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("dq_accum", dq_accum->dimensions(),
+                                       {p->shape.q_len, p->shape.q_heads, sums ? p->shape.head_dim : 0},
+                                       p->shape.batch));
+  p->deterministic = deterministic;
+  JAXFLASH_RETURN_IF_ERROR(DecodeTile(tile, &p->tile));
   p->dq = dq->untyped_data();
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
-  p->delta = static_cast<float*>(delta->untyped_data());
   p->dq_accum = sums ? static_cast<float*>(dq_accum->untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
+// The bias gradient's target (jaxflash_bias_grad_v1, CPU): the backward v5's
+// operands, results dB (float32, the bias's shape) and delta (workspace).
+inline ffi::Error DecodeBiasGradient(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dbias,
+                                     ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                                     int64_t window_right, bool bottom_right, BwdParams* p) {
+  JAXFLASH_RETURN_IF_ERROR(DecodeBackwardInputs(in, delta, scale, window_left, window_right, bottom_right, p));
+  if (!p->dense.bias.On()) return Invalid("the bias gradient needs a dense bias");
+  if (dbias->element_type() != ffi::DataType::F32) return Invalid("the bias gradient must be float32");
+  const auto want = in.extras.bias->dimensions();
+  const auto got = dbias->dimensions();
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < got.size(); ++i) same = got[i] == want[i];
+  if (!same) {
+    return Invalid("the bias gradient has shape " + ShapeString(got) + ", expected the bias's " + ShapeString(want));
+  }
+  p->dbias = static_cast<float*>(dbias->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -586,6 +613,31 @@ auto BindPagedForward(Binding binding) {
       .template Attr<int64_t>("window_right")
       .template Attr<int64_t>("tile")
       .template Attr<int64_t>("num_splits"); });
+}
+
+// jaxflash_bias_grad_v1: the operands of the backward v5, results dB and delta,
+// the backward's attributes but `deterministic` and `tile`.
+template <typename Binding>
+auto BindBiasGradient(Binding binding) {
+  return WithSegments<5>([&] {
+           return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+               .template Arg<ffi::AnyBuffer>()                       // k
+               .template Arg<ffi::AnyBuffer>()                       // v
+               .template Arg<ffi::AnyBuffer>()                       // o
+               .template Arg<ffi::AnyBuffer>()                       // lse
+               .template Arg<ffi::AnyBuffer>()                       // dout
+               .template Arg<ffi::AnyBuffer>()                       // dlse
+               .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
+               .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
+               .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
+         })
+      .template Ret<ffi::AnyBuffer>()  // dbias
+      .template Ret<ffi::AnyBuffer>()  // delta (workspace)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<float>("softcap");
 }
 
 template <int kVersion, typename Binding>

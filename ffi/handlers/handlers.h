@@ -6,6 +6,7 @@
 extern "C" {
 XLA_FFI_Error* JaxflashCpuForwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackwardV5(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuBiasGradient(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForwardV3(XLA_FFI_CallFrame* call_frame);

@@ -57,6 +57,8 @@ NB_MODULE(_jaxflash, m) {
     // without a dense term keep using v4 on both platforms.
     d["jaxflash_fwd_v5"] = Capsule(JaxflashCpuForwardV5);
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCpuBackwardV5);
+    // The bias's gradient alone (the backward v5's operands; result dB).
+    d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCpuBiasGradient);
     return d;
   });
   m.def("cuda_targets", [] {

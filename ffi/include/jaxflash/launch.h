@@ -48,6 +48,9 @@ class ParallelRunner {
 Status CpuAttentionForward(const FwdParams& params, const ParallelRunner& runner);
 // params.delta must point at batch * q_heads * q_len floats.
 Status CpuAttentionBackward(const BwdParams& params, const ParallelRunner& runner);
+// The dense bias's gradient alone (params.dbias; params.delta as above; dq, dk,
+// dv untouched).
+Status CpuBiasGradient(const BwdParams& params, const ParallelRunner& runner);
 
 // ---------------------------------------------------------------- CUDA
 // Built only when the CUDA part of the extension is compiled.

@@ -304,6 +304,10 @@ struct BwdParams {
   // runs the two-kernel backward, as it does for deterministic calls.
   float* dq_accum = nullptr;
   DenseParams dense;  // as FwdParams::dense
+  // The bias gradient of CpuBiasGradient (the backward kernels leave it): float32,
+  // contiguous [Bb, Nb, Tb, Sb], each axis the call's, or 1 where the bias's
+  // stride is 0 (broadcast).
+  float* dbias = nullptr;
 };
 
 }  // namespace jaxflash

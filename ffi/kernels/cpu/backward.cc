@@ -11,6 +11,12 @@
 // Pass 3 recomputes QK^T and dO V^T once more than a fused dQ would (seven
 // tile products instead of five), which buys determinism and O(T * H) extra
 // memory: only delta.
+//
+// The dense bias's gradient is a call of its own (CpuBiasGradient): pass 1,
+// then pass 4, dB = dS summed over the bias's broadcast axes, whose items
+// are the bias's own (batch, head, row tile): each owns its rows of dB and
+// walks the broadcast batch elements, heads (and row tiles) itself, so no
+// two items write one element and the sums' order is fixed.
 #include <algorithm>
 #include <vector>
 
@@ -129,9 +135,11 @@ struct TileVisibility {
 // read the tile: whole when the masks admit all of it, or when a dense mask's
 // hidden pairs were zeroed here and no operand holds a NaN or Inf; else only the
 // visible pairs (masked entries of t.s and t.ds may hold NaN from non-finite inputs).
+// `score_slope` false leaves a soft-capped call's dS with respect to the capped
+// score (what the bias, added after the cap, receives) instead of the raw one.
 TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& mask, const DenseRows& dense,
                                           DenseRows::View view, int64_t b, int64_t h, int r0, int rows,
-                                          int c0, int cols, BackwardTile& t) {
+                                          int c0, int cols, BackwardTile& t, bool score_slope = true) {
   const BwdParams& p = g.p;
   const int64_t stat = g.RowStatsOffset(b, h, r0);
   for (int r = 0; r < rows; ++r) {
@@ -171,7 +179,7 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
         const float th = cap.TanhOf(s[c]);
         const float prob = Exp2(s[c] + bias[c] - lse2);
         s[c] = prob;
-        ds[c] = prob * (ds[c] - t.delta[r]) * (1.f - th * th);
+        ds[c] = prob * (ds[c] - t.delta[r]) * (score_slope ? 1.f - th * th : 1.f);
       }
       continue;
     }
@@ -290,7 +298,96 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
   StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);
 }
 
+// dB's dims: the call's where the bias has a stride, else 1.
+struct BiasGrid {
+  int64_t batches, heads, rows, keys;
+  explicit BiasGrid(const BwdParams& p)
+      : batches(p.dense.bias.batch_stride != 0 ? p.shape.batch : 1),
+        heads(p.dense.bias.head_stride != 0 ? p.shape.q_heads : 1),
+        rows(p.dense.bias.row_stride != 0 ? p.shape.q_len : 1),
+        keys(p.dense.bias.key_stride != 0 ? p.shape.kv_len : 1) {}
+  int64_t RowItems(const Geometry& g) const { return rows == 1 ? 1 : g.row_tiles; }
+};
+
+JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, int64_t item) {
+  const BwdParams& p = g.p;
+  const AttentionShape& sh = p.shape;
+  const int dim = g.dim;
+  const int64_t row_items = grid.RowItems(g);
+  const int64_t bb = item / (grid.heads * row_items);
+  const int64_t hb = (item / row_items) % grid.heads;
+  // This item's rows of dB: one row tile, or the single row of a bias broadcast over rows.
+  const int out_r0 = grid.rows == 1 ? 0 : static_cast<int>((item % row_items) * kRowsPerTile);
+  const int out_rows = grid.rows == 1 ? 1 : static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - out_r0));
+  float* out = p.dbias + (bb * grid.heads + hb) * grid.rows * grid.keys;
+  std::fill(out + out_r0 * grid.keys, out + (out_r0 + out_rows) * grid.keys, 0.f);
+  BackwardTile& t = Scratch();
+
+  const int64_t b_end = grid.batches == 1 ? sh.batch : bb + 1;
+  const int64_t h_end = grid.heads == 1 ? sh.q_heads : hb + 1;
+  const int r_end = grid.rows == 1 ? static_cast<int>(sh.q_len) : out_r0 + 1;
+  for (int64_t b = grid.batches == 1 ? 0 : bb; b < b_end; ++b) {
+    const MaskPolicy mask = g.Mask(b);
+    const DenseRows dense{p.dense, b};
+    for (int64_t h = grid.heads == 1 ? 0 : hb; h < h_end; ++h) {
+      const int64_t kv_head = h / sh.group_size();
+      for (int r0 = out_r0; r0 < r_end; r0 += kRowsPerTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
+        const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
+        if (valid_rows <= 0) continue;
+        const int key_begin = mask.BlockKeyBegin(r0);
+        const int key_end = mask.BlockKeyEnd(r0 + valid_rows - 1);
+        if (key_begin >= key_end) continue;
+        const int64_t q_off = g.QOffset(b, h, r0);
+        LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, p.scale * kLog2e, t.q);
+        LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, 1.f, t.dout);
+        for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
+          const int cols = std::min(kKeysPerTile, key_end - c0);
+          const auto view = dense.Tile(valid_rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, cols);
+          if (view == DenseRows::View::kHidden) continue;
+          const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+          LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
+          LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
+          const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0,
+                                                                cols, t, /*score_slope=*/false);
+          // dS of the pairs the rows see (hidden ones may hold NaN unless the tile is plain).
+          for (int r = 0; r < valid_rows; ++r) {
+            const float* ds = t.ds + r * kKeysPerTile;
+            float* dst = out + (grid.rows == 1 ? 0 : r0 + r) * grid.keys;
+            const VisibleSpan span = vis.plain ? VisibleSpan{0, cols, true} : vis.ColsOf(r, cols);
+            float sum = 0.f;
+            for (int c = span.begin; c < span.end; ++c) {
+              if (!span.exact && !vis.Sees(r, c)) continue;
+              if (grid.keys == 1) {
+                sum += ds[c];
+              } else {
+                dst[c0 + c] += ds[c];
+              }
+            }
+            if (grid.keys == 1) dst[0] += sum;
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
+
+Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
+  if (p.shape.head_dim > kMaxHeadDim) {
+    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
+  }
+  if (p.delta == nullptr || p.dbias == nullptr || !p.dense.bias.On()) {
+    return Status::Internal("bias gradient called without its bias, output or delta scratch");
+  }
+  const Geometry g(p);
+  runner.For(p.shape.batch * p.shape.q_heads * g.row_tiles, [&g](int64_t item) { DeltaItem(g, item); });
+  const BiasGrid grid(p);
+  runner.For(grid.batches * grid.heads * grid.RowItems(g),
+             [&g, &grid](int64_t item) { BiasGradItem(g, grid, item); });
+  return Status::Ok();
+}
 
 Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
   if (p.shape.head_dim > kMaxHeadDim) {
