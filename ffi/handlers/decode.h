@@ -615,46 +615,29 @@ auto BindPagedForward(Binding binding) {
       .template Attr<int64_t>("num_splits"); });
 }
 
-// jaxflash_bias_grad_v1: the operands of the backward v5, results dB and delta,
-// the backward's attributes but `deterministic` and `tile`.
-template <typename Binding>
-auto BindBiasGradient(Binding binding) {
-  return WithSegments<5>([&] {
-           return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-               .template Arg<ffi::AnyBuffer>()                       // k
-               .template Arg<ffi::AnyBuffer>()                       // v
-               .template Arg<ffi::AnyBuffer>()                       // o
-               .template Arg<ffi::AnyBuffer>()                       // lse
-               .template Arg<ffi::AnyBuffer>()                       // dout
-               .template Arg<ffi::AnyBuffer>()                       // dlse
-               .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
-               .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
-               .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
-         })
-      .template Ret<ffi::AnyBuffer>()  // dbias
-      .template Ret<ffi::AnyBuffer>()  // delta (workspace)
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
-      .template Attr<float>("softcap");
+// The backward's operands, as its version `kVersion` takes them (shared by the
+// bias gradient's target, which takes v5's). By reference: a binding can only
+// be consumed (its chained methods take it as an rvalue), never moved.
+template <int kVersion, typename Binding>
+auto BindBackwardOperands(Binding&& binding) {
+  return WithSegments<kVersion>([&] {
+    return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
+        .template Arg<ffi::AnyBuffer>()                       // k
+        .template Arg<ffi::AnyBuffer>()                       // v
+        .template Arg<ffi::AnyBuffer>()                       // o
+        .template Arg<ffi::AnyBuffer>()                       // lse
+        .template Arg<ffi::AnyBuffer>()                       // dout
+        .template Arg<ffi::AnyBuffer>()                       // dlse
+        .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
+        .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
+        .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
+  });
 }
 
 template <int kVersion, typename Binding>
 auto BindBackward(Binding binding) {
   return WithSoftcap<kVersion>([&] {
-    return WithSegments<kVersion>([&] {
-             return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
-                 .template Arg<ffi::AnyBuffer>()                       // k
-                 .template Arg<ffi::AnyBuffer>()                       // v
-                 .template Arg<ffi::AnyBuffer>()                       // o
-                 .template Arg<ffi::AnyBuffer>()                       // lse
-                 .template Arg<ffi::AnyBuffer>()                       // dout
-                 .template Arg<ffi::AnyBuffer>()                       // dlse
-                 .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
-                 .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
-                 .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
-           })
+    return BindBackwardOperands<kVersion>(std::move(binding))
         .template Ret<ffi::AnyBuffer>()  // dq
         .template Ret<ffi::AnyBuffer>()  // dk
         .template Ret<ffi::AnyBuffer>()  // dv
@@ -667,6 +650,20 @@ auto BindBackward(Binding binding) {
         .template Attr<bool>("deterministic")
         .template Attr<int64_t>("tile");
   });
+}
+
+// jaxflash_bias_grad_v1: the operands of the backward v5, results dB and delta,
+// the backward's attributes but `deterministic` and `tile`.
+template <typename Binding>
+auto BindBiasGradient(Binding binding) {
+  return BindBackwardOperands<5>(std::move(binding))
+      .template Ret<ffi::AnyBuffer>()  // dbias
+      .template Ret<ffi::AnyBuffer>()  // delta (workspace)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<float>("softcap");
 }
 
 }  // namespace jaxflash::handlers

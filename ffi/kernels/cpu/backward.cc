@@ -211,6 +211,35 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
   return vis;
 }
 
+// Walks the key tiles rows [r0, r0 + rows) of (b, h) see (passes 3 and 4): loads
+// their Q and dO rows once, then per tile the dense mask does not hide its K and V
+// (transposed), P and dS, and calls visit(c0, cols, valid_rows, visibility), where
+// valid_rows are the rows the lengths leave.
+template <typename Visit>
+void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& dense, int64_t b, int64_t h,
+                 int r0, int rows, BackwardTile& t, bool score_slope, Visit&& visit) {
+  const BwdParams& p = g.p;
+  const AttentionShape& sh = p.shape;
+  const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
+  const int key_begin = valid_rows > 0 ? mask.BlockKeyBegin(r0) : 0;
+  const int key_end = valid_rows > 0 ? mask.BlockKeyEnd(r0 + valid_rows - 1) : 0;
+  if (key_begin >= key_end) return;
+  const int64_t q_off = g.QOffset(b, h, r0);
+  LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, g.dim, p.dtype, p.scale * kLog2e, t.q);
+  LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, g.dim, p.dtype, 1.f, t.dout);
+  const int64_t kv_head = h / sh.group_size();
+  for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
+    const int cols = std::min(kKeysPerTile, key_end - c0);
+    const auto view = dense.Tile(valid_rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, cols);
+    if (view == DenseRows::View::kHidden) continue;
+    const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+    LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, g.dim, p.dtype, kKeysPerTile, t.kt);
+    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, g.dim, p.dtype, kKeysPerTile, t.vt);
+    visit(c0, cols, valid_rows,
+          ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0, cols, t, score_slope));
+  }
+}
+
 JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
@@ -273,29 +302,15 @@ JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
   BackwardTile& t = Scratch();
 
   std::fill(t.acc_a, t.acc_a + rows * dim, 0.f);
-  const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
-  const int key_begin = valid_rows > 0 ? mask.BlockKeyBegin(r0) : 0;
-  const int key_end = valid_rows > 0 ? mask.BlockKeyEnd(r0 + valid_rows - 1) : 0;
-  const int64_t q_off = g.QOffset(b, h, r0);
-  if (key_begin < key_end) {
-    LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, p.scale * kLog2e, t.q);
-    LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, 1.f, t.dout);
-  }
-  for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
-    const int cols = std::min(kKeysPerTile, key_end - c0);
-    const auto view = dense.Tile(valid_rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, cols);
-    if (view == DenseRows::View::kHidden) continue;
-    const int64_t kv_off = g.KvOffset(b, kv_head, c0);
-    LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
-    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
-    LoadRows(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
-    const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0, cols, t);
+  WalkKeyTiles(g, mask, dense, b, h, r0, rows, t, /*score_slope=*/true,
+               [&](int c0, int cols, int valid_rows, const TileVisibility& vis) {
+    LoadRows(p.k, g.KvOffset(b, kv_head, c0), sh.kv_row_stride(), cols, dim, p.dtype, 1.f, t.k);
     // dQ += dS K, over each row's visible keys when the tile is partly masked.
     AccumulateVisible(vis.plain, t.ds, kKeysPerTile, valid_rows, cols, t.k, dim, dim, t.acc_a, dim,
                       [&](int r) { return vis.ColsOf(r, cols); }, [&](int r, int c) { return vis.Sees(r, c); });
-  }
+  });
   for (int i = 0; i < rows * dim; ++i) t.acc_a[i] *= p.scale;
-  StoreRows(p.dq, q_off, sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);
+  StoreRows(p.dq, g.QOffset(b, h, r0), sh.q_row_stride(), rows, dim, p.dtype, t.acc_a);
 }
 
 // dB's dims: the call's where the bias has a stride, else 1.
@@ -312,7 +327,6 @@ struct BiasGrid {
 JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, int64_t item) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
-  const int dim = g.dim;
   const int64_t row_items = grid.RowItems(g);
   const int64_t bb = item / (grid.heads * row_items);
   const int64_t hb = (item / row_items) % grid.heads;
@@ -330,26 +344,10 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
     const MaskPolicy mask = g.Mask(b);
     const DenseRows dense{p.dense, b};
     for (int64_t h = grid.heads == 1 ? 0 : hb; h < h_end; ++h) {
-      const int64_t kv_head = h / sh.group_size();
       for (int r0 = out_r0; r0 < r_end; r0 += kRowsPerTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
-        const int valid_rows = std::min(rows, std::max(0, mask.q_valid - r0));
-        if (valid_rows <= 0) continue;
-        const int key_begin = mask.BlockKeyBegin(r0);
-        const int key_end = mask.BlockKeyEnd(r0 + valid_rows - 1);
-        if (key_begin >= key_end) continue;
-        const int64_t q_off = g.QOffset(b, h, r0);
-        LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, p.scale * kLog2e, t.q);
-        LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, dim, p.dtype, 1.f, t.dout);
-        for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
-          const int cols = std::min(kKeysPerTile, key_end - c0);
-          const auto view = dense.Tile(valid_rows, [&](int r) { return std::pair<int64_t, int>(h, r0 + r); }, c0, cols);
-          if (view == DenseRows::View::kHidden) continue;
-          const int64_t kv_off = g.KvOffset(b, kv_head, c0);
-          LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.kt);
-          LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, kKeysPerTile, t.vt);
-          const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0,
-                                                                cols, t, /*score_slope=*/false);
+        WalkKeyTiles(g, mask, dense, b, h, r0, rows, t, /*score_slope=*/false,
+                     [&](int c0, int cols, int valid_rows, const TileVisibility& vis) {
           // dS of the pairs the rows see (hidden ones may hold NaN unless the tile is plain).
           for (int r = 0; r < valid_rows; ++r) {
             const float* ds = t.ds + r * kKeysPerTile;
@@ -366,7 +364,7 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
             }
             if (grid.keys == 1) dst[0] += sum;
           }
-        }
+        });
       }
     }
   }
