@@ -329,7 +329,7 @@ class NativeKernels:
                offsets=None, segments=None, alibi=None, dense=None):
     # The last two results are workspaces (no run-time allocation in the handlers):
     # delta, and the fused backward's float32 dQ sums (like q, or a last dim of 0).
-    sums = _native.dq_sums_room(q.dtype, q.shape[-1], bool(spec.deterministic))
+    sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))

@@ -76,19 +76,45 @@ def fused_backward_buckets() -> tuple[int, ...]:
   return {"0": (), "1": (64, 128, 256), "auto": FUSED_BACKWARD_BUCKETS}[mode]
 
 
-def dq_sums_room(dtype, head_dim: int, deterministic: bool) -> bool:
-  """Whether a native backward call being traced leaves room for the fused
-  Hopper backward's float32 dQ sums (BwdParams::dq_accum): its dK/dV kernel
-  then adds every key tile's dS·K into them instead of running a second
-  kernel that recomputes the scores (sm90/bwd_kernel.cuh). The room costs a
-  float32 copy of q; the dispatch ignores it where the fused pass does not
-  run. Deterministic calls keep the two kernels (the atomics' order varies)."""
-  if deterministic or _forced_tile:
+# The CPU backward's one-pass scheme (cpu/backward.cc) runs one item per (batch,
+# kv head): it takes room for dQ sums only where those items fill the threads
+# to at least this share (it does 5/7 of the three passes' tile products), and
+# the room (a float32 copy of q) stays within CPU_DQ_SUMS_BYTES.
+CPU_FUSED_BACKWARD_FILL = 0.8
+CPU_DQ_SUMS_BYTES = 256 << 20
+
+
+def cpu_threads() -> int:
+  """The threads XLA's CPU client runs kernels on: the CPUs this process may use."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return os.cpu_count() or 1
+
+
+def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
+  """Whether a native backward call being traced leaves room for float32 dQ sums
+  (BwdParams::dq_accum), so that one pass adds every key tile's dS·K into them
+  instead of a second pass that recomputes the scores. The room costs a float32
+  copy of q.
+
+  On the CPU: where (batch, kv head) items fill the threads (CPU_FUSED_BACKWARD_FILL);
+  that scheme is as deterministic as the three passes. On a GPU: the fused Hopper
+  backward (sm90/bwd_kernel.cuh) of the buckets `fused_backward_buckets` names; the
+  dispatch ignores the room where it does not run. Deterministic calls keep the two
+  kernels there (the atomics' order varies)."""
+  if _forced_tile:
     return False
-  buckets = fused_backward_buckets()
-  if np.dtype(dtype).itemsize != 2 or head_dim % 8 or tile_cache.bucket(head_dim) not in buckets:
-    return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
   device = jax.devices()[0]
+  if device.platform == "cpu":
+    items, threads = int(np.prod(q_shape[:-3])) * kv_heads, cpu_threads()
+    fill = items / (-(-items // threads) * threads)
+    return fill >= CPU_FUSED_BACKWARD_FILL and np.prod(q_shape) * 4 <= CPU_DQ_SUMS_BYTES
+  head_dim = q_shape[-1]
+  if deterministic or np.dtype(dtype).itemsize != 2 or head_dim % 8:
+    return False
+  if tile_cache.bucket(head_dim) not in fused_backward_buckets():
+    return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 

@@ -153,6 +153,36 @@ def test_gradients(rng, shape, mask_name, dtype):
   check_gradients(rng, shape, mask_name, dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: d.__name__)
+def test_cpu_backward_schemes_agree(rng, monkeypatch, dtype):
+  """The CPU backward's one-pass scheme (room for dQ sums, where (batch, kv head)
+  items fill the threads) and its three passes give the same bits, and the one-pass
+  scheme meets float64 under the budget: GQA 4, ragged lengths, causal, a window,
+  segment ids with gaps, ALiBi, soft-cap."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU kernels' schemes")
+  from jaxflash import _native
+  B, T, S, N, K, D = 2, 150, 203, 8, 2, 40
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
+  ids = lambda n: jnp.asarray(np.sort(rng.integers(0, 3, (B, n))), jnp.int32)
+  kw = dict(query_seq_lengths=jnp.array([150, 97]), key_value_seq_lengths=jnp.array([203, 120]),
+            is_causal=True, local_window_size=(90, 0), query_segment_ids=ids(T),
+            key_value_segment_ids=ids(S), alibi_slopes=jnp.linspace(0.1, 0.5, N),
+            logits_soft_cap=20.0)
+  loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kw)[0].astype(jnp.float32) ** 2)
+  grads = {}
+  for threads in (1, 64):   # items B * K = 4: they fill one thread, not 64
+    monkeypatch.setattr(_native, "cpu_threads", lambda: threads)
+    call, = [line for line in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
+             .as_text().splitlines() if "@jaxflash_bwd" in line]
+    assert call.rstrip().endswith(f"tensor<{B}x{T}x{N}x{D}xf32>)") == (threads == 1)  # the room
+    grads[threads] = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  for one, three in zip(grads[1], grads[64]):
+    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(three, np.float32))
+  monkeypatch.setattr(_native, "cpu_threads", lambda: 1)
+  check_gradients(rng, (B, T, S, N, K, D), "causal", dtype)
+
+
 @pytest.mark.parametrize("shape,dtype", [((2, 33, 47, 4, 2, 264), jnp.float32),
                                          ((1, 20, 40, 2, 1, 512), jnp.bfloat16)], ids=str)
 def test_head_dims_past_256(rng, shape, dtype):

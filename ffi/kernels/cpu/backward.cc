@@ -10,7 +10,10 @@
 //
 // Pass 3 recomputes QK^T and dO V^T once more than a fused dQ would (seven
 // tile products instead of five), which buys determinism and O(T * H) extra
-// memory: only delta.
+// memory: only delta. Where the caller gives room for float32 dQ sums
+// (BwdParams::dq_accum; jaxflash/_native.py says where), passes 2 and 3 run as
+// one with five products: items (batch, kv head), each adding dS K into rows
+// only it owns (KeyValueAndQueryGradItem), just as deterministic.
 //
 // The dense bias's gradient is a call of its own (CpuBiasGradient): pass 1,
 // then pass 4, dB = dS summed over the bias's broadcast axes, whose items
@@ -65,7 +68,7 @@ struct BackwardTile {
   float dout[kRowsPerTile * kMaxHeadDim];
   float kt[kMaxHeadDim * kKeysPerTile];   // K tile transposed
   float vt[kMaxHeadDim * kKeysPerTile];   // V tile transposed
-  float k[kKeysPerTile * kMaxHeadDim];    // K tile (pass 3)
+  float k[kKeysPerTile * kMaxHeadDim];    // K tile (dQ's products)
   float s[kRowsPerTile * kKeysPerTile];   // probabilities P
   float ds[kRowsPerTile * kKeysPerTile];  // dP, then dS
   float lse2[kRowsPerTile];               // LSE in base 2
@@ -240,13 +243,14 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
   }
 }
 
-JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
+// dK and dV of the key tile at c0 of (b, kv_head): walks every query tile (and
+// every query head of the GQA group) that sees it, accumulating in fp32 tiles.
+// With `dq_sums` (float32, laid out like q), also adds each query tile's dS K
+// into its rows there (the fused scheme below).
+JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_head, int c0, float* dq_sums) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
   const int dim = g.dim;
-  const int64_t b = item / (sh.kv_heads * g.key_tiles);
-  const int64_t kv_head = (item / g.key_tiles) % sh.kv_heads;
-  const int c0 = static_cast<int>((item % g.key_tiles) * kKeysPerTile);
   const int cols = static_cast<int>(std::min<int64_t>(kKeysPerTile, sh.kv_len - c0));
   const MaskPolicy mask = g.Mask(b);
   const DenseRows dense{p.dense, b};
@@ -257,10 +261,11 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
   const int valid_cols = std::min(cols, std::max(0, mask.kv_valid - c0));
   const int row_begin = valid_cols > 0 ? mask.BlockRowBegin(c0) : 0;
   const int row_end = valid_cols > 0 ? mask.BlockRowEnd(c0 + valid_cols - 1) : 0;
+  const int64_t kv_off = g.KvOffset(b, kv_head, c0);
   if (row_begin < row_end) {
-    const int64_t kv_off = g.KvOffset(b, kv_head, c0);
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.kt);
     LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.vt);
+    if (dq_sums != nullptr) LoadRows(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, 1.f, t.k);
   }
   const float q_multiplier = p.scale * kLog2e;
   for (int64_t h = kv_head * sh.group_size(); h < (kv_head + 1) * sh.group_size(); ++h) {
@@ -281,11 +286,54 @@ JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
       const auto sees = [&](int c, int r) { return vis.Sees(r, c); };
       AccumulateVisible(vis.plain, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of, sees);
       AccumulateVisible(vis.plain, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of, sees);
+      if (dq_sums != nullptr) {  // dQ += dS K, as pass 3 does it (the scale comes at the store)
+        AccumulateVisible(vis.plain, t.ds, kKeysPerTile, rows, valid_cols, t.k, dim, dim, dq_sums + q_off,
+                          static_cast<int>(sh.q_row_stride()), [&](int r) { return vis.ColsOf(r, valid_cols); },
+                          [&](int r, int c) { return vis.Sees(r, c); });
+      }
     }
   }
-  const int64_t kv_off = g.KvOffset(b, kv_head, c0);
   StoreRows(p.dk, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_a);
   StoreRows(p.dv, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_b);
+}
+
+JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
+  const int64_t b = item / (g.p.shape.kv_heads * g.key_tiles);
+  const int64_t kv_head = (item / g.key_tiles) % g.p.shape.kv_heads;
+  KeyTileGrads(g, b, kv_head, static_cast<int>((item % g.key_tiles) * kKeysPerTile), nullptr);
+}
+
+// Passes 2 and 3 in one, when the caller gave room for dQ sums (dq_accum): the
+// item (batch, kv head) walks its key tiles in order, adding dS K into the
+// group's rows of dq_accum, which no other item touches, then stores them as
+// dQ. Five tile products per pair instead of seven, with as little freedom
+// of order as the three passes (so still identical run to run); the caller
+// gives the room only where the items are enough to keep the threads busy.
+JAXFLASH_CPU_CLONES void KeyValueAndQueryGradItem(const Geometry& g, int64_t item) {
+  const BwdParams& p = g.p;
+  const AttentionShape& sh = p.shape;
+  const int64_t b = item / sh.kv_heads;
+  const int64_t kv_head = item % sh.kv_heads;
+  const int64_t h0 = kv_head * sh.group_size();
+  const int64_t h_end = h0 + sh.group_size();
+  float* sums = p.dq_accum;
+  for (int r = 0; r < sh.q_len; ++r) {
+    std::fill_n(sums + g.QOffset(b, h0, r), sh.group_size() * g.dim, 0.f);  // the group's heads are adjacent
+  }
+  for (int64_t tile = 0; tile < g.key_tiles; ++tile) {
+    KeyTileGrads(g, b, kv_head, static_cast<int>(tile * kKeysPerTile), sums);
+  }
+  BackwardTile& t = Scratch();
+  for (int64_t h = h0; h < h_end; ++h) {
+    for (int r0 = 0; r0 < sh.q_len; r0 += kRowsPerTile) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - r0));
+      const int64_t off = g.QOffset(b, h, r0);
+      for (int r = 0; r < rows; ++r) {
+        for (int d = 0; d < g.dim; ++d) t.acc_a[r * g.dim + d] = sums[off + r * sh.q_row_stride() + d] * p.scale;
+      }
+      StoreRows(p.dq, off, sh.q_row_stride(), rows, g.dim, p.dtype, t.acc_a);
+    }
+  }
 }
 
 JAXFLASH_CPU_CLONES void QueryGradItem(const Geometry& g, int64_t item) {
@@ -395,6 +443,10 @@ Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
   const Geometry g(p);
   const int64_t row_items = p.shape.batch * p.shape.q_heads * g.row_tiles;
   runner.For(row_items, [&g](int64_t item) { DeltaItem(g, item); });
+  if (p.dq_accum != nullptr) {
+    runner.For(p.shape.batch * p.shape.kv_heads, [&g](int64_t item) { KeyValueAndQueryGradItem(g, item); });
+    return Status::Ok();
+  }
   runner.For(p.shape.batch * p.shape.kv_heads * g.key_tiles,
              [&g](int64_t item) { KeyValueGradItem(g, item); });
   runner.For(row_items, [&g](int64_t item) { QueryGradItem(g, item); });
