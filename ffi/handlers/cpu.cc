@@ -19,9 +19,9 @@ class PoolRunner final : public ParallelRunner {
  public:
   explicit PoolRunner(ffi::ThreadPool* pool) : pool_(pool) {}
 
-  void For(int64_t n, const std::function<void(int64_t)>& fn) const override {
+  void For(int64_t n, const std::function<void(int64_t)>& fn, int64_t threads) const override {
     if (n <= 0) return;
-    const int64_t helpers = std::min<int64_t>(n, pool_->num_threads()) - 1;
+    const int64_t helpers = std::min<int64_t>({n, pool_->num_threads(), threads}) - 1;
     if (helpers <= 0) {
       for (int64_t i = 0; i < n; ++i) fn(i);
       return;

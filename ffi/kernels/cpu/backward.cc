@@ -60,6 +60,12 @@ struct Geometry {
   int64_t RowStatsOffset(int64_t b, int64_t h, int row) const {
     return (b * p.shape.q_heads + h) * p.shape.q_len + row;
   }
+  // The threads the call is worth (launch.h), from the backward's 2.5x the
+  // forward's 4 B H T S D flops.
+  int64_t Threads() const {
+    const AttentionShape& sh = p.shape;
+    return CpuThreadsFor(10.0 * sh.batch * sh.q_heads * sh.q_len * sh.kv_len * sh.head_dim);
+  }
 };
 
 // Scratch for one work item of pass 2 or 3.
@@ -428,10 +434,11 @@ Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
     return Status::Internal("bias gradient called without its bias, output or delta scratch");
   }
   const Geometry g(p);
-  runner.For(p.shape.batch * p.shape.q_heads * g.row_tiles, [&g](int64_t item) { DeltaItem(g, item); });
+  const int64_t threads = g.Threads();
+  runner.For(p.shape.batch * p.shape.q_heads * g.row_tiles, [&g](int64_t item) { DeltaItem(g, item); }, threads);
   const BiasGrid grid(p);
   runner.For(grid.batches * grid.heads * grid.RowItems(g),
-             [&g, &grid](int64_t item) { BiasGradItem(g, grid, item); });
+             [&g, &grid](int64_t item) { BiasGradItem(g, grid, item); }, threads);
   return Status::Ok();
 }
 
@@ -442,14 +449,16 @@ Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
   if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");
   const Geometry g(p);
   const int64_t row_items = p.shape.batch * p.shape.q_heads * g.row_tiles;
-  runner.For(row_items, [&g](int64_t item) { DeltaItem(g, item); });
+  const int64_t threads = g.Threads();
+  runner.For(row_items, [&g](int64_t item) { DeltaItem(g, item); }, threads);
   if (p.dq_accum != nullptr) {
-    runner.For(p.shape.batch * p.shape.kv_heads, [&g](int64_t item) { KeyValueAndQueryGradItem(g, item); });
+    runner.For(p.shape.batch * p.shape.kv_heads, [&g](int64_t item) { KeyValueAndQueryGradItem(g, item); },
+               threads);
     return Status::Ok();
   }
   runner.For(p.shape.batch * p.shape.kv_heads * g.key_tiles,
-             [&g](int64_t item) { KeyValueGradItem(g, item); });
-  runner.For(row_items, [&g](int64_t item) { QueryGradItem(g, item); });
+             [&g](int64_t item) { KeyValueGradItem(g, item); }, threads);
+  runner.For(row_items, [&g](int64_t item) { QueryGradItem(g, item); }, threads);
   return Status::Ok();
 }
 

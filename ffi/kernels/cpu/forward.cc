@@ -241,16 +241,18 @@ Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
   const PackedRows packed = PackedRows::For(p.shape);
   const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t items = p.shape.batch * p.shape.kv_heads * row_tiles * p.num_splits;
+  const AttentionShape& sh = p.shape;
+  const int64_t threads = CpuThreadsFor(4.0 * sh.batch * sh.q_heads * sh.q_len * sh.kv_len * sh.head_dim);
   runner.For(items, [&p](int64_t item) {
     // Per-call scratch; large arrays stay off the worker's stack.
     thread_local std::vector<ForwardTile> tile(1);
     ForwardItem(p, item, tile[0]);
-  });
+  }, threads);
   if (p.num_splits > 1) {
     runner.For(p.shape.batch * p.shape.q_len * p.shape.q_heads, [&p](int64_t row) {
       float out[kMaxHeadDim];
       MergeRow(p, row, out);
-    });
+    }, threads);
   }
   return Status::Ok();
 }
