@@ -173,6 +173,7 @@ def test_cpu_backward_schemes_agree(rng, monkeypatch, dtype):
   grads = {}
   for threads in (1, 64):   # items B * K = 4: they fill one thread, not 64
     monkeypatch.setattr(_native, "cpu_threads", lambda: threads)
+    jax.clear_caches()   # newer JAX reuses the last trace of `loss`
     call, = [line for line in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
              .as_text().splitlines() if "@jaxflash_bwd" in line]
     assert call.rstrip().endswith(f"tensor<{B}x{T}x{N}x{D}xf32>)") == (threads == 1)  # the room
