@@ -107,7 +107,11 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
     return False
   device = jax.devices()[0]
   if device.platform == "cpu":
+    # Per traced call: ragged lengths (traced values) can leave the items unequal, and a
+    # vmapped call's room grows with the mapped axis; both only cost speed or memory.
     items, threads = int(np.prod(q_shape[:-3])) * kv_heads, cpu_threads()
+    if items == 0:
+      return False
     fill = items / (-(-items // threads) * threads)
     return fill >= CPU_FUSED_BACKWARD_FILL and np.prod(q_shape) * 4 <= CPU_DQ_SUMS_BYTES
   head_dim = q_shape[-1]

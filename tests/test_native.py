@@ -158,29 +158,37 @@ def test_cpu_backward_schemes_agree(rng, monkeypatch, dtype):
   """The CPU backward's one-pass scheme (room for dQ sums, where (batch, kv head)
   items fill the threads) and its three passes give the same bits, and the one-pass
   scheme meets float64 under the budget: GQA 4, ragged lengths, causal, a window,
-  segment ids with gaps, ALiBi, soft-cap."""
+  unsorted segment ids (gaps), ALiBi, soft-cap, random dO and dLSE, NaN in the rows
+  past the lengths (dQ there is 0, and the NaN reaches no other row)."""
   if jax.default_backend() != "cpu":
     pytest.skip("the CPU kernels' schemes")
   from jaxflash import _native
   B, T, S, N, K, D = 2, 150, 203, 8, 2, 40
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
-  ids = lambda n: jnp.asarray(np.sort(rng.integers(0, 3, (B, n))), jnp.int32)
+  q, k, v = q.at[1, 97:].set(jnp.nan), k.at[1, 120:].set(jnp.nan), v.at[1, 120:].set(jnp.nan)
+  ids = lambda n: jnp.asarray(rng.integers(0, 3, (B, n)), jnp.int32)
   kw = dict(query_seq_lengths=jnp.array([150, 97]), key_value_seq_lengths=jnp.array([203, 120]),
             is_causal=True, local_window_size=(90, 0), query_segment_ids=ids(T),
             key_value_segment_ids=ids(S), alibi_slopes=jnp.linspace(0.1, 0.5, N),
             logits_soft_cap=20.0)
-  loss = lambda q, k, v: jnp.sum(attention(q, k, v, **kw)[0].astype(jnp.float32) ** 2)
+  cts = (jnp.asarray(rng.standard_normal(q.shape), dtype),
+         jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32))
+  grads_of = lambda q, k, v: jax.vjp(lambda *x: attention(*x, **kw), q, k, v)[1](cts)
   grads = {}
   for threads in (1, 64):   # items B * K = 4: they fill one thread, not 64
     monkeypatch.setattr(_native, "cpu_threads", lambda: threads)
-    jax.clear_caches()   # newer JAX reuses the last trace of `loss`
-    call, = [line for line in jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
-             .as_text().splitlines() if "@jaxflash_bwd" in line]
+    jax.clear_caches()   # newer JAX reuses the last trace
+    call, = [line for line in jax.jit(grads_of).lower(q, k, v).as_text().splitlines()
+             if "@jaxflash_bwd" in line]
     assert call.rstrip().endswith(f"tensor<{B}x{T}x{N}x{D}xf32>)") == (threads == 1)  # the room
-    grads[threads] = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    grads[threads] = [np.asarray(g, np.float32) for g in jax.jit(grads_of)(q, k, v)]
   for one, three in zip(grads[1], grads[64]):
-    np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(three, np.float32))
+    np.testing.assert_array_equal(one, three)
+  assert np.all(grads[1][0][1, 97:] == 0) and np.all(np.isfinite(grads[1][0][:, :97]))
+  assert all(np.all(np.isfinite(g[0])) for g in grads[1])
+  assert np.all(np.isfinite(grads[1][1][1])) and np.all(np.isfinite(grads[1][2][1]))  # dK, dV
   monkeypatch.setattr(_native, "cpu_threads", lambda: 1)
+  jax.clear_caches()
   check_gradients(rng, (B, T, S, N, K, D), "causal", dtype)
 
 

@@ -300,8 +300,9 @@ struct BwdParams {
   float* delta = nullptr;
   // Optional workspace laid out like q, in float32: room for the fused
   // backward's dQ sums (one pass adds every key tile's dS·K into it, then dQ
-  // is converted from it). Null when the caller gave none: the dispatch then
-  // runs the two-kernel backward, as it does for deterministic calls.
+  // is converted from it). Null when the caller gave none: the CUDA dispatch
+  // then runs the two-kernel backward, as it does for deterministic calls; the
+  // CPU kernels their three passes (with it, their one pass: deterministic too).
   float* dq_accum = nullptr;
   DenseParams dense;  // as FwdParams::dense
   // The bias gradient of CpuBiasGradient (the backward kernels leave it): float32,

@@ -13,7 +13,8 @@
 // memory: only delta. Where the caller gives room for float32 dQ sums
 // (BwdParams::dq_accum; jaxflash/_native.py says where), passes 2 and 3 run as
 // one with five products: items (batch, kv head), each adding dS K into rows
-// only it owns (KeyValueAndQueryGradItem), just as deterministic.
+// only it owns (KeyValueAndQueryGradItem), just as deterministic (each dQ
+// element adds its keys in the same order; a test compares the bits).
 //
 // The dense bias's gradient is a call of its own (CpuBiasGradient): pass 1,
 // then pass 4, dB = dS summed over the bias's broadcast axes, whose items
