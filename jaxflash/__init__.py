@@ -15,7 +15,8 @@ from jaxflash.attention import dot_product_attention
 from jaxflash._native import disabled_export_checks
 from jaxflash.checks import checked
 from jaxflash.paged import paged_attention
-from jaxflash.ring import ring_attention, zigzag_order, zigzag_restore
+from jaxflash.ring import ring_attention
+from jaxflash.ring_layout import zigzag_order, zigzag_restore
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ runs the same kernels on the local block:
 * sequence: queries sharded along the sequence with the keys replicated run
   locally with each shard's diagonal offset; keys sharded along the sequence
   run ring attention (ring.py) over that mesh axis, causal masks in the
-  mirror layout (`ring.to_mirror`: half of each shard swapped on the way in
+  mirror layout (`ring_layout.to_mirror`: half of each shard swapped on the way in
   and back on the way out) so every device does the same work at every step.
   Calls with a dense bias or mask gather the sequences instead.
 
@@ -46,7 +46,8 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from jaxflash import dense as _dense, derivatives, reference, ring as ring_lib, segments as _segments
+from jaxflash import (dense as _dense, derivatives, reference, ring as ring_lib, ring_layout,
+                      segments as _segments)
 
 
 # ------------------------------------------------------------------ the plan
@@ -84,7 +85,7 @@ class _Plan:
   kv_heads: tuple[str, ...] = ()    # heads, or () when K/V stay replicated over them
   q_seq: tuple[str, ...] = ()
   kv_seq: tuple[str, ...] = ()      # == q_seq when set: ring attention
-  mirror: bool = False              # re-lay the ring out for a causal mask (ring.to_mirror)
+  mirror: bool = False              # re-lay the ring out for a causal mask (ring_layout.to_mirror)
 
   def size(self, axes) -> int:
     return math.prod(self.mesh.shape[a] for a in axes)
@@ -157,9 +158,9 @@ def _plan(mesh, spec, q_shape, k_shape, q_sharding, k_sharding, dense: bool = Fa
 
 def _ring(plan: _Plan, kernels, q_len: int, kv_len: int):
   layout = "mirror" if plan.mirror else "contiguous"
-  q_seq = ring_lib.Sharded(_axis(plan.q_seq), plan.size(plan.q_seq), layout)
-  kv_seq = (ring_lib.Sharded(_axis(plan.kv_seq), plan.size(plan.kv_seq), layout) if plan.kv_seq
-            else ring_lib.Sharded())
+  q_seq = ring_layout.Sharded(_axis(plan.q_seq), plan.size(plan.q_seq), layout)
+  kv_seq = (ring_layout.Sharded(_axis(plan.kv_seq), plan.size(plan.kv_seq), layout) if plan.kv_seq
+            else ring_layout.Sharded())
   return ring_lib.Ring(kernels, q_seq, kv_seq, q_len, kv_len)
 
 
@@ -202,14 +203,14 @@ class _Extras:
 
 
 def _to_mirror(seq, read, travel, ids):
-  """`ring.to_mirror` of a rule's operands, in the order given: `read`, (tensor, sequence
+  """`ring_layout.to_mirror` of a rule's operands, in the order given: `read`, (tensor, sequence
   axis) pairs only blocks read (their staying half sliced inside the blocks), `travel`,
   K/V, and the segment ids, which come back whole (the ring reads them as arrays)."""
   ids = ids or ()
   items = ([(x, axis, True) for x, axis in read] + [(x, 1, False) for x in travel]
            + [(x, 1, False) for x in ids])
   xs, axes, lazy = zip(*items)
-  pieces = ring_lib.to_mirror(xs, seq, axes, lazy)
+  pieces = ring_layout.to_mirror(xs, seq, axes, lazy)
   n = len(read) + len(travel)
   return pieces[:n] + ((tuple(jnp.concatenate(p, axis=1) for p in pieces[n:]) or None),)
 
@@ -229,7 +230,7 @@ def _local_forward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int, 
       q, k, v, ids = _to_mirror(ring.q_seq, [(q, 1)], (k, v), ids)
     o, lse = ring.forward(q, k, v, q_lengths, kv_lengths, spec, segments=ids, alibi=alibi)
     if plan.mirror:
-      o, lse = ring_lib.from_mirror(o, ring.q_seq, 1), ring_lib.from_mirror(lse, ring.q_seq, 2)
+      o, lse = ring_layout.from_mirror(o, ring.q_seq, 1), ring_layout.from_mirror(lse, ring.q_seq, 2)
     return o, lse
   return run
 
@@ -254,13 +255,13 @@ def _local_backward(plan: _Plan, kernels, spec, q_len: int, kv_len: int, N: int,
       q, k, v, o, lse, do, dlse = lax.optimization_barrier((q, k, v, o, lse, do, dlse))
       if plan.mirror:
         # O folded into dLSE: one swap fewer, and the caller's O may die here.
-        dlse, o = ring_lib.fold_output(o, do, dlse), None
+        dlse, o = ring_layout.fold_output(o, do, dlse), None
         q, do, lse, dlse, k, v, ids = _to_mirror(
             ring.q_seq, [(q, 1), (do, 1), (lse, 2), (dlse, 2)], (k, v), ids)
       dq, dk, dv = ring.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
                                  segments=ids, alibi=alibi)
       if plan.mirror:      # dK, dV come home contiguous (Sharded.home)
-        dq = ring_lib.from_mirror(dq, ring.q_seq, 1)
+        dq = ring_layout.from_mirror(dq, ring.q_seq, 1)
     if plan.sliced_kv_heads:
       # K/V are replicated over the head axis: their gradient sums its shards.
       place = lambda g, full: lax.dynamic_update_slice_in_dim(
