@@ -184,8 +184,7 @@ class Call:
 
   @property
   def width(self) -> int:
-    """The head dim the fused kernels run at: the wider of query/key's and value's
-    (`run_fused`)."""
+    """The head dim padded kernels run at: the wider of q/k's and v's (`run_fused`)."""
     return max(self.q.shape[-1], self.v.shape[-1])
 
   @functools.cached_property
@@ -233,17 +232,14 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
              key_value_seq_lengths, local_window_size, causal_alignment, deterministic,
              num_splits=None, logits_soft_cap=None, query_segment_ids=None,
              key_value_segment_ids=None, alibi_slopes=None) -> Call:
-  q = as_array(query, "query")
-  k = as_array(key, "key")
-  v = as_array(value, "value")
+  q, k, v = (as_array(x, name) for x, name in ((query, "query"), (key, "key"), (value, "value")))
   output_shape = q.shape
   batch = _batch_axes({"query": q, "key": k, "value": v})
   q, k, v = (flatten_batch(x) for x in (q, k, v))
   if k.shape[:-1] != v.shape[:-1]:
     raise ValueError(f"key and value must have the same batch, length and heads, got shapes "
                      f"{k.shape} and {v.shape}")
-  B, T, N, H = q.shape
-  _, S, K, Hk = k.shape
+  (B, T, N, H), (_, S, K, Hk) = q.shape, k.shape
   if Hk != H:
     raise ValueError(f"query and key must have the same head_dim, got {H} and {Hk}")
   if H < 1 or v.shape[-1] < 1:
@@ -271,8 +267,7 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
               q_lengths=_lengths(query_seq_lengths, "query_seq_lengths", batch),
               kv_lengths=_lengths(key_value_seq_lengths, "key_value_seq_lengths", batch),
               segments=segments, alibi=resolve_alibi(alibi_slopes, batch, N),
-              is_causal=bool(is_causal), window=window, spec=spec,
-              output_shape=output_shape)
+              is_causal=bool(is_causal), window=window, spec=spec, output_shape=output_shape)
 
 
 # ------------------------------------------------------------------ kernels
@@ -292,12 +287,16 @@ class NativeKernels:
                 window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right),
                 softcap=np.float32(spec.softcap))
 
+  # Whether v may keep its own head dim here (else `run_fused` pads): the CPU kernels'.
+  takes_value_width = staticmethod(lambda: platform() == "cpu")
+
   @staticmethod
-  def out_types(q, splits: int):
-    """o, lse, and the split-KV partials (empty unless split), as the FFI returns them."""
-    B, T, N, D = q.shape
+  def out_types(q, splits: int, v_dim: int | None = None):
+    """o (of the value's head dim `v_dim`, default the query's), lse, and the split-KV
+    partials (empty unless split), as the FFI returns them."""
+    B, T, N, D = *q.shape[:3], (q.shape[3] if v_dim is None else v_dim)
     s = splits if splits > 1 else 0
-    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32),
+    return (jax.ShapeDtypeStruct((B, T, N, D), q.dtype), jax.ShapeDtypeStruct((B, N, T), jnp.float32),
             jax.ShapeDtypeStruct((B, s, T, N, D), jnp.float32),
             jax.ShapeDtypeStruct((B, s, T, N), jnp.float32))
 
@@ -316,7 +315,7 @@ class NativeKernels:
               _splits.native(spec.num_splits, q.shape, k.shape, q.dtype, platform()))
     target, dense_operands = cls._target(0, dense)
     # broadcast_all: under vmap every operand gains the leading axes the handlers fold.
-    call = jax.ffi.ffi_call(target, cls.out_types(q, splits), vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(target, cls.out_types(q, splits, v.shape[-1]), vmap_method="broadcast_all")
     o, lse, _, _ = call(q, k, v, q_lengths, kv_lengths, reference.per_batch_operand(offsets),
                         *_segments.operands(segments), reference.alibi_operand(alibi),
                         *dense_operands, **cls._attrs(spec),
@@ -526,13 +525,14 @@ def empty_result(call: Call):
 def run_fused(call: Call, q_lengths, kv_lengths, tables, kernels):
   """(o, lse) of `call` through `fused` with `kernels`.
 
-  The kernels take one head dim; a value head dim that differs from the query/key's
-  (MLA) runs at the wider one, `call.width`, the narrower side padded with zeros. Exact:
-  zero columns of q and k add nothing to q.k (the scale stays the query's), zero columns
-  of v make output columns that are sliced off, and the transposes of the pads and the
-  slice route every gradient back to its own columns.
+  A value head dim that differs from the query/key's (MLA) goes as it is to kernels that
+  take it (`takes_value_width`: the CPU kernels on one device); the others run at the
+  wider, `call.width`, the narrower side zero-padded. Exact: zero columns of q and k add
+  nothing to q.k (the scale stays the query's), zero columns of v make output columns that
+  are sliced off, and the pads' and the slice's transposes route every gradient back.
   """
-  pad = lambda x: (x if x.shape[-1] == call.width else
+  own = getattr(kernels, "takes_value_width", lambda: False)()
+  pad = lambda x: (x if own or x.shape[-1] == call.width else
                    jnp.pad(x, [(0, 0)] * 3 + [(0, call.width - x.shape[-1])]))
   out, lse = fused(pad(call.q), pad(call.k), pad(call.v), q_lengths, kv_lengths, tables,
                    call.alibi, call.dense, kernels, call.spec)

@@ -79,8 +79,8 @@ class _KeyBlocks:
     self.dense = dense       # the call's dense bias / mask (dense.py), or None
 
   def grouped(self, x):
-    """[B, T, N, H] -> [B, T, K, G, H] in `dtype`."""
-    return x.astype(self.dtype).reshape(self.B, self.T, self.K, self.G, self.H)
+    """[B, T, N, H] -> [B, T, K, G, H] in `dtype` (H: x's own, the value's for o and dO)."""
+    return x.astype(self.dtype).reshape(self.B, self.T, self.K, self.G, x.shape[-1])
 
   def rows(self, x):
     """[B, N, T] -> [B, K, G, T] float32."""
@@ -90,11 +90,11 @@ class _KeyBlocks:
     """[B, S, K, H] -> [blocks, B, block, K, H] float32, zero past S."""
     pad = self.count * self.block - self.S
     x = jnp.pad(x.astype(self.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
-    return jnp.moveaxis(x.reshape(self.B, self.count, self.block, self.K, self.H), 1, 0)
+    return jnp.moveaxis(x.reshape(self.B, self.count, self.block, self.K, x.shape[-1]), 1, 0)
 
   def join(self, x, dtype):
     """[blocks, B, block, K, H] -> [B, S, K, H] in dtype."""
-    x = jnp.moveaxis(x, 0, 1).reshape(self.B, self.count * self.block, self.K, self.H)
+    x = jnp.moveaxis(x, 0, 1).reshape(self.B, self.count * self.block, self.K, x.shape[-1])
     return x[:, :self.S].astype(dtype)
 
   def visible(self, j0):
@@ -177,10 +177,13 @@ def tangent_sums(q, k, v, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec, offse
 
   # Zeros made from the operands, so that inside shard_map the carry varies
   # over the same manual axes as the sums (ring attention's blocks).
-  init = (jnp.zeros_like(qg), jnp.zeros_like(g.rows(lse)), jnp.zeros_like(qg))
+  # (The output sums take the value's head dim.)
+  out = jnp.zeros_like(qg[..., :1]) + jnp.zeros(v.shape[-1], qg.dtype)
+  init = (out, jnp.zeros_like(g.rows(lse)), out)
   (acc, t_lse, o_sum), _ = lax.scan(step, init, (g.split(k), g.split(v), g.split(tk),
                                                  g.split(tv), g.starts()))
-  return acc.reshape(q.shape), t_lse.reshape(lse.shape), o_sum.reshape(q.shape)
+  o_shape = q.shape[:-1] + v.shape[-1:]
+  return acc.reshape(o_shape), t_lse.reshape(lse.shape), o_sum.reshape(o_shape)
 
 
 def finish_tangent(sums, t_lse, o_sum, dtype):

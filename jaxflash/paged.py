@@ -37,10 +37,9 @@ def _validate(query, key_pages, value_pages, page_table, kv_lengths):
   if kp.ndim != 4:
     raise ValueError("key_pages must be [num_pages, page_size, kv_heads, head_dim], got shape "
                      f"{kp.shape}")
-  if vp.shape != kp.shape:
-    raise ValueError(f"value_pages must have the shape of key_pages {kp.shape}, got {vp.shape} "
-                     "(a value head dim that differs from the key's is taken by "
-                     "dot_product_attention, not yet by the paged cache)")
+  if vp.ndim != 4 or vp.shape[:3] != kp.shape[:3]:
+    raise ValueError(f"value_pages must hold the pages, rows and heads of key_pages {kp.shape} "
+                     f"(its head dim may differ), got {vp.shape}")
   B, T, N, D = q.shape
   P, page_size, K, Dk = kp.shape
   if Dk != D:
@@ -78,15 +77,18 @@ def _validate(query, key_pages, value_pages, page_table, kv_lengths):
   return q, kp, vp, table.astype(jnp.int32), lengths.astype(jnp.int32)
 
 
-def _choose(q, implementation) -> str:
+def _choose(q, vp, implementation) -> str:
   if implementation not in _PAGED_IMPLEMENTATIONS:
     raise ValueError(f"paged_attention implementation must be one of {_PAGED_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   reason = None
   if q.dtype not in _core.FUSED_DTYPES:
     reason = f"the native paged kernels take float32, float16 and bfloat16, got {q.dtype}"
-  elif q.shape[-1] > _core.max_head_dim("native"):
+  elif max(q.shape[-1], vp.shape[-1]) > _core.max_head_dim("native"):
     reason = f"the native paged kernels take head_dim <= {_core.max_head_dim('native')} here"
+  elif vp.shape[-1] != q.shape[-1] and not _core.NativeKernels.takes_value_width():
+    reason = ("the native paged kernels take a value head dim that differs from the key's on "
+              "the CPU only")
   else:
     reason = _native.unavailable_reason(_core.platform())
   if implementation == "native" and reason:
@@ -103,7 +105,7 @@ def _native_paged(q, kp, vp, table, lengths, tables, alibi, spec):
             _splits.native(spec.num_splits, q.shape, keys, q.dtype, _core.platform(), paged=True))
   # vmap runs the call once per element ("sequential"): the pages are shared
   # state that batching the call would have to offset.
-  call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits),
+  call = jax.ffi.ffi_call(_native.PAGED_TARGET, _core.NativeKernels.out_types(q, splits, vp.shape[-1]),
                           vmap_method="sequential")
   o, _, _, _ = call(q, kp, vp, table, lengths, *_segments.operands(tables),
                     reference.alibi_operand(alibi), scale=np.float32(spec.scale),
@@ -140,7 +142,8 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
       prefill chunk).
     key_pages, value_pages: ``[num_pages, page_size, kv_heads, head_dim]``,
       the pages of every sequence; ``q_heads`` a multiple of ``kv_heads``
-      (GQA). Any ``page_size`` >= 1.
+      (GQA). Any ``page_size`` >= 1. The value pages' head dim may differ
+      (MLA-style; the output takes it): the CPU kernels and ``xla`` take it.
     page_table: int32 ``[batch, max_pages]``: logical page p of sequence b is
       physical page ``page_table[b, p]``. Entries past a sequence's length are
       never read (any value, e.g. -1, is fine there).
@@ -203,7 +206,7 @@ def paged_attention(query, key_pages, value_pages, page_table, kv_lengths, *, sc
   if ids is not None and spec.num_splits > 1:
     raise ValueError("num_splits > 1 (split-KV) does not take segment ids")
   alibi = _core.resolve_alibi(alibi_slopes, (B,), q.shape[2])
-  if _choose(q, implementation) == "native":
+  if _choose(q, vp, implementation) == "native":
     tables = None if ids is None else _segments.tables(*ids, None, lengths, spec)
     return _native_paged(q, kp, vp, table, lengths, tables, alibi, spec)
   k = reference.gather_pages(kp, table)

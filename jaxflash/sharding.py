@@ -459,6 +459,11 @@ def partitioned(kernels):
   class Partitioned:
     name = kernels.name
 
+    # The rules and the ring take one head dim: v keeps its own only on one device.
+    @staticmethod
+    def takes_value_width():
+      return jax.device_count() == 1 and getattr(kernels, "takes_value_width", lambda: False)()
+
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).
     @staticmethod

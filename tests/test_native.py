@@ -192,6 +192,51 @@ def test_cpu_backward_schemes_agree(rng, monkeypatch, dtype):
   check_gradients(rng, (B, T, S, N, K, D), "causal", dtype)
 
 
+def test_value_head_dim_of_its_own_on_the_cpu(rng):
+  """The CPU kernels read v at its own head dim (MLA: q/k 24, v 40 and 16), unpadded:
+  split-KV decode steps, a dense bias and mask with gradients, a Hessian-vector product
+  and the paged cache, each against xla."""
+  if jax.default_backend() != "cpu":
+    pytest.skip("the CPU kernels' value head dim")
+  B, T, S, N, K, D = 2, 9, 70, 4, 2, 24
+  close = lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4,
+                                                  atol=2e-5)
+  for dv in (40, 16):
+    q, k = random_inputs(rng, B, T, S, N, K, D, jnp.float32)[:2]
+    v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.float32)
+    run = lambda impl, q, k, v, **kw: jaxflash.dot_product_attention(
+        q, k, v, implementation=impl, **kw)
+    fwd, = [l for l in jax.jit(functools.partial(run, "native")).lower(q, k, v).as_text()
+            .splitlines() if "@jaxflash_fwd" in l]
+    assert f"tensor<{B}x{S}x{K}x{dv}xf32>" in fwd and f"tensor<{B}x{T}x{N}x{dv}xf32>" in fwd
+    # decode steps in three splits, bottom-right causal, ragged key lengths
+    step = dict(is_causal=True, causal_alignment="bottom_right", num_splits=3,
+                key_value_seq_lengths=jnp.array([70, 33]))
+    close(run("native", q[:, :1], k, v, **step), run("xla", q[:, :1], k, v, **step))
+    # a dense bias and mask, gradients of all four
+    bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, 1, T, S)) < 0.7)
+    loss = lambda impl: lambda q, k, v, b: jnp.sum(
+        jnp.sin(run(impl, q, k, v, bias=b, mask=mask, is_causal=True)))
+    grads = lambda impl: jax.grad(loss(impl), argnums=(0, 1, 2, 3))(q, k, v, bias)
+    for a, b in zip(grads("native"), grads("xla")):
+      close(a, b)
+    # second order: a Hessian-vector product in q
+    hvp = lambda impl: jax.jvp(jax.grad(lambda q: loss(impl)(q, k, v, bias)), (q,), (jnp.cos(q),))[1]
+    close(hvp("native"), hvp("xla"))
+    # the paged cache: 9 pages of 8 rows, shuffled
+    pages = lambda x: jnp.concatenate([x, jnp.zeros((B, 2, K, x.shape[-1]), x.dtype)], 1).reshape(
+        B * 9, 8, K, x.shape[-1])
+    table = jnp.asarray(rng.permutation(B * 9).reshape(B, 9), jnp.int32)
+    perm = jnp.argsort(table.reshape(-1))
+    kp, vp = pages(k)[perm], pages(v)[perm]
+    lengths = jnp.array([70, 41], jnp.int32)
+    paged = lambda impl: jaxflash.paged_attention(q[:, :2], kp, vp, table, lengths,
+                                                  implementation=impl)
+    assert paged("native").shape == (B, 2, N, dv)
+    close(paged("native"), paged("xla"))
+
+
 @pytest.mark.parametrize("shape,dtype", [((2, 33, 47, 4, 2, 264), jnp.float32),
                                          ((1, 20, 40, 2, 1, 512), jnp.bfloat16)], ids=str)
 def test_head_dims_past_256(rng, shape, dtype):

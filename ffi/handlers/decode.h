@@ -97,9 +97,10 @@ inline ffi::Error CheckProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffe
   if (k.element_type() != q.element_type() || v.element_type() != q.element_type()) {
     return Invalid("query, key and value must share one dtype");
   }
-  if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim) {
-    return Invalid("head_dim must be in [1, " + std::to_string(kMaxHeadDim) + "], got " +
-                   std::to_string(shape.head_dim));
+  if (shape.head_dim < 1 || shape.head_dim > kMaxHeadDim || shape.v_dim() < 1 || shape.v_dim() > kMaxHeadDim) {
+    return Invalid("head dims must be in [1, " + std::to_string(kMaxHeadDim) + "], got " +
+                   std::to_string(shape.head_dim) + " (query, key) and " + std::to_string(shape.v_dim()) +
+                   " (value)");
   }
   if (shape.kv_heads < 1 || shape.q_heads % shape.kv_heads != 0) {
     return Invalid("query heads (" + std::to_string(shape.q_heads) +
@@ -133,8 +134,9 @@ inline ffi::Error DecodeProblem(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuff
       e.failure()) {
     return e;
   }
+  shape->v_head_dim = v.dimensions().size() == r ? v.dimensions()[r - 1] : 0;
   if (auto e = ExpectShape("value", v.dimensions(),
-                           {shape->kv_len, shape->kv_heads, shape->head_dim}, shape->batch);
+                           {shape->kv_len, shape->kv_heads, shape->v_dim()}, shape->batch);
       e.failure()) {
     return e;
   }
@@ -247,6 +249,13 @@ inline ffi::Error CheckLike(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+// An output-shaped buffer (o, its cotangent): q's dtype and shape, but the
+// value's head dim.
+inline ffi::Error CheckOutput(const char* name, ffi::AnyBuffer buf, ffi::AnyBuffer q, const AttentionShape& s) {
+  if (buf.element_type() != q.element_type()) return Invalid(std::string(name) + " dtype differs from the query's");
+  return ExpectShape(name, buf.dimensions(), {s.q_len, s.q_heads, s.v_dim()}, s.batch);
+}
+
 // Window sides past any sequence bound nothing; they are capped at 2^29 (as
 // the Python API's attention.MAX_WINDOW), where MaskPolicy's 32-bit position
 // arithmetic stays exact (a window of 2^32 was once read there as 0).
@@ -289,7 +298,7 @@ constexpr int64_t kMaxSplits = 1024;
 inline ffi::Error DecodeOutputs(ForwardOutputs out, ffi::AnyBuffer q, int64_t num_splits,
                                 FwdParams* p) {
   const AttentionShape& s = p->shape;
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", *out.o, q));
+  JAXFLASH_RETURN_IF_ERROR(CheckOutput("output", *out.o, q, s));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", *out.lse, s));
   if (num_splits < 1 || num_splits > kMaxSplits) {
     return Invalid("num_splits must be in [1, " + std::to_string(kMaxSplits) + "], got " +
@@ -304,7 +313,7 @@ inline ffi::Error DecodeOutputs(ForwardOutputs out, ffi::AnyBuffer q, int64_t nu
     return Invalid("the split-KV partials must be float32");
   }
   JAXFLASH_RETURN_IF_ERROR(ExpectShape("o_partial", out.o_partial->dimensions(),
-                                       {num_splits, s.q_len, s.q_heads, s.head_dim}, s.batch));
+                                       {num_splits, s.q_len, s.q_heads, s.v_dim()}, s.batch));
   JAXFLASH_RETURN_IF_ERROR(ExpectShape("lse_partial", out.lse_partial->dimensions(),
                                        {num_splits, s.q_len, s.q_heads}, s.batch));
   p->o_partial = static_cast<float*>(out.o_partial->untyped_data());
@@ -369,7 +378,12 @@ inline ffi::Error DecodePagedForward(ffi::AnyBuffer q, ffi::AnyBuffer k_pages, f
     return Invalid("key_pages " + ShapeString(kd) + " and page_table " + ShapeString(td) +
                    " do not match query " + ShapeString(qd));
   }
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("value_pages", v_pages, k_pages));
+  const auto vd = v_pages.dimensions();
+  if (vd.size() != 4 || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2]) {
+    return Invalid("value_pages " + ShapeString(vd) + " must hold the pages, rows and heads of key_pages " +
+                   ShapeString(kd));
+  }
+  sh.v_head_dim = vd[3];
   if (page_table.element_type() != ffi::DataType::S32) return Invalid("page_table must be int32");
   if (p->paged.num_pages < 1 || p->paged.page_size < 1 || p->paged.max_pages < 1 ||
       p->paged.max_pages * p->paged.page_size >= kMaxSequence) {
@@ -409,8 +423,8 @@ struct BackwardBuffers {
 inline ffi::Error DecodeBackwardInputs(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> delta, float scale,
                                        int64_t window_left, int64_t window_right, bool bottom_right, BwdParams* p) {
   JAXFLASH_RETURN_IF_ERROR(DecodeProblem(in.q, in.k, in.v, &p->shape, &p->dtype));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("output", in.o, in.q));
-  JAXFLASH_RETURN_IF_ERROR(CheckLike("output cotangent", in.dout, in.q));
+  JAXFLASH_RETURN_IF_ERROR(CheckOutput("output", in.o, in.q, p->shape));
+  JAXFLASH_RETURN_IF_ERROR(CheckOutput("output cotangent", in.dout, in.q, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse", in.lse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckRowStats("lse cotangent", in.dlse, p->shape));
   JAXFLASH_RETURN_IF_ERROR(CheckLengths("query_seq_lengths", in.q_lengths, p->shape));

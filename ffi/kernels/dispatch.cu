@@ -162,6 +162,10 @@ Status CudaCurrentDevice(CudaDevice* device) {
 }
 
 static Status HeadDimRefusal(const AttentionShape& sh) {
+  if (sh.v_dim() != sh.head_dim) {  // the Python side pads the narrower side for them
+    return Status::Unimplemented("the CUDA kernels take one head dim for q, k and v, got " +
+                                 std::to_string(sh.head_dim) + " and " + std::to_string(sh.v_dim()));
+  }
   if (sh.head_dim <= kMaxCudaHeadDim) return Status::Ok();
   return Status::Unimplemented("the CUDA kernels support head_dim <= " + std::to_string(kMaxCudaHeadDim) +
                                ", got " + std::to_string(sh.head_dim));

@@ -6,8 +6,12 @@
 // compiler can both include it.
 //
 // Layouts (row-major, dense, as XLA hands them to a custom call):
-//   q, o, dq, do    [batch, q_len, q_heads, head_dim]
-//   k, v, dk, dv    [batch, kv_len, kv_heads, head_dim]
+//   q, dq           [batch, q_len, q_heads, head_dim]
+//   o, do           [batch, q_len, q_heads, v_head_dim]
+//   k, dk           [batch, kv_len, kv_heads, head_dim]
+//   v, dv           [batch, kv_len, kv_heads, v_head_dim]
+//                   (v_head_dim: the value's head dim, head_dim unless an MLA-style
+//                   call sets it; only the CPU kernels take it different)
 //   lse, dlse       [batch, q_heads, q_len]   float32, natural-log units
 //                                             (kEmptyRowLse for a row that sees no key)
 //   q_lengths,
@@ -15,9 +19,9 @@
 //   diag_offsets    [batch]                   int32, clamped to [-2^30, 2^30]
 //                   (each of the three null when not given: the whole
 //                   sequences, offsets 0)
-//   o_partial       [batch, num_splits, q_len, q_heads, head_dim]  float32 (split-KV forward)
+//   o_partial       [batch, num_splits, q_len, q_heads, v_head_dim]  float32 (split-KV forward)
 //   lse_partial     [batch, num_splits, q_len, q_heads]            float32, log2 units
-//   k, v when paged [num_pages, page_size, kv_heads, head_dim]      (see PagedKv)
+//   k, v when paged [num_pages, page_size, kv_heads, head_dim or v_head_dim]  (see PagedKv)
 #pragma once
 
 #include <cstdint>
@@ -139,14 +143,20 @@ struct AttentionShape {
   int64_t kv_len = 0;
   int64_t q_heads = 0;
   int64_t kv_heads = 0;
-  int64_t head_dim = 0;
+  int64_t head_dim = 0;    // of q and k
+  int64_t v_head_dim = 0;  // of v, o and their gradients; 0: head_dim
 
   JAXFLASH_HD int64_t group_size() const { return q_heads / kv_heads; }
-  // Element strides of the dense layouts above.
+  JAXFLASH_HD int64_t v_dim() const { return v_head_dim > 0 ? v_head_dim : head_dim; }
+  // Element strides of the dense layouts above: q and k, then o and v.
   JAXFLASH_HD int64_t q_row_stride() const { return q_heads * head_dim; }
   JAXFLASH_HD int64_t q_batch_stride() const { return q_len * q_heads * head_dim; }
   JAXFLASH_HD int64_t kv_row_stride() const { return kv_heads * head_dim; }
   JAXFLASH_HD int64_t kv_batch_stride() const { return kv_len * kv_heads * head_dim; }
+  JAXFLASH_HD int64_t o_row_stride() const { return q_heads * v_dim(); }
+  JAXFLASH_HD int64_t o_batch_stride() const { return q_len * o_row_stride(); }
+  JAXFLASH_HD int64_t v_row_stride() const { return kv_heads * v_dim(); }
+  JAXFLASH_HD int64_t v_batch_stride() const { return kv_len * v_row_stride(); }
 };
 
 // Where key j of batch element b lives in k and v, in rows of kv_row_stride

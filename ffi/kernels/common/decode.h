@@ -36,9 +36,13 @@ struct PackedRows {
   }
   JAXFLASH_HD int QueryRow(int r) const { return r / group; }
   JAXFLASH_HD int Head(int kv_head, int r) const { return kv_head * group + r % group; }
-  // Element offset of packed row r of (batch, kv_head) in q and o.
+  // Element offset of packed row r of (batch, kv_head) in q, and in o (which
+  // takes the value's head dim).
   JAXFLASH_HD int64_t Offset(const AttentionShape& sh, int batch, int kv_head, int r) const {
     return batch * sh.q_batch_stride() + QueryRow(r) * sh.q_row_stride() + Head(kv_head, r) * sh.head_dim;
+  }
+  JAXFLASH_HD int64_t OutOffset(const AttentionShape& sh, int batch, int kv_head, int r) const {
+    return batch * sh.o_batch_stride() + QueryRow(r) * sh.o_row_stride() + Head(kv_head, r) * sh.v_dim();
   }
   // Index of packed row r in lse ([batch, q_heads, q_len]).
   JAXFLASH_HD int64_t LseIndex(const AttentionShape& sh, int batch, int kv_head, int r) const {

@@ -37,13 +37,15 @@ using namespace cpu;
 
 struct Geometry {
   const BwdParams& p;
-  int dim;
+  int dim;   // of q and k
+  int vdim;  // of v and o
   int64_t row_tiles;
   int64_t key_tiles;
 
   explicit Geometry(const BwdParams& params)
       : p(params),
         dim(static_cast<int>(params.shape.head_dim)),
+        vdim(static_cast<int>(params.shape.v_dim())),
         row_tiles((params.shape.q_len + kRowsPerTile - 1) / kRowsPerTile),
         key_tiles((params.shape.kv_len + kKeysPerTile - 1) / kKeysPerTile) {}
 
@@ -57,6 +59,13 @@ struct Geometry {
   }
   int64_t KvOffset(int64_t b, int64_t kv_head, int col) const {
     return b * p.shape.kv_batch_stride() + col * p.shape.kv_row_stride() + kv_head * dim;
+  }
+  // The same in o and dO, and in v and dV (the value's head dim).
+  int64_t OOffset(int64_t b, int64_t h, int row) const {
+    return b * p.shape.o_batch_stride() + row * p.shape.o_row_stride() + h * vdim;
+  }
+  int64_t VOffset(int64_t b, int64_t kv_head, int col) const {
+    return b * p.shape.v_batch_stride() + col * p.shape.v_row_stride() + kv_head * vdim;
   }
   int64_t RowStatsOffset(int64_t b, int64_t h, int row) const {
     return (b * p.shape.q_heads + h) * p.shape.q_len + row;
@@ -105,9 +114,9 @@ JAXFLASH_CPU_CLONES void DeltaItem(const Geometry& g, int64_t item) {
       p.delta[stat] = 0.f;
       continue;
     }
-    const int64_t off = g.QOffset(b, h, r0 + r);
+    const int64_t off = g.OOffset(b, h, r0 + r);
     float sum = 0.f;
-    for (int d = 0; d < g.dim; ++d) {
+    for (int d = 0; d < g.vdim; ++d) {
       sum += LoadElement(p.dout, off + d, p.dtype) * LoadElement(p.o, off + d, p.dtype);
     }
     p.delta[stat] = sum - p.dlse[stat];
@@ -160,7 +169,7 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
   }
   // t.q holds q * scale * log2(e), so s - lse2 is the base-2 exponent of P.
   RowsTimesTransposed(t.q, rows, g.dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
-  RowsTimesTransposed(t.dout, rows, g.dim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
+  RowsTimesTransposed(t.dout, rows, g.vdim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
   const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
   const bool mixed = view == DenseRows::View::kMixed;
   const bool capped = p.softcap > 0;
@@ -215,8 +224,8 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
         if (!shown) t.s[r * kKeysPerTile + c] = t.ds[r * kKeysPerTile + c] = 0.f;
       }
     }
-    vis.plain = Finite(t.q, rows, g.dim, g.dim) && Finite(t.dout, rows, g.dim, g.dim) &&
-                Finite(t.kt, g.dim, cols, kKeysPerTile) && Finite(t.vt, g.dim, cols, kKeysPerTile);
+    vis.plain = Finite(t.q, rows, g.dim, g.dim) && Finite(t.dout, rows, g.vdim, g.vdim) &&
+                Finite(t.kt, g.dim, cols, kKeysPerTile) && Finite(t.vt, g.vdim, cols, kKeysPerTile);
   }
   return vis;
 }
@@ -236,7 +245,7 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
   if (key_begin >= key_end) return;
   const int64_t q_off = g.QOffset(b, h, r0);
   LoadRows(p.q, q_off, sh.q_row_stride(), valid_rows, g.dim, p.dtype, p.scale * kLog2e, t.q);
-  LoadRows(p.dout, q_off, sh.q_row_stride(), valid_rows, g.dim, p.dtype, 1.f, t.dout);
+  LoadRows(p.dout, g.OOffset(b, h, r0), sh.o_row_stride(), valid_rows, g.vdim, p.dtype, 1.f, t.dout);
   const int64_t kv_head = h / sh.group_size();
   for (int c0 = key_begin; c0 < key_end; c0 += kKeysPerTile) {
     const int cols = std::min(kKeysPerTile, key_end - c0);
@@ -244,7 +253,8 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
     if (view == DenseRows::View::kHidden) continue;
     const int64_t kv_off = g.KvOffset(b, kv_head, c0);
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), cols, g.dim, p.dtype, kKeysPerTile, t.kt);
-    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), cols, g.dim, p.dtype, kKeysPerTile, t.vt);
+    LoadRowsTransposed(p.v, g.VOffset(b, kv_head, c0), sh.v_row_stride(), cols, g.vdim, p.dtype, kKeysPerTile,
+                       t.vt);
     visit(c0, cols, valid_rows,
           ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, valid_rows, c0, cols, t, score_slope));
   }
@@ -257,21 +267,21 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
 JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_head, int c0, float* dq_sums) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
-  const int dim = g.dim;
+  const int dim = g.dim, vdim = g.vdim;
   const int cols = static_cast<int>(std::min<int64_t>(kKeysPerTile, sh.kv_len - c0));
   const MaskPolicy mask = g.Mask(b);
   const DenseRows dense{p.dense, b};
   BackwardTile& t = Scratch();
 
   std::fill(t.acc_a, t.acc_a + cols * dim, 0.f);
-  std::fill(t.acc_b, t.acc_b + cols * dim, 0.f);
+  std::fill(t.acc_b, t.acc_b + cols * vdim, 0.f);
   const int valid_cols = std::min(cols, std::max(0, mask.kv_valid - c0));
   const int row_begin = valid_cols > 0 ? mask.BlockRowBegin(c0) : 0;
   const int row_end = valid_cols > 0 ? mask.BlockRowEnd(c0 + valid_cols - 1) : 0;
-  const int64_t kv_off = g.KvOffset(b, kv_head, c0);
+  const int64_t kv_off = g.KvOffset(b, kv_head, c0), v_off = g.VOffset(b, kv_head, c0);
   if (row_begin < row_end) {
     LoadRowsTransposed(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.kt);
-    LoadRowsTransposed(p.v, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, kKeysPerTile, t.vt);
+    LoadRowsTransposed(p.v, v_off, sh.v_row_stride(), valid_cols, vdim, p.dtype, kKeysPerTile, t.vt);
     if (dq_sums != nullptr) LoadRows(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, 1.f, t.k);
   }
   const float q_multiplier = p.scale * kLog2e;
@@ -282,7 +292,7 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
       if (view == DenseRows::View::kHidden) continue;
       const int64_t q_off = g.QOffset(b, h, r0);
       LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
-      LoadRows(p.dout, q_off, sh.q_row_stride(), rows, dim, p.dtype, 1.f, t.dout);
+      LoadRows(p.dout, g.OOffset(b, h, r0), sh.o_row_stride(), rows, vdim, p.dtype, 1.f, t.dout);
       const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, rows, c0, valid_cols, t);
       // dV += P^T dO; dK += dS^T Q, where t.q carries scale * log2(e) and ln 2
       // turns that back into scale. A partly visible tile multiplies, per key,
@@ -291,7 +301,8 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
       Transpose(t.ds, kKeysPerTile, rows, valid_cols, kLn2, t.dst, kRowsPerTile);
       const auto rows_of = [&](int c) { return vis.RowsOf(c, rows); };
       const auto sees = [&](int c, int r) { return vis.Sees(r, c); };
-      AccumulateVisible(vis.plain, t.st, kRowsPerTile, valid_cols, rows, t.dout, dim, dim, t.acc_b, dim, rows_of, sees);
+      AccumulateVisible(vis.plain, t.st, kRowsPerTile, valid_cols, rows, t.dout, vdim, vdim, t.acc_b, vdim, rows_of,
+                        sees);
       AccumulateVisible(vis.plain, t.dst, kRowsPerTile, valid_cols, rows, t.q, dim, dim, t.acc_a, dim, rows_of, sees);
       if (dq_sums != nullptr) {  // dQ += dS K, as pass 3 does it (the scale comes at the store)
         AccumulateVisible(vis.plain, t.ds, kKeysPerTile, rows, valid_cols, t.k, dim, dim, dq_sums + q_off,
@@ -301,7 +312,7 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
     }
   }
   StoreRows(p.dk, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_a);
-  StoreRows(p.dv, kv_off, sh.kv_row_stride(), cols, dim, p.dtype, t.acc_b);
+  StoreRows(p.dv, v_off, sh.v_row_stride(), cols, vdim, p.dtype, t.acc_b);
 }
 
 JAXFLASH_CPU_CLONES void KeyValueGradItem(const Geometry& g, int64_t item) {
@@ -428,7 +439,7 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
 }  // namespace
 
 Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim) {
+  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
     return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
   }
   if (p.delta == nullptr || p.dbias == nullptr || !p.dense.bias.On()) {
@@ -444,7 +455,7 @@ Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
 }
 
 Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim) {
+  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
     return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
   }
   if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");

@@ -36,27 +36,30 @@ struct ForwardTile {
   bool dense_seen[kRowsPerTile];              // the row saw a key the dense mask shows
 };
 
-// Loads keys [c0, c0 + cols) of one K/V head: K transposed into kt, V into v.
-// Dense K/V is one run of rows; paged K/V one run per page touched.
+// Loads keys [c0, c0 + cols) of one K/V head: K transposed into kt, V (rows
+// of the value's head dim) into v. Dense K/V is one run of rows; paged K/V one
+// run per page touched.
 JAXFLASH_CPU_INLINE void LoadKeys(const FwdParams& p, int64_t b, int64_t kv_head, int c0, int cols,
                                   ForwardTile& t) {
   const AttentionShape& sh = p.shape;
-  const int dim = static_cast<int>(sh.head_dim);
+  const int dim = static_cast<int>(sh.head_dim), vdim = static_cast<int>(sh.v_dim());
   for (int c = 0; c < cols;) {
     const int key = c0 + c;
     const int run = p.paged.table == nullptr
                         ? cols - c
                         : std::min<int>(cols - c, static_cast<int>(p.paged.page_size - key % p.paged.page_size));
-    const int64_t offset = p.paged.Row(b, sh.kv_len, key) * sh.kv_row_stride() + kv_head * dim;
-    LoadRowsTransposed(p.k, offset, sh.kv_row_stride(), run, dim, p.dtype, kKeysPerTile, t.kt + c);
-    LoadRows(p.v, offset, sh.kv_row_stride(), run, dim, p.dtype, 1.f, t.v + c * dim);
+    const int64_t row = p.paged.Row(b, sh.kv_len, key);
+    LoadRowsTransposed(p.k, row * sh.kv_row_stride() + kv_head * dim, sh.kv_row_stride(), run, dim, p.dtype,
+                       kKeysPerTile, t.kt + c);
+    LoadRows(p.v, row * sh.v_row_stride() + kv_head * vdim, sh.v_row_stride(), run, vdim, p.dtype, 1.f,
+             t.v + c * vdim);
     c += run;
   }
 }
 
 JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTile& t) {
   const AttentionShape& sh = p.shape;
-  const int dim = static_cast<int>(sh.head_dim);
+  const int dim = static_cast<int>(sh.head_dim), vdim = static_cast<int>(sh.v_dim());
   const PackedRows packed = PackedRows::For(sh);
   const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
   const int split = static_cast<int>(item % p.num_splits);
@@ -70,7 +73,7 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
                                           static_cast<int>(sh.kv_len), p.q_lengths,
                                           p.kv_lengths, static_cast<int>(b));
 
-  std::fill(t.acc, t.acc + rows * dim, 0.f);
+  std::fill(t.acc, t.acc + rows * vdim, 0.f);
   std::fill(t.row_max, t.row_max + rows, kNegInf);
   std::fill(t.row_sum, t.row_sum + rows, 0.f);
   std::fill(t.dense_seen, t.dense_seen + rows, false);
@@ -157,28 +160,28 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
       for (int c = 0; c < cols; ++c) sum += s[c];
       t.row_max[r] = new_max;
       t.row_sum[r] = t.row_sum[r] * rescale + sum;
-      float* acc = t.acc + r * dim;
-      for (int d = 0; d < dim; ++d) acc[d] *= rescale;
+      float* acc = t.acc + r * vdim;
+      for (int d = 0; d < vdim; ++d) acc[d] *= rescale;
     }
     // O += P V; in a partly visible tile each row multiplies only the keys it
     // sees, so a NaN or Inf in the value of a masked key never reaches it.
     // With a dense mask every hidden pair has P = 0 exactly, so finite values let the
     // whole tile's product run.
-    const bool plain = (full && !mixed) || (p.dense.mask.On() && Finite(t.v, cols, dim, dim));
-    AccumulateVisible(plain, t.s, kKeysPerTile, valid_rows, cols, t.v, dim, dim, t.acc, dim, cols_of, sees);
+    const bool plain = (full && !mixed) || (p.dense.mask.On() && Finite(t.v, cols, vdim, vdim));
+    AccumulateVisible(plain, t.s, kKeysPerTile, valid_rows, cols, t.v, vdim, vdim, t.acc, vdim, cols_of, sees);
   }
 
   // The rows' results, by the rules of params.h and common/decode.h: one
   // split writes O and the natural LSE, several write their partials.
   const bool partial = p.num_splits > 1;
   for (int r = 0; r < rows; ++r) {
-    float* acc = t.acc + r * dim;
+    float* acc = t.acc + r * vdim;
     const int pr = r0 + r;
     const bool seen = mask.HasKeysIn(packed.QueryRow(pr), split_begin, split_end) &&
                       (!p.dense.mask.On() || t.dense_seen[r]);
     float lse2 = kEmptyRowLse;
     if (!seen) {
-      std::fill(acc, acc + dim, 0.f);
+      std::fill(acc, acc + vdim, 0.f);
     } else {
       // As in a dense softmax: a row whose visible scores are all -inf has sum
       // 0 and gets 0 / 0 = NaN (a split keeps its acc and LSE -inf for the
@@ -186,19 +189,19 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
       // its LSE, NaN.
       const float sum = partial && t.row_sum[r] == 0.f ? 1.f : t.row_sum[r];
       const float inv = 1.f / sum;
-      for (int d = 0; d < dim; ++d) acc[d] *= inv;
+      for (int d = 0; d < vdim; ++d) acc[d] *= inv;
       lse2 = t.row_max[r] + std::log2(sum);
     }
     if (!partial) {
       p.lse[packed.LseIndex(sh, static_cast<int>(b), static_cast<int>(kv_head), pr)] =
           seen ? lse2 * kLn2 : kEmptyRowLse;
-      StoreRows(p.o, packed.Offset(sh, static_cast<int>(b), static_cast<int>(kv_head), pr), 0, 1, dim, p.dtype,
-                acc);
+      StoreRows(p.o, packed.OutOffset(sh, static_cast<int>(b), static_cast<int>(kv_head), pr), 0, 1, vdim,
+                p.dtype, acc);
     } else {
       const int64_t row = packed.PartialRow(sh, p.num_splits, static_cast<int>(b), split,
                                             static_cast<int>(kv_head), pr);
       p.lse_partial[row] = lse2;
-      std::copy(acc, acc + dim, p.o_partial + row * dim);
+      std::copy(acc, acc + vdim, p.o_partial + row * vdim);
     }
   }
 }
@@ -207,7 +210,7 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
 // partials, by the rule in common/decode.h.
 JAXFLASH_CPU_CLONES void MergeRow(const FwdParams& p, int64_t row, float* out) {
   const AttentionShape& sh = p.shape;
-  const int dim = static_cast<int>(sh.head_dim);
+  const int dim = static_cast<int>(sh.v_dim());  // O's
   const int64_t per_batch = sh.q_len * sh.q_heads;
   const int64_t b = row / per_batch, within = row % per_batch;
   const int64_t first = b * p.num_splits * per_batch + within;  // split s: first + s * per_batch
@@ -235,7 +238,7 @@ JAXFLASH_CPU_CLONES void MergeRow(const FwdParams& p, int64_t row, float* out) {
 }  // namespace
 
 Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim) {
+  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
     return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
   }
   const PackedRows packed = PackedRows::For(p.shape);
