@@ -187,9 +187,10 @@ def test_cpu_backward_schemes_agree(rng, monkeypatch, dtype):
   assert np.all(grads[1][0][1, 97:] == 0) and np.all(np.isfinite(grads[1][0][:, :97]))
   assert all(np.all(np.isfinite(g[0])) for g in grads[1])
   assert np.all(np.isfinite(grads[1][1][1])) and np.all(np.isfinite(grads[1][2][1]))  # dK, dV
-  monkeypatch.setattr(_native, "cpu_threads", lambda: 1)
-  jax.clear_caches()
-  check_gradients(rng, (B, T, S, N, K, D), "causal", dtype)
+  if dtype == jnp.float32:   # (the float64 check of 16-bit gradients is test_gradients')
+    monkeypatch.setattr(_native, "cpu_threads", lambda: 1)
+    jax.clear_caches()
+    check_gradients(rng, (B, T, S, N, K, D), "causal", dtype)
 
 
 def test_value_head_dim_of_its_own_on_the_cpu(rng):
