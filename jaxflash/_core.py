@@ -358,6 +358,7 @@ class PallasKernels:
   """The project's Pallas kernels (Triton on GPU, the interpreter on CPU)."""
 
   name = "pallas"
+  takes_value_width = staticmethod(lambda: False)   # one head dim (`run_fused` pads)
 
   @staticmethod
   def _kw(spec: MaskSpec) -> dict[str, Any]:
@@ -525,13 +526,12 @@ def empty_result(call: Call):
 def run_fused(call: Call, q_lengths, kv_lengths, tables, kernels):
   """(o, lse) of `call` through `fused` with `kernels`.
 
-  A value head dim that differs from the query/key's (MLA) goes as it is to kernels that
-  take it (`takes_value_width`: the CPU kernels on one device); the others run at the
-  wider, `call.width`, the narrower side zero-padded. Exact: zero columns of q and k add
-  nothing to q.k (the scale stays the query's), zero columns of v make output columns that
-  are sliced off, and the pads' and the slice's transposes route every gradient back.
+  A value head dim that differs from q/k's (MLA) goes as it is to kernels that take it
+  (`takes_value_width`: the CPU kernels on one device); the others run at `call.width`,
+  the narrower side zero-padded. Exact: zero columns of q and k add nothing to q.k, zero
+  columns of v make output columns that are sliced off, and autodiff routes it all back.
   """
-  own = getattr(kernels, "takes_value_width", lambda: False)()
+  own = kernels.takes_value_width()
   pad = lambda x: (x if own or x.shape[-1] == call.width else
                    jnp.pad(x, [(0, 0)] * 3 + [(0, call.width - x.shape[-1])]))
   out, lse = fused(pad(call.q), pad(call.k), pad(call.v), q_lengths, kv_lengths, tables,

@@ -185,6 +185,10 @@ class Ring:
   def name(self) -> str:
     return self.kernels.name
 
+  @staticmethod
+  def takes_value_width() -> bool:   # the blocks' merge takes one head dim (`run_fused` pads)
+    return False
+
   def _blocks(self, spec, q, k, q_lengths, kv_lengths):
     """blocks(r) yields (a, c, lq, lk, offsets, visible) for query piece a and
     key piece c of step r."""

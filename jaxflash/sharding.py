@@ -462,7 +462,7 @@ def partitioned(kernels):
     # The rules and the ring take one head dim: v keeps its own only on one device.
     @staticmethod
     def takes_value_width():
-      return jax.device_count() == 1 and getattr(kernels, "takes_value_width", lambda: False)()
+      return jax.device_count() == 1 and kernels.takes_value_width()
 
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).

@@ -46,12 +46,14 @@ class ParallelRunner {
   virtual void For(int64_t n, const std::function<void(int64_t)>& fn, int64_t threads) const = 0;
 };
 
-// The threads a CPU call of `flops` floating-point operations is worth: waking a
-// pool thread costs tens of microseconds, more than a small call's whole work
-// (2 cores, B 1, 8 heads, S 16, D 64: forward+backward 166 us on two threads,
-// 76 us on one), so each thread gets at least kCpuFlopsPerThread (~40 us).
+// The threads a CPU call of `products` tile products over every (query, key)
+// pair of `sh` is worth (the forward 2, the backward 5): waking a pool thread
+// costs tens of microseconds, more than a small call's whole work (2 cores,
+// B 1, 8 heads, S 16, D 64: forward+backward 166 us on two threads, 76 us on
+// one), so each thread gets at least kCpuFlopsPerThread (~40 us).
 constexpr double kCpuFlopsPerThread = 4e6;
-inline int64_t CpuThreadsFor(double flops) {
+inline int64_t CpuThreadsFor(const AttentionShape& sh, double products) {
+  const double flops = 2.0 * products * sh.batch * sh.q_heads * sh.q_len * sh.kv_len * sh.head_dim;
   return flops < 2 * kCpuFlopsPerThread ? 1 : static_cast<int64_t>(flops / kCpuFlopsPerThread);
 }
 

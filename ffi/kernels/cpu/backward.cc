@@ -70,12 +70,8 @@ struct Geometry {
   int64_t RowStatsOffset(int64_t b, int64_t h, int row) const {
     return (b * p.shape.q_heads + h) * p.shape.q_len + row;
   }
-  // The threads the call is worth (launch.h), from the backward's 2.5x the
-  // forward's 4 B H T S D flops.
-  int64_t Threads() const {
-    const AttentionShape& sh = p.shape;
-    return CpuThreadsFor(10.0 * sh.batch * sh.q_heads * sh.q_len * sh.kv_len * sh.head_dim);
-  }
+  // The threads the call is worth (launch.h): the backward's five products.
+  int64_t Threads() const { return CpuThreadsFor(p.shape, /*products=*/5); }
 };
 
 // Scratch for one work item of pass 2 or 3.

@@ -244,8 +244,7 @@ Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
   const PackedRows packed = PackedRows::For(p.shape);
   const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t items = p.shape.batch * p.shape.kv_heads * row_tiles * p.num_splits;
-  const AttentionShape& sh = p.shape;
-  const int64_t threads = CpuThreadsFor(4.0 * sh.batch * sh.q_heads * sh.q_len * sh.kv_len * sh.head_dim);
+  const int64_t threads = CpuThreadsFor(p.shape, /*products=*/2);
   runner.For(items, [&p](int64_t item) {
     // Per-call scratch; large arrays stay off the worker's stack.
     thread_local std::vector<ForwardTile> tile(1);
