@@ -216,6 +216,26 @@ __device__ __forceinline__ void MaskScores(float (&s)[kMT][kNT][4], const MaskPo
   ScaleAndMask<false>(s, pol, false, r0, warp_row0, c0, lane, 1.f);
 }
 
+// Caps the scores of key tile [c0, c0 + kNT * 8) for kernels that fold a
+// factor into the softmax's exponent: s becomes tanh(scale * q·k / softcap),
+// the capped score in units of cap.cap2 (the caller passes cap.cap2 as the
+// exponent's scale: one multiply a score fewer than ScaleAndMask's cap), then
+// ALiBi's bias in the same units and the hidden entries at -inf, as
+// ScaleAndMask does.
+template <int kMT, int kNT>
+__device__ __forceinline__ void CapAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
+                                          int warp_row0, int c0, int lane, const SoftCap& cap,
+                                          const AlibiBias& alibi) {
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nt][i] = cap.Tanh(s[mt][nt][i]);
+  if (alibi.On()) AddAlibi(s, alibi.InRawUnits(cap.cap2), r0 + warp_row0, c0, lane);
+  if (!full) ScaleAndMask<false>(s, pol, false, r0, warp_row0, c0, lane, 1.f);
+}
+
 // The A fragment (16 rows x 16 k) of P for k step kk, packed from two
 // adjacent n8 tiles of probabilities: the accumulator of columns
 // [16 kk, 16 kk + 16) is exactly the A layout of mma.sync and of wgmma's

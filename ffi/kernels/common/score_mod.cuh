@@ -64,7 +64,10 @@ struct SoftCap {
   // tanh.approx is one special-function op with a relative error of 2^-11:
   // the 16-bit kernels round P to 8 or 11 bits anyway. tanh takes +-inf to
   // +-1 and keeps NaN.
-  __device__ __forceinline__ float Apply(float qk) const { return cap2 * TanhApprox(qk * in); }
+  __device__ __forceinline__ float Apply(float qk) const { return cap2 * Tanh(qk); }
+  // The same in units of cap2 (tanh itself), for kernels that fold cap2 into
+  // the softmax's exponent (fwd_blocks.cuh's CapAndMask).
+  __device__ __forceinline__ float Tanh(float qk) const { return TanhApprox(qk * in); }
   // From a score already in log2 units, with tanhf, for the float32 kernels;
   // *th receives tanh, whose slope 1 - tanh^2 the backward multiplies in.
   __device__ __forceinline__ float ApplyExact(float x, float* th) const {

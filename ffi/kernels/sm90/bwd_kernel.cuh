@@ -430,8 +430,8 @@ template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
-  // tiles take them (TileTakes: a cap at D 128 the dK/dV pass and the dQ pass,
-  // at D 64 and 256 the two cp.async kernels); the others have no registers
+  // tiles take them (TileTakes: a cap at D 64 and 128 the dK/dV pass and the
+  // dQ pass, at D 256 the two cp.async kernels); the others have no registers
   // to spare for them. With no sm90 tile that does, the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
   using DqPass = typename DqPassTile<kD>::type;

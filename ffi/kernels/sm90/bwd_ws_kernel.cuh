@@ -64,10 +64,11 @@ namespace sm90 {
 template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
-  // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 128 dK/dV
-  // pass without dQ. The fused D 128 pass (12 bytes) and the D 64 tiles spilled
-  // with the cap's code; capped calls there take another pass (LaunchBackward).
-  static constexpr bool kTakesSoftCap = kD_ == 128 && !kWithDq_;
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
+  // 128 dK/dV passes without dQ. The fused passes (D 128: 12 bytes) spilled
+  // with the cap's code; capped calls take the pass without dQ, then the dQ
+  // pass (LaunchBackward).
+  static constexpr bool kTakesSoftCap = kD_ <= 128 && !kWithDq_;
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;

@@ -96,17 +96,10 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
   }
 }
 
-// A call with a logit soft-cap (score_mod.cuh) keeps the table's pick where
-// that tile takes the cap (WsFwdTile::kTakesSoftCap: D 128), else runs the
-// bucket's cp.async candidate: at D 64 and 256 the warp-specialised consumers
-// hold their registers at the limit, and the cap's code spilled them.
-inline int FwdSoftCapPick(int head_dim_bucket, int pick) {
-  return head_dim_bucket == 128 ? pick : head_dim_bucket == 64 ? 3 : 1;
-}
-
-// A call with segment ids (or a soft-cap) runs the pick if that tile takes it
-// (TileTakes), else the first candidate that does; with none (D 64 with both),
-// the sm80 kernels, which take everything.
+// A call with segment ids, a soft-cap or ALiBi slopes runs the pick if that
+// tile takes them (TileTakes), else the first warp-specialised candidate that
+// does, else the first that does (PickTaking); with none, the sm80 kernels,
+// which take everything.
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Candidates = typename FwdCandidates<kD>::type;
@@ -115,9 +108,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   // or segment ids, on grids that fill the GPU: it yields to those; a forced
   // tile does not.
   bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
-  if (p.softcap > 0.f) {
-    pick = FwdSoftCapPick(kD, pick);
-  } else if (SmallGrid<kD>(p, device, pick)) {
+  if (SmallGrid<kD>(p, device, pick)) {
     pick = FwdCandidates<kD>::kSmallGrid;
     yield = true;
   }

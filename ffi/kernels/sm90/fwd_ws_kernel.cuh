@@ -77,10 +77,12 @@ struct WsFwdTile {
   // the per-warpgroup bounds cost D 128 causal S 1k 2%: those walk the work
   // tile's.
   static constexpr bool kOwnKeyTiles = kM > kN;
-  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 64 and 256
-  // the cap's code spilled the consumers' registers (68-148 and 28 bytes), so
-  // capped calls there run the cp.async kernel (fwd_launch.cuh).
-  static constexpr bool kTakesSoftCap = kD == 128;
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 64 with
+  // three or four consumers and at D 256 the cap's code spilled the
+  // consumers' registers (68-148 and 28-212 bytes), so capped calls there run
+  // another candidate (fwd_launch.cuh: at D 64 two consumers, at D 256 the
+  // cp.async kernel).
+  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
   // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
   // and at D 64 with three consumers of them, their code spilled the
   // consumers' registers (24-56 bytes), so such calls run another candidate
@@ -351,11 +353,22 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         // Masks (if kMasked) and folds S_n into the softmax state (its
         // reference max lagging: OnlineSoftmax::Scores<true>); returns whether
         // the output must be rescaled, by alpha. A positive scale rides in
-        // the exponent's FFMA (the usual case); any other is applied first.
+        // the exponent's FFMA (the usual case), and so does a cap's factor
+        // (the scores become tanh: CapAndMask); any other scale is applied
+        // first.
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
-          if (scale_log2 > 0.f && (!Tile::kTakesSoftCap || p.softcap == 0.f)) {
+          if constexpr (Tile::kTakesSoftCap) {
+            // The cap is built from the parameters where each factor is used
+            // (score_mod.cuh), so neither is held across the other's loop.
+            if (p.softcap > 0.f) {
+              tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
+                             tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
+              return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
+            }
+          }
+          if (scale_log2 > 0.f) {
             if constexpr (Tile::kTakesAlibi) {  // the bias in raw units: the scale stays in the exponent
               const tc::AlibiBias alibi = tc::AlibiBias::Of(p, w.pol, w.tile.batch, w.tile.head);
               if (alibi.On()) tc::AddAlibi(s, alibi.InRawUnits(scale_log2), r0 + warp_row0, c0, lane);
@@ -363,9 +376,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
             return softmax.Scores<true>(s, alpha, scale_log2);
           }
-          // The cap is built from the parameters here, per tile (score_mod.cuh).
-          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
-                           tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
+          tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
                            tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
           return softmax.Scores<true>(s, alpha);
         };
