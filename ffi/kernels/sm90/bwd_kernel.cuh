@@ -376,19 +376,27 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // leave room for two. At D = 256 dK and dV of 64 keys would fill a
 // warpgroup's registers, so two consumers share 64 keys and split the columns
 // (bwd_ws_columns.cuh).
+// `capped` is the fused tile for calls with a logit soft-cap, which `type`
+// has no registers for: at D = 64 two consumers (240 registers each) take it.
+// One pass recomputes each score's tanh and exponent once; the two passes
+// without dQ sums each do, and at D = 64 those special-function ops, not the
+// tensor cores, bound the backward.
 template <int kD>
 struct FusedBwdTile;
 template <>
 struct FusedBwdTile<64> {
   using type = WsBwdTile<64, 3>;
+  using capped = WsBwdTile<64, 2>;
 };
 template <>
 struct FusedBwdTile<128> {
   using type = WsBwdTile<128>;
+  using capped = type;
 };
 template <>
 struct FusedBwdTile<256> {
   using type = WsBwdColumnTile<256>;
+  using capped = type;
 };
 
 // The warp-specialised dQ pass's tile per bucket (bwd_ws_dq.cuh): 128 query
@@ -430,13 +438,15 @@ template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
-  // tiles take them (TileTakes: a cap at D 64 and 128 the dK/dV pass and the
-  // dQ pass, at D 256 the two cp.async kernels); the others have no registers
-  // to spare for them. With no sm90 tile that does, the sm80 kernels run.
+  // tiles take them (TileTakes: a cap at D 64 the fused pass of two
+  // consumers, at D 128 the dK/dV pass and the dQ pass, at D 256 the two
+  // cp.async kernels); the others have no registers to spare for them. With no sm90 tile that does, the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
   using DqPass = typename DqPassTile<kD>::type;
-  if (TileTakes<Fused>(p) && tc::UseFusedBackward(p)) {
-    return LaunchWsBackward<T, Fused>(p, device, stream);
+  using FusedCapped = typename FusedBwdTile<kD>::capped;
+  if (tc::UseFusedBackward(p)) {
+    if (TileTakes<Fused>(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
+    if (p.softcap > 0.f && TileTakes<FusedCapped>(p)) return LaunchWsBackward<T, FusedCapped>(p, device, stream);
   }
   if (TileTakes<KeyGrads>(p) && TileTakes<DqPass>(p) && !tc::TileForced(p) && p.shape.q_len > 0) {
     return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);

@@ -65,10 +65,11 @@ template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWi
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
-  // 128 dK/dV passes without dQ. The fused passes (D 128: 12 bytes) spilled
-  // with the cap's code; capped calls take the pass without dQ, then the dQ
-  // pass (LaunchBackward).
-  static constexpr bool kTakesSoftCap = kD_ <= 128 && !kWithDq_;
+  // 128 dK/dV passes without dQ, and the fused D 64 pass of two consumers.
+  // The other fused passes (D 128: 12 bytes) spilled with the cap's code;
+  // capped calls there take the pass without dQ, then the dQ pass
+  // (LaunchBackward).
+  static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2));
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;
