@@ -229,14 +229,20 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
 // products (into log2 units), and where ALiBi's bias follows the products are
 // scaled first, so it adds in log2 units. Returns the multiplier the exponent
 // still applies: scale_log2 for plain calls, 1 once the scores are in log2 units.
-template <int kT>
+// `kept` (score_mod.cuh's KeptTanh) receives the tanh of capped scores.
+template <int kT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ float ModifyScores(float (&s)[kT][4], SoftCap cap, const AlibiBias& alibi,
-                                              float scale_log2) {
+                                              float scale_log2, Kept&& kept = {}) {
   if (cap.On()) {
 #pragma unroll
     for (int nt = 0; nt < kT; ++nt)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] = cap.Apply(s[nt][i]);
+      for (int pair = 0; pair < 2; ++pair) {
+        const float a = cap.Tanh(s[nt][2 * pair]), b = cap.Tanh(s[nt][2 * pair + 1]);
+        kept.Keep(nt, pair, a, b);
+        s[nt][2 * pair] = cap.cap2 * a;
+        s[nt][2 * pair + 1] = cap.cap2 * b;
+      }
     scale_log2 = 1.f;
   }
   if (alibi.On()) {
@@ -260,12 +266,13 @@ __device__ __forceinline__ float ModifyScores(float (&s)[kT][4], SoftCap cap, co
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores before
 // the exponent instead of scaling them (masked pairs are zeroed after it, as
 // without a cap); `alibi` adds ALiBi's bias after the cap.
-template <int kQT, typename LseLog2>
+// `kept`: as ModifyScores.
+template <int kQT, typename LseLog2, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                                   int key0, LseLog2&& lse_at, int lane, float scale_log2,
-                                                  SoftCap cap = {}, AlibiBias alibi = {}) {
+                                                  SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {}) {
   const int g = lane >> 2, t = lane & 3;
-  scale_log2 = ModifyScores(s, cap, alibi, scale_log2);
+  scale_log2 = ModifyScores(s, cap, alibi, scale_log2, kept);
   if (alibi.On()) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
@@ -295,12 +302,12 @@ __device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int
   return lse[nt * 8 + 2 * (lane & 3) + j] * kLog2e;
 }
 
-template <int kQT>
+template <int kQT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2,
-                                              SoftCap cap = {}, AlibiBias alibi = {}) {
+                                              SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {}) {
   KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
-                    scale_log2, cap, alibi);
+                    scale_log2, cap, alibi, kept);
 }
 
 // Where a soft-capped backward's pairs lie, for ALiBi's bias in the cap's
@@ -312,12 +319,23 @@ struct PairOrigin {
 };
 
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta (and lse, read only under a
-// soft-cap, whose slope multiplies dS) hold the tile's values.
-template <int kQT>
+// soft-cap, whose slope multiplies dS) hold the tile's values. A KeptTanh
+// (`kept`, filled by KeyMajorProbsFrom) gives the cap's slope without lse.
+template <int kQT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
                                            int lane, const float* lse = nullptr, SoftCap cap = {},
-                                           AlibiBias alibi = {}, PairOrigin at = {}) {
+                                           AlibiBias alibi = {}, PairOrigin at = {}, const Kept& kept = {}) {
   const int t = lane & 3;
+  if constexpr (Kept::kOn) {
+    if (cap.On()) {
+#pragma unroll
+      for (int nt = 0; nt < kQT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[nt * 8 + 2 * t + (i & 1)]) * kept.Slope(nt, i, p[nt][i]);
+      return;
+    }
+  }
   if (cap.On()) {
 #pragma unroll
     for (int nt = 0; nt < kQT; ++nt)

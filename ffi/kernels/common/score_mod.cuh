@@ -10,6 +10,10 @@
 // tile, so it pays nothing.
 #pragma once
 
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
 #include "common/alibi.h"
 #include "jaxflash/params.h"
 
@@ -84,6 +88,38 @@ struct SoftCap {
     const float th = (Log2Approx(p) + lse2) * inv;
     return p > 0.f ? 1.f - th * th : 0.f;
   }
+};
+
+// The tanh of a soft-capped score tile (kT accumulator n8 tiles, this lane's
+// four entries each), kept in float16 pairs for the slope 1 - tanh^2 that the
+// backward multiplies dS by: 16 registers for a 64 x 64 tile's 32 entries a
+// thread, in tiles that have them (the fused D 64 backward). It replaces
+// SoftCap::SlopeFromProb's lg2, the capped backward's third special-function
+// op a score, which bounds it at D 64 (docs/performance-log.md, thirty-ninth
+// session). tanh in [-1, 1] keeps 11 bits in float16, as many as tanh.approx
+// gives; dS is rounded to 16 bits for its products anyway.
+template <int kT>
+struct KeptTanh {
+  static constexpr bool kOn = true;
+  uint32_t h[kT][2];  // entries (0, 1) and (2, 3) of n8 tile nt, the first in the low half
+
+  __device__ __forceinline__ void Keep(int nt, int pair, float first, float second) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(h[nt][pair]) : "f"(second), "f"(first));
+  }
+  // The slope of entry i of tile nt whose probability is p: 0 where p = 0
+  // (masked, or underflowed: dS = 0 whatever the slope, and a non-finite
+  // score the mask hid must not reach dS), as SlopeFromProb.
+  __device__ __forceinline__ float Slope(int nt, int i, float p) const {
+    const __half2 pair = *reinterpret_cast<const __half2*>(&h[nt][i >> 1]);
+    const float th = (i & 1) ? __high2float(pair) : __low2float(pair);
+    return p > 0.f ? 1.f - th * th : 0.f;
+  }
+};
+// No kept tanh: the slope comes from P (SoftCap::SlopeFromProb).
+struct NoKeptTanh {
+  static constexpr bool kOn = false;
+  __device__ __forceinline__ void Keep(int, int, float, float) {}
+  __device__ __forceinline__ float Slope(int, int, float) const { return 0.f; }
 };
 
 // ALiBi (common/alibi.h) in the tensor-core kernels: the bias of this lane's

@@ -14,11 +14,14 @@ namespace sm90 {
 
 // kLseFirst: the LSE of the step's queries read into registers before the
 // products are issued (16 at kM = 64), else as the exponents need them.
-template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false>
+// `kept`: a tc::KeptTanh that receives a capped tile's tanh (score_mod.cuh).
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
+          typename Kept = tc::NoKeptTanh>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int c0, int key0, int kN, const float* lse, int lane,
-                                               float scale_log2, tc::SoftCap cap = {}, tc::AlibiBias alibi = {}) {
+                                               float scale_log2, tc::SoftCap cap = {}, tc::AlibiBias alibi = {},
+                                               Kept&& kept = {}) {
   float lse_log2[kLseFirst ? kM / 8 : 1][2];
   if constexpr (kLseFirst) {
 #pragma unroll
@@ -36,9 +39,9 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
   if constexpr (kLseFirst) {
     tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
-                          scale_log2, cap, alibi);
+                          scale_log2, cap, alibi, kept);
   } else {
-    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2, cap, alibi);
+    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2, cap, alibi, kept);
   }
 }
 

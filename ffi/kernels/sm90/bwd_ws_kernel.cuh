@@ -41,6 +41,7 @@
 
 #include <climits>
 #include <cstddef>
+#include <type_traits>
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"
@@ -70,6 +71,9 @@ struct WsBwdTile {
   // capped calls there take the pass without dQ, then the dQ pass
   // (LaunchBackward).
   static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2));
+  // Whether a capped step keeps its tanh for the slope (score_mod.cuh's
+  // KeptTanh: 16 registers more, one special-function op a score fewer).
+  static constexpr bool kKeepsTanh = kTakesSoftCap && kD_ == 64;  // (the D 128 pass spilled 32 bytes with it)
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;
@@ -174,9 +178,10 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // three-consumer D 64 tile, at 160 registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it));
+    std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,
-                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
+                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -192,7 +197,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     }
     FenceAccumulator(dp);
     tc::KeyMajorDs(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi,
-                   {in.r0, w.C0() + key_w});
+                   {in.r0, w.C0() + key_w}, kept);
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)

@@ -82,7 +82,7 @@ struct WsFwdTile {
   // consumers' registers (68-148 and 28-212 bytes), so capped calls there run
   // another candidate (fwd_launch.cuh: at D 64 two consumers, at D 256 the
   // cp.async kernel).
-  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
+  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && !kSeparateO_);
   // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
   // and at D 64 with three consumers of them, their code spilled the
   // consumers' registers (24-56 bytes), so such calls run another candidate
