@@ -77,12 +77,14 @@ struct WsFwdTile {
   // the per-warpgroup bounds cost D 128 causal S 1k 2%: those walk the work
   // tile's.
   static constexpr bool kOwnKeyTiles = kM > kN;
-  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 64 with
-  // three or four consumers and at D 256 the cap's code spilled the
-  // consumers' registers (68-148 and 28-212 bytes), so capped calls there run
-  // another candidate (fwd_launch.cuh: at D 64 two consumers, at D 256 the
-  // cp.async kernel).
-  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && !kSeparateO_);
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 128, and
+  // at D 64 with two consumers. Capped D 64 calls run those: the pick's
+  // three and four consumers with O apart spilled with the cap's code
+  // (196-240 bytes), and three of 64-key tiles, which took it, ran the capped
+  // forward 5% slower than two (H200, thirty-ninth session in
+  // docs/performance-log.md). At D 256 it spilled every tile (28-212 bytes):
+  // capped calls run the cp.async kernel there.
+  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
   // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
   // and at D 64 with three consumers of them, their code spilled the
   // consumers' registers (24-56 bytes), so such calls run another candidate
