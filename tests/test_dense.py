@@ -131,7 +131,7 @@ def test_pallas(rng, mask_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.slow)])
 def test_gpu_pallas(rng, dtype):
   if not HAS_GPU:
     pytest.skip("needs a GPU")
