@@ -264,7 +264,17 @@ JAXFLASH_CPU_INLINE void Rows(const float* a, int a_stride, int inner, const flo
       Store<Vec>(out + m * out_stride + d0 + kLanes, acc[m][1]);
     }
   }
-  for (int m = 0; d0 < n && m < kRows; ++m) {  // the last n % (2 * kLanes) columns
+  if (d0 + kLanes <= n) {  // one vector of columns left: the same block, half as wide
+    Vec acc[kRows];
+    for (int m = 0; m < kRows; ++m) acc[m] = Load<Vec>(out + m * out_stride + d0);
+    for (int k = 0; k < inner; ++k) {
+      const Vec bk = Load<Vec>(b + k * b_stride + d0);
+      for (int m = 0; m < kRows; ++m) acc[m] += a[m * a_stride + k] * bk;
+    }
+    for (int m = 0; m < kRows; ++m) Store<Vec>(out + m * out_stride + d0, acc[m]);
+    d0 += kLanes;
+  }
+  for (int m = 0; d0 < n && m < kRows; ++m) {  // the last n % kLanes columns
     for (int k = 0; k < inner; ++k) {
       const float x = a[m * a_stride + k];
       const float* bk = b + k * b_stride;
