@@ -104,19 +104,22 @@ JAXFLASH_CPU_CLONES void DeltaItem(const Geometry& g, int64_t item) {
   const int r0 = static_cast<int>((item % g.row_tiles) * kRowsPerTile);
   const int rows = static_cast<int>(std::min<int64_t>(kRowsPerTile, p.shape.q_len - r0));
   const MaskPolicy mask = g.Mask(b);
-  for (int r = 0; r < rows; ++r) {
-    const int64_t stat = g.RowStatsOffset(b, h, r0 + r);
-    if (!mask.HasKeys(r0 + r)) {  // its dO (padding, say) must not reach any key
-      p.delta[stat] = 0.f;
-      continue;
+  WithFormat(p.dtype, [&](auto format) {  // once per item, not per element
+    using Format = decltype(format);
+    const auto* dout = As<Format>(p.dout);
+    const auto* o = As<Format>(p.o);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t stat = g.RowStatsOffset(b, h, r0 + r);
+      if (!mask.HasKeys(r0 + r)) {  // its dO (padding, say) must not reach any key
+        p.delta[stat] = 0.f;
+        continue;
+      }
+      const int64_t off = g.OOffset(b, h, r0 + r);
+      float sum = 0.f;
+      for (int d = 0; d < g.vdim; ++d) sum += Format::Load(dout[off + d]) * Format::Load(o[off + d]);
+      p.delta[stat] = sum - p.dlse[stat];
     }
-    const int64_t off = g.OOffset(b, h, r0 + r);
-    float sum = 0.f;
-    for (int d = 0; d < g.vdim; ++d) {
-      sum += LoadElement(p.dout, off + d, p.dtype) * LoadElement(p.o, off + d, p.dtype);
-    }
-    p.delta[stat] = sum - p.dlse[stat];
-  }
+  });
 }
 
 // What the tile products of a tile may do (`ProbabilitiesAndScoreGrads`): run over

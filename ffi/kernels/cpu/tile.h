@@ -174,15 +174,6 @@ JAXFLASH_CPU_INLINE const typename Format::Storage* As(const void* base) {
   return static_cast<const typename Format::Storage*>(base);
 }
 
-JAXFLASH_CPU_INLINE float LoadElement(const void* base, int64_t index, DType dtype) {
-  float value = 0.f;
-  WithFormat(dtype, [&](auto format) {
-    using Format = decltype(format);
-    value = Format::Load(As<Format>(base)[index]);
-  });
-  return value;
-}
-
 // Copies `rows` rows of `dim` elements, `row_stride` apart in `base` starting
 // at element `offset`, into dst[rows][dim] as fp32 times `multiplier`.
 JAXFLASH_CPU_INLINE void LoadRows(const void* base, int64_t offset, int64_t row_stride, int rows,
