@@ -54,6 +54,24 @@ def test_gpu_kernels(rng, impl, dtype, mask):
     check_forward(rng, shape, mask, dtype, magnitude=2.0, implementation=impl, softcap=CAP)
 
 
+# A grid past the small-grid rule (fwd_launch.cuh's SmallGrid: at D 64 more work tiles of the
+# pick than half the SMs), so the capped calls run the two-consumer warp-specialised forward
+# (CapAndMask) and the backward that keeps the tanh (KeptTanh): fused, or with
+# `deterministic` the pass without dQ sums, then the dQ pass. With ALiBi, segment ids, GQA 4.
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", ["alibi", "segments"])
+def test_gpu_warp_specialised_d64(rng, extra):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  from test_alibi import slopes
+  from test_segments import packed
+  shape = (1, 1100, 1100, 16, 4, 64)
+  kw = dict(alibi=slopes(16)) if extra == "alibi" else dict(segments=packed)
+  check_forward(rng, shape, "causal", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  check_gradients(rng, shape, "causal", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  check_gradients(rng, shape, "window", jnp.bfloat16, magnitude=2.0, softcap=CAP, deterministic=True, **kw)
+
+
 @pytest.mark.gpu
 def test_gpu_sm80_kernels(rng):
   if not HAS_GPU:

@@ -3,7 +3,8 @@
 // units every kernel works in (x = scale * log2(e) * q·k becomes
 // cap2 * tanh(x / cap2), cap2 = softcap * log2(e)).
 //
-// Kept in one place for the forward tiles (fwd_blocks.cuh's ScaleAndMask),
+// Kept in one place for the forward tiles (fwd_blocks.cuh's ScaleAndMask, and
+// CapAndMask, which leaves tanh and folds cap2 into the exponent),
 // the backward's element-wise steps (bwd_blocks.cuh), the exact
 // recomputation of NaN rows (exact_rows.cuh) and the SIMT kernels. A call
 // without a cap takes each kernel's old path through a uniform branch per
@@ -80,10 +81,11 @@ struct SoftCap {
   }
 
   // The slope d capped / d uncapped = 1 - tanh^2 of a pair, recovered from its
-  // probability p = exp2(capped - lse2): the tile kernels keep P, and a
-  // second register tile for the tanh would not fit the warp-specialised
-  // backward. A pair with p = 0 (masked, or underflowed) has dS = 0 whatever
-  // the slope; a NaN p stays NaN through the product.
+  // probability p = exp2(capped - lse2): the tile kernels keep P, and most
+  // have no registers for a second tile with the tanh (KeptTanh, below: the
+  // D 64 warp-specialised backward has). A pair with p = 0 (masked, or
+  // underflowed) has dS = 0 whatever the slope; a NaN p stays NaN through the
+  // product.
   __device__ __forceinline__ float SlopeFromProb(float p, float lse2) const {
     const float th = (Log2Approx(p) + lse2) * inv;
     return p > 0.f ? 1.f - th * th : 0.f;
@@ -93,11 +95,13 @@ struct SoftCap {
 // The tanh of a soft-capped score tile (kT accumulator n8 tiles, this lane's
 // four entries each), kept in float16 pairs for the slope 1 - tanh^2 that the
 // backward multiplies dS by: 16 registers for a 64 x 64 tile's 32 entries a
-// thread, in tiles that have them (the fused D 64 backward). It replaces
-// SoftCap::SlopeFromProb's lg2, the capped backward's third special-function
-// op a score, which bounds it at D 64 (docs/performance-log.md, thirty-ninth
-// session). tanh in [-1, 1] keeps 11 bits in float16, as many as tanh.approx
-// gives; dS is rounded to 16 bits for its products anyway.
+// thread, in tiles that have them (the D 64 warp-specialised dK/dV passes,
+// fused and without dQ). It replaces SoftCap::SlopeFromProb's lg2, the capped
+// backward's third special-function op a score, which bounds it at D 64
+// (docs/performance-log.md, thirty-ninth session). float16 keeps 11
+// significant bits of tanh (within 2^-12 near +-1, so the slope is off by up
+// to ~5e-4 there, about 1.5x what tanh.approx's own error gives); dS is
+// rounded to 16 bits for its products anyway.
 template <int kT>
 struct KeptTanh {
   static constexpr bool kOn = true;
@@ -148,7 +152,8 @@ struct AlibiBias {
   }
   __device__ __forceinline__ bool On() const { return neg_slope2 != 0.f; }
   // The bias in units of raw products q·k, for kernels that fold the scale
-  // (`scale_log2` > 0) into the softmax's exponent: bias / scale_log2.
+  // (`scale_log2` > 0) into the softmax's exponent: bias / scale_log2 (or,
+  // under a cap, in units of its factor: CapAndMask passes cap2).
   __device__ __forceinline__ AlibiBias InRawUnits(float scale_log2) const {
     AlibiBias a = *this;
     a.neg_slope2 = neg_slope2 / scale_log2;

@@ -66,10 +66,10 @@ template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWi
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
-  // 128 dK/dV passes without dQ, and the fused D 64 pass of two consumers.
-  // The other fused passes (D 128: 12 bytes) spilled with the cap's code;
-  // capped calls there take the pass without dQ, then the dQ pass
-  // (LaunchBackward).
+  // 128 dK/dV passes without dQ, and the fused D 64 pass of two consumers
+  // (capped D 64 calls run it: FusedBwdTile<64>::capped). The other fused
+  // passes spilled with the cap's code (D 128: 12 bytes): capped D 128 calls
+  // take the pass without dQ, then the dQ pass (LaunchBackward).
   static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2));
   // Whether a capped step keeps its tanh for the slope (score_mod.cuh's
   // KeptTanh: 16 registers more, one special-function op a score fewer).
@@ -172,10 +172,11 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // only once dSᵀ is done, so Pᵀ in float32 and packed are never live
     // together (at the peak dK, dV, Pᵀ, dPᵀ: 192 registers).
     float st[kQT][4], dp[kQT][4];
-    // Two-consumer tiles (the fused pass at D 128, the dK/dV pass of the two
-    // kernels at D 64 and 128) read the step's LSE before the products are
-    // issued: the fused D 128 pass 1.5% faster (twenty-fourth session); the
-    // three-consumer D 64 tile, at 160 registers a thread, was not measured.
+    // Two-consumer tiles (the fused pass at D 128 and the capped one at D 64,
+    // the dK/dV pass of the two kernels at D 64 and 128) read the step's LSE
+    // before the products are issued: the fused D 128 pass 1.5% faster
+    // (twenty-fourth session); the three-consumer D 64 tile, at 160
+    // registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it));
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
