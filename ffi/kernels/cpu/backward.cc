@@ -438,9 +438,7 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
 }  // namespace
 
 Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
-    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
-  }
+  if (Status st = HeadDimRefusal(p.shape); !st.ok()) return st;
   if (p.delta == nullptr || p.dbias == nullptr || !p.dense.bias.On()) {
     return Status::Internal("bias gradient called without its bias, output or delta scratch");
   }
@@ -454,9 +452,7 @@ Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
 }
 
 Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
-    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
-  }
+  if (Status st = HeadDimRefusal(p.shape); !st.ok()) return st;
   if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");
   const Geometry g(p);
   const int64_t row_items = p.shape.batch * p.shape.q_heads * g.row_tiles;

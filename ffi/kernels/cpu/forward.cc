@@ -238,9 +238,7 @@ JAXFLASH_CPU_CLONES void MergeRow(const FwdParams& p, int64_t row, float* out) {
 }  // namespace
 
 Status CpuAttentionForward(const FwdParams& p, const ParallelRunner& runner) {
-  if (p.shape.head_dim > kMaxHeadDim || p.shape.v_dim() > kMaxHeadDim) {
-    return Status::Unimplemented("CPU kernels support head_dim <= " + std::to_string(kMaxHeadDim));
-  }
+  if (Status st = HeadDimRefusal(p.shape); !st.ok()) return st;
   const PackedRows packed = PackedRows::For(p.shape);
   const int64_t row_tiles = (packed.total + kRowsPerTile - 1) / kRowsPerTile;
   const int64_t items = p.shape.batch * p.shape.kv_heads * row_tiles * p.num_splits;

@@ -10,9 +10,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "common/decode.h"
 #include "common/mask.h"
+#include "jaxflash/launch.h"
 #include "jaxflash/params.h"
 
 // The per-tile work functions are compiled twice, for baseline x86-64 and for
@@ -42,6 +44,13 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 constexpr int kRowsPerTile = 32;
 constexpr int kKeysPerTile = 64;
 constexpr int kMaxHeadDim = static_cast<int>(kMaxCpuHeadDim);
+
+// Why the CPU kernels cannot take a call's head dims (q/k's and v's), or Ok.
+inline Status HeadDimRefusal(const AttentionShape& sh) {
+  if (sh.head_dim <= kMaxHeadDim && sh.v_dim() <= kMaxHeadDim) return Status::Ok();
+  return Status::Unimplemented("CPU kernels support head dims <= " + std::to_string(kMaxHeadDim) + ", got " +
+                               std::to_string(sh.head_dim) + " and " + std::to_string(sh.v_dim()));
+}
 
 inline float Bits2Float(uint32_t bits) {
   float f;
@@ -230,42 +239,42 @@ JAXFLASH_CPU_INLINE void Store(float* p, Vec v) {
   *reinterpret_cast<Unaligned*>(p) = v;
 }
 
-// out[m][0..n) += sum_k a[m][k] * b[k][0..n) for m < kRows, k < inner.
+// out[m][0..kVecs * kLanes) += sum_k a[m][k] * b[k][...] for m < kRows, k <
+// inner: kRows x kVecs vectors of accumulators held across the k loop.
+template <typename Vec, int kRows, int kVecs>
+JAXFLASH_CPU_INLINE void Block(const float* a, int a_stride, int inner, const float* b, int b_stride, float* out,
+                               int out_stride) {
+  constexpr int kLanes = sizeof(Vec) / sizeof(float);
+  Vec acc[kRows][kVecs];
+  for (int m = 0; m < kRows; ++m)
+    for (int v = 0; v < kVecs; ++v) acc[m][v] = Load<Vec>(out + m * out_stride + v * kLanes);
+  for (int k = 0; k < inner; ++k) {
+    Vec bk[kVecs];
+    for (int v = 0; v < kVecs; ++v) bk[v] = Load<Vec>(b + k * b_stride + v * kLanes);
+    for (int m = 0; m < kRows; ++m) {
+      const float x = a[m * a_stride + k];
+      for (int v = 0; v < kVecs; ++v) acc[m][v] += x * bk[v];
+    }
+  }
+  for (int m = 0; m < kRows; ++m)
+    for (int v = 0; v < kVecs; ++v) Store<Vec>(out + m * out_stride + v * kLanes, acc[m][v]);
+}
+
+// out[m][0..n) += sum_k a[m][k] * b[k][0..n) for m < kRows, k < inner: blocks
+// of two vectors of columns, then one, then the last n % kLanes one at a time.
 template <typename Vec, int kRows>
 JAXFLASH_CPU_INLINE void Rows(const float* a, int a_stride, int inner, const float* b, int b_stride, int n,
                               float* out, int out_stride) {
   constexpr int kLanes = sizeof(Vec) / sizeof(float);
   int d0 = 0;
   for (; d0 + 2 * kLanes <= n; d0 += 2 * kLanes) {
-    Vec acc[kRows][2];
-    for (int m = 0; m < kRows; ++m) {
-      acc[m][0] = Load<Vec>(out + m * out_stride + d0);
-      acc[m][1] = Load<Vec>(out + m * out_stride + d0 + kLanes);
-    }
-    for (int k = 0; k < inner; ++k) {
-      const Vec b0 = Load<Vec>(b + k * b_stride + d0), b1 = Load<Vec>(b + k * b_stride + d0 + kLanes);
-      for (int m = 0; m < kRows; ++m) {
-        const float x = a[m * a_stride + k];
-        acc[m][0] += x * b0;
-        acc[m][1] += x * b1;
-      }
-    }
-    for (int m = 0; m < kRows; ++m) {
-      Store<Vec>(out + m * out_stride + d0, acc[m][0]);
-      Store<Vec>(out + m * out_stride + d0 + kLanes, acc[m][1]);
-    }
+    Block<Vec, kRows, 2>(a, a_stride, inner, b + d0, b_stride, out + d0, out_stride);
   }
-  if (d0 + kLanes <= n) {  // one vector of columns left: the same block, half as wide
-    Vec acc[kRows];
-    for (int m = 0; m < kRows; ++m) acc[m] = Load<Vec>(out + m * out_stride + d0);
-    for (int k = 0; k < inner; ++k) {
-      const Vec bk = Load<Vec>(b + k * b_stride + d0);
-      for (int m = 0; m < kRows; ++m) acc[m] += a[m * a_stride + k] * bk;
-    }
-    for (int m = 0; m < kRows; ++m) Store<Vec>(out + m * out_stride + d0, acc[m]);
+  if (d0 + kLanes <= n) {
+    Block<Vec, kRows, 1>(a, a_stride, inner, b + d0, b_stride, out + d0, out_stride);
     d0 += kLanes;
   }
-  for (int m = 0; d0 < n && m < kRows; ++m) {  // the last n % kLanes columns
+  for (int m = 0; d0 < n && m < kRows; ++m) {
     for (int k = 0; k < inner; ++k) {
       const float x = a[m * a_stride + k];
       const float* bk = b + k * b_stride;
