@@ -5,8 +5,8 @@
 
 Prints, for bf16 inputs (by default) and a bias [1, N, T, S] (one per head, shared by the batch):
 forward and forward+backward times (the backward differentiates the bias too) of
-`jaxflash.dot_product_attention` as users call it (implementation=None), jax.nn's cuDNN
-and xla paths, and the ratios; then the time of a mask that hides half of the 128 x 128
+`jaxflash.dot_product_attention` as users call it (implementation=None) and with native and
+pallas named, jax.nn's cuDNN and xla paths, and the default's ratios to each; then the time of a mask that hides half of the 128 x 128
 tiles (a checkerboard) against an all-visible one, and each call's scratch memory.
 """
 
@@ -47,12 +47,13 @@ def main():
         f"D {D}, bias [1, N, T, S]")
 
   def attend(impl):
-    if impl == "jaxflash":
-      return lambda q, k, v, b: jaxflash.dot_product_attention(q, k, v, b)
+    if impl in ("jaxflash", "native", "pallas"):   # jaxflash: the default, as users call it
+      named = None if impl == "jaxflash" else impl
+      return lambda q, k, v, b: jaxflash.dot_product_attention(q, k, v, b, implementation=named)
     return lambda q, k, v, b: jax.nn.dot_product_attention(q, k, v, b, implementation=impl)
 
   results = {}
-  for name in ("jaxflash", "cudnn", "xla"):
+  for name in ("jaxflash", "native", "pallas", "cudnn", "xla"):
     f = attend(name)
     train = jax.grad(lambda q, k, v, b, f=f: f(q, k, v, b).astype(jnp.float32).sum(),
                      argnums=(0, 1, 2, 3))
@@ -63,7 +64,7 @@ def main():
     print(f"{name:9s} forward {ms(fwd):>10s} (scratch {mib(fwd_mem)}), forward+backward "
           f"{ms(both):>10s} (scratch {mib(both_mem)})")
   ours = results["jaxflash"]
-  for peer in ("cudnn", "xla"):
+  for peer in ("native", "pallas", "cudnn", "xla"):
     for i, what in enumerate(("forward", "forward+backward")):
       a, b = ours[i][0], results[peer][i][0]
       if a and b:

@@ -302,8 +302,7 @@ class NativeKernels:
 
   @staticmethod
   def _target(index: int, dense):
-    """The forward (0) or backward (1) target: v5 for calls with a dense term (the
-    CPU's only), else v4, which every platform serves."""
+    """The forward (0) or backward (1) target: v5 for calls with a dense term, else v4."""
     if dense is None:
       return (_native.FORWARD_TARGET, _native.BACKWARD_TARGET)[index], ()
     return _native.DENSE_TARGETS[index], _dense.operands(dense)
@@ -440,8 +439,12 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
     return f"implementation={name!r}: num_splits > 1 (split-KV) does not take a dense bias or mask"
   if name == "native":
     if call.dense is not None and platform() != "cpu":
-      return ("implementation='native' takes a dense bias or mask on the CPU only so far; "
-              "use 'pallas' (fused) or 'xla'")
+      if call.q.dtype == jnp.float32:
+        return ("implementation='native' takes a dense bias or mask on the GPU in float16 and "
+                "bfloat16 (its tensor-core kernels); use 'pallas' for float32")
+      if call.dense.bias is not None and call.spec.softcap > 0:
+        return ("implementation='native' has no GPU kernel for a dense bias beside "
+                "logits_soft_cap; use 'pallas'")
     return _native.unavailable_reason(platform())
   if name == "pallas":
     q, k, v = (x.shape[:-1] + (call.width,) for x in (call.q, call.k, call.v))

@@ -20,8 +20,7 @@ from jaxflash import tile_cache
 # the `softcap` attribute to v1's, v3 the two segment-table operands to v2's
 # forward and backward (jaxflash/segments.py), v4 the ALiBi slopes operand to v3's
 # (the paged forward's too), v5 the dense bias and mask operands to v4's forward and
-# backward (CPU kernels only so far: calls without a dense term keep v4, which both
-# platforms serve); calls are traced with the newest,
+# backward (calls without a dense term keep v4); calls are traced with the newest,
 # and the older ones stay registered for programs exported before them.
 FORWARD_TARGET = "jaxflash_fwd_v4"
 BACKWARD_TARGET = "jaxflash_bwd_v4"
@@ -33,8 +32,7 @@ LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3",
                   "jaxflash_paged_fwd_v1")
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
 SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
-CPU_ONLY_TARGETS = DENSE_TARGETS + (BIAS_GRADIENT_TARGET,)    # no CUDA kernels take these yet
-CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + CPU_ONLY_TARGETS + LEGACY_TARGETS
+CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + DENSE_TARGETS + (BIAS_GRADIENT_TARGET,) + LEGACY_TARGETS
 TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET,)
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables

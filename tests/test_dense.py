@@ -1,7 +1,7 @@
 """A dense `bias` and boolean `mask` in the fused implementations, against float64 truth.
 
-Native on the default backend (the C++ kernels on a CPU; on a GPU native refuses them
-for now and the GPU tests run Pallas), Pallas (the interpreter on a CPU), each against
+Native on the default backend (the C++ kernels on a CPU; on a GPU the sm80 tensor-core
+kernels in 16-bit types), Pallas (the interpreter on a CPU), each against
 numpy_reference with the bias added after the scores and the mask joining the mask
 rule; the yardstick is xla in the input dtype (tests/conftest.py's tolerance rule). Bias
 and mask shapes cover every broadcast pattern the kernels read with stride 0; masks hide
@@ -111,7 +111,7 @@ PATTERNS = [("BNTS", "BNTS"), ("NTS", "BTS"), ("BS", "BS"), ("T", None), (None, 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "lengths_causal_bottom_right"])
 def test_native_forward_and_gradients(rng, mask_name, bias_axes, mask_axes):
   if HAS_GPU:
-    pytest.skip("native takes a dense bias or mask on the CPU only (Pallas on the GPU)")
+    pytest.skip("float32: native's GPU kernels take a dense term in 16-bit types (test_gpu_native)")
   shape = SHAPES[(len(mask_name) + len(str(bias_axes))) % len(SHAPES)]
   check(rng, shape, mask_name, jnp.float32, "native", bias_axes, mask_axes)
 
@@ -119,7 +119,7 @@ def test_native_forward_and_gradients(rng, mask_name, bias_axes, mask_axes):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_native_16_bit(rng, dtype):
   if HAS_GPU:
-    pytest.skip("native takes a dense bias or mask on the CPU only (Pallas on the GPU)")
+    pytest.skip("the CPU kernels' 16-bit path (the GPU's: test_gpu_native)")
   check(rng, SHAPES[1], "window", dtype, "native", "NTS", "BTS")
 
 
@@ -139,6 +139,47 @@ def test_gpu_pallas(rng, dtype):
     for bias_axes, mask_axes in PATTERNS[:3]:
       check(rng, shape, "causal", dtype, "pallas", bias_axes, mask_axes,
             gradients=dtype == jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+def test_gpu_native(rng, dtype):
+  """The CUDA kernels' bias and mask (dense_tile.cuh) and their dB pass, every broadcast
+  pattern, on ragged shapes (GQA 1, 2, 4; head dims 40, 64, 128, 256)."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  shapes = [(2, 300, 300, 4, 2, 64), (1, 129, 200, 8, 8, 128), (2, 70, 130, 8, 2, 40),
+            (1, 100, 90, 4, 1, 256)]
+  masks = ["causal", "none", "lengths_causal_bottom_right"]
+  for i, (bias_axes, mask_axes) in enumerate(PATTERNS):
+    for j, shape in enumerate(shapes[i % 2::2]):
+      check(rng, shape, masks[(i + j) % 3], dtype, "native", bias_axes, mask_axes)
+
+
+@pytest.mark.gpu
+def test_gpu_native_runs_the_dense_targets_and_keeps_hidden_nan_out(rng):
+  """On a GPU a 16-bit call with a bias and mask lowers to the CUDA kernels' v5 targets
+  and their dB pass; a block-sparse mask with NaN in the hidden blocks' values keeps the
+  rows that cannot see them finite and equal to xla's."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  B, T, S, N, D = 2, 256, 384, 4, 128
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.bfloat16)
+  blocks = (np.arange(T)[:, None] // 128 + np.arange(S)[None, :] // 128) % 2 == 0
+  mask = jnp.asarray(blocks)
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)
+  loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, mask).astype(jnp.float32).sum()
+  hlo = jax.jit(jax.grad(loss, (0, 1))).lower(q, bias).as_text()
+  for target in (*_native.DENSE_TARGETS, _native.BIAS_GRADIENT_TARGET):
+    assert target in hlo, target
+  ref = jaxflash.dot_product_attention(q, k, v, bias, mask, implementation="xla")
+  v = v.at[:, 128:256].set(jnp.nan)    # keys 128-255: hidden from rows 0-127
+  out = jaxflash.dot_product_attention(q, k, v, bias, mask, implementation="native")
+  assert np.all(np.isfinite(np.asarray(out[:, :128], np.float32)))
+  assert max_abs(out[:, :128], ref[:, :128]) < 2e-2
+  assert np.all(np.isnan(np.asarray(out[:, 128:], np.float32)))
+  grads = jax.grad(loss, (0, 1))(q, bias)
+  assert np.all(np.isfinite(np.asarray(grads[1][:, :, :128], np.float32)))   # dB of rows 0-127
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -207,7 +248,7 @@ def test_native_bias_gradient_with_score_modifiers_vmap_and_second_order(rng):
   after it), ALiBi, segment ids and a mask; vmapped (it runs the blockwise pass
   there) and differentiated once more (the blockwise pass's derivative)."""
   if HAS_GPU:
-    pytest.skip("native takes a dense bias on the CPU only")
+    pytest.skip("the CPU kernels' pass (the GPU's kernels take no bias beside a soft-cap)")
   q, k, v = random_inputs(rng, 2, 40, 56, 4, 2, 24, jnp.float32)
   bias = jnp.asarray(rng.standard_normal((1, 4, 40, 56)), jnp.float32)
   mask = jnp.asarray(rng.random((2, 1, 40, 56)) < 0.8)

@@ -57,7 +57,7 @@ def test_the_extension_registers_the_python_side_target_names():
   ext, _ = _native._load()
   assert set(ext.cpu_targets()) == set(_native.CPU_TARGETS)
   if ext.with_cuda:
-    assert set(ext.cuda_targets()) == set(_native.TARGETS) - set(_native.CPU_ONLY_TARGETS)
+    assert set(ext.cuda_targets()) == set(_native.TARGETS)
 
 
 def test_programs_of_older_targets_still_run(rng):

@@ -71,6 +71,23 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
+ffi::Error CudaBiasGradientHandler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                                   ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
+                                   ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
+                                   ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer alibi,
+                                   ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> dbias,
+                                   ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
+                                   int64_t window_right, bool bottom_right, float softcap) {
+  BwdParams p;
+  JAXFLASH_RETURN_IF_ERROR(DecodeBiasGradient({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
+                                               ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
+                                              dbias, delta, scale, window_left, window_right, bottom_right, &p));
+  JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
+  CudaDevice device;
+  JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
+  return ToFfiError(jaxflash::CudaBiasGradient(p, device, stream));
+}
+
 ffi::Error CudaSegmentTables(cudaStream_t stream, ffi::AnyBuffer q_ids, ffi::AnyBuffer kv_ids,
                              ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
                              ffi::Result<ffi::AnyBuffer> q_table, ffi::Result<ffi::AnyBuffer> kv_table,
@@ -83,9 +100,20 @@ ffi::Error CudaSegmentTables(cudaStream_t stream, ffi::AnyBuffer q_ids, ffi::Any
   return ToFfiError(jaxflash::CudaSegmentTables(p, device, stream));
 }
 
-// The target versions (decode.h): v4 passes the segment tables and the ALiBi
-// slopes, v3 the tables only, v2 neither, v1 not the soft-cap attribute either.
+// The target versions (decode.h): v5 passes the segment tables, the ALiBi
+// slopes and the dense bias and mask, v4 the tables and the slopes, v3 the
+// tables only, v2 neither, v1 not the soft-cap attribute either.
 using Buf = ffi::AnyBuffer;
+constexpr auto CudaForwardV5 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
+                                 Buf kv_seg, Buf alibi, Buf bias, Buf mask, auto... rest) {
+  return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
+};
+constexpr auto CudaBackwardV5 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql,
+                                  Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
+                                  auto... rest) {
+  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
+                      ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
+};
 constexpr auto CudaForwardV4 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
   return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);
@@ -129,6 +157,15 @@ constexpr auto CudaBackwardV1 = [](auto... args) { return CudaBackwardV2(args...
 
 }  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV5, CudaForwardV5,
+                              BindForward<5>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV5, CudaBackwardV5,
+                              BindBackward<5>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBiasGradient, CudaBiasGradientHandler,
+                              BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForwardV4,
                               BindForward<4>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -33,5 +33,8 @@ XLA_FFI_Error* JaxflashCudaForwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaPagedForwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardV1(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaSegmentTables(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaForwardV5(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBackwardV5(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBiasGradient(XLA_FFI_CallFrame* call_frame);
 #endif
 }

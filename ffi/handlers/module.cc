@@ -53,8 +53,8 @@ NB_MODULE(_jaxflash, m) {
     nb::dict d = Targets({JaxflashCpuForward, JaxflashCpuBackward, JaxflashCpuForwardV3, JaxflashCpuBackwardV3,
                     JaxflashCpuForwardV2, JaxflashCpuPagedForward, JaxflashCpuPagedForwardV3, JaxflashCpuPagedForwardV2,
                     JaxflashCpuBackwardV2, JaxflashCpuForwardV1, JaxflashCpuPagedForwardV1, JaxflashCpuBackwardV1});
-    // v5 (v4 + the dense bias and mask) has CPU kernels only so far; calls
-    // without a dense term keep using v4 on both platforms.
+    // v5 is v4 + the dense bias and mask; calls without a dense term keep
+    // using v4 on both platforms.
     d["jaxflash_fwd_v5"] = Capsule(JaxflashCpuForwardV5);
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCpuBackwardV5);
     // The bias's gradient alone (the backward v5's operands; result dB).
@@ -69,6 +69,9 @@ NB_MODULE(_jaxflash, m) {
                     JaxflashCudaForwardV2, JaxflashCudaPagedForward, JaxflashCudaPagedForwardV3, JaxflashCudaPagedForwardV2,
                     JaxflashCudaBackwardV2, JaxflashCudaForwardV1, JaxflashCudaPagedForwardV1, JaxflashCudaBackwardV1});
     d["jaxflash_segment_tables_v1"] = Capsule(JaxflashCudaSegmentTables);
+    d["jaxflash_fwd_v5"] = Capsule(JaxflashCudaForwardV5);
+    d["jaxflash_bwd_v5"] = Capsule(JaxflashCudaBackwardV5);
+    d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCudaBiasGradient);
     return d;
 #else
     return nb::dict();

@@ -11,6 +11,9 @@
 //          head dim >= head_dim; the kernels zero-pad the rest.
 //   everything else (float32 in particular)
 //       -> SIMT kernels (fp32 arithmetic, every dtype and head dim).
+//   A dense bias or mask (params.h DenseParams) runs the sm80 kernels on
+//   every arch (fp16/bf16 only; no decode, split-KV or SIMT path takes one),
+//   and its bias's gradient the sm80 bias-gradient kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -85,9 +88,10 @@ Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t s
 
 template <typename T>
 Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
-  if (decode::UseDecodeKernel(p)) return DecodeBucket<T>(p, device, stream);
+  const bool dense = p.dense.On();
+  if (!dense && decode::UseDecodeKernel(p)) return DecodeBucket<T>(p, device, stream);
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90Allowed(p.tile, device)) {
+  if (Sm90Allowed(p.tile, device) && !dense) {
     switch (bucket) {
       case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchForward<T, 128>(p, device, stream);
@@ -109,7 +113,7 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
 template <typename T>
 Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90Allowed(p.tile, device)) {
+  if (Sm90Allowed(p.tile, device) && !p.dense.On()) {
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);
@@ -125,6 +129,19 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
     case 256: return sm80::LaunchBackward<T, 256>(p, device, stream);
   }
   return Status::Unimplemented("no tensor-core backward for head_dim " + std::to_string(p.shape.head_dim));
+}
+
+// Why the CUDA kernels cannot take a call's dense bias or mask (empty when
+// they can, or when it has none). The Python side never sends these.
+template <typename Params>
+std::string DenseRefusal(const Params& p, const CudaDevice& device) {
+  if (!p.dense.On()) return std::string();
+  if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) {
+    return "a dense bias or mask runs on the tensor-core kernels only (" +
+           TensorCoreRefusal(p.dtype, p.shape, device) + ")";
+  }
+  if (p.dense.bias.On() && p.softcap > 0.f) return "a dense bias beside a logit soft-cap has no CUDA kernel";
+  return std::string();
 }
 
 }  // namespace
@@ -173,6 +190,7 @@ static Status HeadDimRefusal(const AttentionShape& sh) {
 
 Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
+  if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionForward(p, stream);
   if (p.dtype == DType::kFloat16) return ForwardBucket<__half>(p, device, stream);
   return ForwardBucket<__nv_bfloat16>(p, device, stream);
@@ -185,9 +203,29 @@ size_t CudaBackwardWorkspaceBytes(const BwdParams& p, const CudaDevice& device) 
 
 Status CudaAttentionBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
   if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
+  if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionBackward(p, workspace, stream);
   if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, device, stream);
   return BackwardBucket<__nv_bfloat16>(p, device, stream);
+}
+
+Status CudaBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
+  if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
+  if (!p.dense.bias.On()) return Status::InvalidArgument("the bias gradient needs a bias");
+  for (int bucket : sm80::kBiasGradBuckets) {
+    if (p.shape.head_dim > bucket) continue;
+    const bool half = p.dtype == DType::kFloat16;
+    switch (bucket) {
+      case 64: return half ? sm80::LaunchBiasGradient<__half, 64>(p, device, stream)
+                           : sm80::LaunchBiasGradient<__nv_bfloat16, 64>(p, device, stream);
+      case 128: return half ? sm80::LaunchBiasGradient<__half, 128>(p, device, stream)
+                            : sm80::LaunchBiasGradient<__nv_bfloat16, 128>(p, device, stream);
+      case 256: return half ? sm80::LaunchBiasGradient<__half, 256>(p, device, stream)
+                            : sm80::LaunchBiasGradient<__nv_bfloat16, 256>(p, device, stream);
+    }
+  }
+  return Status::Unimplemented("no bias-gradient kernel for head_dim " + std::to_string(p.shape.head_dim));
 }
 
 }  // namespace jaxflash

@@ -86,6 +86,10 @@ size_t CudaBackwardWorkspaceBytes(const BwdParams& params, const CudaDevice& dev
 Status CudaAttentionBackward(const BwdParams& params, void* workspace, const CudaDevice& device,
                              cudaStream_t stream);
 
+// The dense bias's gradient alone (params.dbias; params.delta as the
+// backward's; dq, dk, dv untouched): 16-bit inputs on sm80 and newer.
+Status CudaBiasGradient(const BwdParams& params, const CudaDevice& device, cudaStream_t stream);
+
 // Both segment tables of a call (SegmentTableParams), on the stream.
 Status CudaSegmentTables(const SegmentTableParams& params, const CudaDevice& device, cudaStream_t stream);
 

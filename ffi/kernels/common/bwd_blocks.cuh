@@ -16,6 +16,7 @@
 
 #include <cuda_runtime.h>
 
+#include "common/dense_tile.cuh"
 #include "common/exact_rows.cuh"
 #include "common/launch_util.cuh"
 #include "common/mask.h"
@@ -225,6 +226,17 @@ __device__ __forceinline__ void ZeroOutside(float (&s)[kT][4], int half, int lo,
     }
 }
 
+// Scores times `scale_log2` (the multiplier the exponent would still apply),
+// for a term added in log2 units; returns the exponent's multiplier now, 1.
+template <int kT>
+__device__ __forceinline__ float InLog2Units(float (&s)[kT][4], float scale_log2) {
+#pragma unroll
+  for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
+  return 1.f;
+}
+
 // The backward's score modifiers before the exponent: a soft-cap caps the raw
 // products (into log2 units), and where ALiBi's bias follows the products are
 // scaled first, so it adds in log2 units. Returns the multiplier the exponent
@@ -245,13 +257,7 @@ __device__ __forceinline__ float ModifyScores(float (&s)[kT][4], SoftCap cap, co
       }
     scale_log2 = 1.f;
   }
-  if (alibi.On()) {
-#pragma unroll
-    for (int nt = 0; nt < kT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[nt][i] *= scale_log2;
-    scale_log2 = 1.f;
-  }
+  if (alibi.On()) scale_log2 = InLog2Units(s, scale_log2);
   return scale_log2;
 }
 
@@ -266,22 +272,33 @@ __device__ __forceinline__ float ModifyScores(float (&s)[kT][4], SoftCap cap, co
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores before
 // the exponent instead of scaling them (masked pairs are zeroed after it, as
 // without a cap); `alibi` adds ALiBi's bias after the cap.
-// `kept`: as ModifyScores.
+// `kept`: as ModifyScores. `dense` (dense_tile.cuh; null: none) adds its bias
+// and hides its mask's pairs after ALiBi.
 template <int kQT, typename LseLog2, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                                   int key0, LseLog2&& lse_at, int lane, float scale_log2,
-                                                  SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {}) {
+                                                  SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {},
+                                                  const DenseTile* dense = nullptr) {
   const int g = lane >> 2, t = lane & 3;
   scale_log2 = ModifyScores(s, cap, alibi, scale_log2, kept);
   if (alibi.On()) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) alibi.Add<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
   }
+  if (dense != nullptr) {
+    scale_log2 = InLog2Units(s, scale_log2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) dense->AddBias<false>(s, half, key0 + g + half * 8, r0 + 2 * t);
+  }
 #pragma unroll
   for (int nt = 0; nt < kQT; ++nt) {
     const float lse_log2[2] = {lse_at(nt, 0), lse_at(nt, 1)};
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[nt][i] = Exp2(s[nt][i] * scale_log2 - lse_log2[i & 1]);
+  }
+  if (dense != nullptr) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) dense->Hide<false>(s, half, key0 + g + half * 8, r0 + 2 * t, 0.f);
   }
   if (full) return;
 #pragma unroll
@@ -305,9 +322,10 @@ __device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int
 template <int kQT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2,
-                                              SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {}) {
+                                              SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {},
+                                              const DenseTile* dense = nullptr) {
   KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
-                    scale_log2, cap, alibi, kept);
+                    scale_log2, cap, alibi, kept, dense);
 }
 
 // Where a soft-capped backward's pairs lie, for ALiBi's bias in the cap's
@@ -377,17 +395,27 @@ struct RowStats {
 template <int kNT>
 __device__ __forceinline__ void QueryMajorProbs(float (&s)[kNT][4], const RowStats& rs, const MaskPolicy& pol,
                                                 bool full, int row0, int c0, int lane, float scale_log2,
-                                                SoftCap cap = {}, AlibiBias alibi = {}) {
+                                                SoftCap cap = {}, AlibiBias alibi = {},
+                                                const DenseTile* dense = nullptr) {
   const int g = lane >> 2, t = lane & 3;
   scale_log2 = ModifyScores(s, cap, alibi, scale_log2);
   if (alibi.On()) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) alibi.Add<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
   }
+  if (dense != nullptr) {
+    scale_log2 = InLog2Units(s, scale_log2);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) dense->AddBias<true>(s, half, row0 + g + half * 8, c0 + 2 * t);
+  }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[nt][i] = Exp2(s[nt][i] * scale_log2 - rs.lse_log2[i >> 1]);
+  if (dense != nullptr) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) dense->Hide<true>(s, half, row0 + g + half * 8, c0 + 2 * t, 0.f);
+  }
   if (full) return;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

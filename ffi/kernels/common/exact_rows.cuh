@@ -20,6 +20,7 @@
 #pragma once
 
 #include "common/alibi.h"
+#include "common/dense_tile.cuh"
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "jaxflash/params.h"
@@ -79,13 +80,16 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
 
 // Query row `row` of (batch, head) with the keys it sees, [begin, end), and
 // the K and V rows of its head (FwdParams or BwdParams). kSegments: as
-// MaskPolicy::For's (false in a kernel that never takes segment ids).
-template <typename T, bool kSegments = true>
+// MaskPolicy::For's (false in a kernel that never takes segment ids); kDense
+// as DenseTile::Of's kTakes (false in a kernel that takes no dense term: its
+// registers spilled the warp-specialised forward).
+template <typename T, bool kSegments = true, bool kDense = true>
 struct ExactQueryRow {
   int begin, end, dim, row;
   int64_t q_off, kv_stride;
   const T *k, *v;
   MaskPolicy pol;
+  DenseTile dense;  // the call's dense bias and mask, if any
 
   template <typename Params>
   __device__ __forceinline__ ExactQueryRow(const Params& p, int batch, int head, int row_) {
@@ -100,11 +104,15 @@ struct ExactQueryRow {
     const int64_t kv_off = ExactKvOffset(sh, batch, head / static_cast<int>(sh.group_size()));
     k = static_cast<const T*>(p.k) + kv_off;
     v = static_cast<const T*>(p.v) + kv_off;
+    dense = DenseTile::Of<kDense>(p, batch, head);
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
   __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
-  // Whether the row sees key j of [begin, end) (segment ids can leave gaps).
-  __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j); }
+  // Whether the row sees key j of [begin, end) (segment ids and a dense mask
+  // can leave gaps).
+  __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j) && dense.Shows(row, j); }
+  // The dense bias of key j in log2 units (0 without one).
+  __device__ __forceinline__ float DenseBias2(int j) const { return dense.Bias2(row, j); }
 };
 
 // One output row with the whole warp (lane = column; no shuffles), for the
@@ -154,10 +162,10 @@ __device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
 // as x.x, x.y. One column pair at a time, in a loop the compiler keeps rolled,
 // so the registers stay few: the callers hold a whole accumulator tile or have
 // just staged it.
-template <typename T, int kDT, bool kSegments = true, typename Store>
+template <typename T, int kDT, bool kSegments = true, bool kDense = false, typename Store>
 __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, int head, int row, float lse, int t,
                                                 Store&& store) {
-  const ExactQueryRow<T, kSegments> r(p, batch, head, row);
+  const ExactQueryRow<T, kSegments, kDense> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
   const float diagonal = Alibi::Diagonal(r.pol, row);
@@ -168,8 +176,8 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {
       if (!r.Sees(j)) continue;
-      const float prob =
-          PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim, alibi.Bias(diagonal, static_cast<float>(j))).prob;
+      const float bias2 = alibi.Bias(diagonal, static_cast<float>(j)) + r.DenseBias2(j);
+      const float prob = PairOf(q_row, r.Key(j), p.scale, p.softcap, lse, r.dim, bias2).prob;
       acc.x += prob * At(r.Value(j), col);
       acc.y += prob * At(r.Value(j), col + 1);
     }
@@ -194,8 +202,8 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   for_columns([&](int, float& x, float& y) { x = y = 0.f; });
   for (int j = r.begin; j < r.end; ++j) {
     if (!r.Sees(j)) continue;
-    const float ds =
-        PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat, alibi.Bias(diagonal, static_cast<float>(j))).ds;
+    const float bias2 = alibi.Bias(diagonal, static_cast<float>(j)) + r.DenseBias2(j);
+    const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat, bias2).ds;
     const T* k = r.Key(j);
     for_columns([&](int col, float& x, float& y) {
       x += ds * At(k, col);
@@ -241,11 +249,13 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const int row_begin = pol.RowBegin(key), rows = MaxInt(pol.RowEnd(key) - row_begin, 0);
   for (int i = 0; i < group * rows; ++i) {
     const int head = kv_head * group + i / rows, row = row_begin + i % rows;
-    if (!pol.SameSegment(row, key)) continue;
+    const DenseTile dense = DenseTile::Of(p, batch, head);
+    if (!pol.SameSegment(row, key) || !dense.Shows(row, key)) continue;
     const int64_t q_off = ExactQOffset(sh, batch, head, row);
     const T* q_row = static_cast<const T*>(p.q) + q_off;
     const T* do_row = static_cast<const T*>(p.dout) + q_off;
-    const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key));
+    const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key)) +
+                        dense.Bias2(row, key);
     const ExactPair pair =
         PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row, bias2);
     ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int col) {

@@ -13,6 +13,7 @@
 
 #include <cmath>
 
+#include "common/dense_tile.cuh"
 #include "common/exact_rows.cuh"
 #include "common/grid_order.cuh"
 #include "common/mask.h"
@@ -146,18 +147,20 @@ __device__ __forceinline__ void AddAlibi(float (&s)[1][kNT][4], const PackedAlib
 // query row the mask knows.
 // `cap` (score_mod.cuh, built with the call's scale) caps the scores instead
 // of scaling them, and `alibi` adds ALiBi's bias after that (an AlibiBias,
-// or the decode kernel's PackedAlibi, whose rows mix heads); with either,
-// kScale must be true.
+// or the decode kernel's PackedAlibi, whose rows mix heads), then `dense`
+// (dense_tile.cuh; null: none) its bias and mask, before the mask rule's;
+// with any of them, kScale must be true.
 template <bool kScale = true, int kMT, int kNT, typename QueryRow = SameRow, typename Bias = AlibiBias>
 __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const MaskPolicy& pol, bool full, int r0,
                                              int warp_row0, int c0, int lane, float scale_log2,
-                                             QueryRow query_row = {}, SoftCap cap = {}, Bias alibi = {}) {
+                                             QueryRow query_row = {}, SoftCap cap = {}, Bias alibi = {},
+                                             const DenseTile* dense = nullptr) {
   if constexpr (kScale) {
     // Uniform branches: capped calls take the first, ALiBi's without a cap the
     // second, the others the loop below. (One branch for both, with a select
     // per score, spilled the 128-key D 128 forward tiles.)
     const bool capped = cap.On();
-    if (capped || alibi.On()) {
+    if (capped || alibi.On() || dense != nullptr) {
       if (capped) {
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt)
@@ -174,6 +177,7 @@ __device__ __forceinline__ void ScaleAndMask(float (&s)[kMT][kNT][4], const Mask
             for (int i = 0; i < 4; ++i) s[mt][nt][i] *= scale_log2;
       }
       if (alibi.On()) AddAlibi(s, alibi, r0 + warp_row0, c0, lane);
+      if (dense != nullptr) dense->ApplyRows(s, r0 + warp_row0, c0, lane);
       ScaleAndMask<false>(s, pol, full, r0, warp_row0, c0, lane, 1.f, query_row);
       return;
     }
@@ -263,17 +267,18 @@ __device__ __forceinline__ void PackAFragments(const float (&p)[kNT][4], uint32_
 // a finite LSE show a NaN (possibly a masked pair's 0 * NaN from P·V): the
 // lane recomputes them exactly (ExactOutputLane). Lane by lane, no warp
 // collective. (A mask, not an array: a caller indexing an array in a rolled
-// loop had it kept in local memory.)
+// loop had it kept in local memory.) `seen`: bit r clear where a dense mask
+// left row r without keys (DenseTile::Seen, shared over the quad).
 template <int kMT, int kDT>
 __device__ __forceinline__ unsigned FinishRows(float (&o)[kMT][kDT][4], float (&lse)[2 * kMT],
-                                               const MaskPolicy& pol, int row0, int lane) {
+                                               const MaskPolicy& pol, int row0, int lane, unsigned seen = ~0u) {
   unsigned redo = 0;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = mt * 2 + half;
-      const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8);
+      const bool keys = pol.HasKeys(row0 + mt * 16 + (lane >> 2) + half * 8) && (seen >> r & 1u);
       if (keys && isfinite(lse[r]) && LaneHasNan(o[mt], half)) redo |= 1u << r;
       if (!keys) {
 #pragma unroll
@@ -286,20 +291,21 @@ __device__ __forceinline__ unsigned FinishRows(float (&o)[kMT][kDT][4], float (&
 }
 
 // Normalises the output accumulator, then writes this warp's rows of O
-// (columns below head_dim) and LSE, by the rules of FinishRows; rows past
-// q_len are not stored. The addresses are recomputed from the parameters
-// (constant memory) rather than kept in registers through the main loop.
-template <typename T, int kMT, int kDT>
+// (columns below head_dim) and LSE, by the rules of FinishRows (`seen` as
+// there); rows past q_len are not stored. The addresses are recomputed from
+// the parameters (constant memory) rather than kept in registers through the
+// main loop. kDense: the kernel takes a dense term (ExactOutputLane reads it).
+template <typename T, bool kDense = false, int kMT, int kDT>
 __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (&o)[kMT][kDT][4],
                                             const FwdParams& p, const MaskPolicy& pol, int batch, int head,
-                                            int r0, int warp_row0, int lane) {
+                                            int r0, int warp_row0, int lane, unsigned seen = ~0u) {
   const AttentionShape& sh = p.shape;
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(sh.head_dim);
   const int64_t q_row_stride = sh.q_row_stride();
   float lse[2 * kMT];
   softmax.Finalize(o, lse);
-  const unsigned redo = FinishRows(o, lse, pol, r0 + warp_row0, lane);
+  const unsigned redo = FinishRows(o, lse, pol, r0 + warp_row0, lane, seen);
   T* gO = static_cast<T*>(p.o) + FwdBlock<T>::QOffset(sh, batch, head, r0);
   float* gLse = p.lse + (int64_t(batch) * sh.q_heads + head) * sh.q_len;
 #pragma unroll
@@ -312,7 +318,7 @@ __device__ __forceinline__ void StoreOutput(OnlineSoftmax<kMT>& softmax, float (
       if (t == 0) gLse[r0 + row] = lse[r];
       T* dst = gO + row * q_row_stride;
       if (redo >> r & 1u) {  // this lane's entries, exactly and straight to memory
-        ExactOutputLane<T, kDT>(p, batch, head, r0 + row, lse[r], t, [&](int dt, float2 x) {
+        ExactOutputLane<T, kDT, true, kDense>(p, batch, head, r0 + row, lse[r], t, [&](int dt, float2 x) {
           *reinterpret_cast<uint32_t*>(dst + dt * 8 + 2 * t) = ElemTraits<T>::Pack(x.x, x.y);
         });
         continue;

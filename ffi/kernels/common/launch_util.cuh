@@ -72,10 +72,18 @@ Status LaunchForwardGrid(const FwdParams& p, int rows, int threads, size_t smem,
 // have; those say so (kTakesSoftCap, kTakesAlibi, kTakesSegments: measured by
 // building with spills as errors) and their launchers route such calls to a
 // tile that takes them.
+// Tile::kTakesDense where a tile family says it (the sm80 kernels, which
+// read a dense bias and mask: dense_tile.cuh), else false.
+template <typename Tile, typename = void>
+struct DenseTakingTile : std::false_type {};
+template <typename Tile>
+struct DenseTakingTile<Tile, std::void_t<decltype(Tile::kTakesDense)>>
+    : std::integral_constant<bool, Tile::kTakesDense> {};
+
 template <typename Tile, typename Params>
 bool TileTakes(const Params& p) {
   return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments) &&
-         (p.alibi == nullptr || Tile::kTakesAlibi);
+         (p.alibi == nullptr || Tile::kTakesAlibi) && (!p.dense.On() || DenseTakingTile<Tile>::value);
 }
 
 // Tile::kWarpSpecialised where a tile family says it, else false.

@@ -43,6 +43,7 @@ struct DkDvTile {
   static constexpr int kM = kM_;          // query rows per step
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kD + 8;  // see FwdTile
+  static constexpr bool kTakesDense = true;  // dense_tile.cuh
   template <typename T>
   static constexpr size_t SmemBytes() {
     return size_t(2 * kN + 4 * kM) * kStride * sizeof(T) + 4 * kM * sizeof(float);
@@ -126,12 +127,22 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
     if (it + 1 < n_iters) load_q_tile(it + 1);
     tc::CpAsyncCommit();
     tc::CpAsyncWait<1>();
-    __syncthreads();  // tile `it` visible to all
+    const int r0 = (q_tiles.begin + it % q_tiles.count) * kM;
+    const int head = kv_head * group + it / q_tiles.count;
+    // Tile `it` visible to all. With a dense mask this barrier is its vote
+    // (dense_tile.cuh): a tile it hides is skipped (no one reads its buffer,
+    // so the next load may refill it without the barrier at the end).
+    tc::DenseTile::View view = tc::DenseTile::kShown;
+    if (Tile::kTakesDense && p.dense.mask.On()) {
+      view = tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+      if (view == tc::DenseTile::kHidden) continue;
+    } else {
+      __syncthreads();
+    }
 
     const int buf = it & 1;
     const T* q = sQ + buf * kM * kStride;
     const T* d_o = sdO + buf * kM * kStride;
-    const int r0 = (q_tiles.begin + it % q_tiles.count) * kM;
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (16 keys x kM queries per warp)
     float s[kQT][4], dp[kQT][4];
@@ -156,8 +167,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 
     // ---- Pᵀ and dSᵀ; a tile only partly visible is masked per element.
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-    const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, batch, kv_head * group + it / q_tiles.count);
-    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, sLse + buf * kM, lane, scale_log2, tc::SoftCap::Of(p), alibi);
+    const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, batch, head);
+    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head, view);
+    tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, sLse + buf * kM, lane, scale_log2, tc::SoftCap::Of(p), alibi,
+                      tc::NoKeptTanh{}, dense.On() ? &dense : nullptr);
     tc::KeyMajorDs(s, dp, sDelta + buf * kM, lane, sLse + buf * kM, tc::SoftCap::Of(p), alibi, {r0, c0 + key_w});
 
     // ---- dV += Pᵀ dO and dK += dSᵀ Q over this CTA's output columns
@@ -193,6 +206,7 @@ struct DqTile {
   static constexpr int kN = kN_;          // keys per step
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStride = kD + 8;
+  static constexpr bool kTakesDense = true;  // dense_tile.cuh
   template <typename T>
   static constexpr size_t SmemBytes() {
     return size_t(2 * kM + 4 * kN) * kStride * sizeof(T);
@@ -247,11 +261,18 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     if (nb + 1 < blk.tiles.end) load_kv(nb + 1);
     tc::CpAsyncCommit();
     tc::CpAsyncWait<1>();
-    __syncthreads();
+    const int c0 = nb * kN;
+    // As in DkDvKernel: with a dense mask the barrier is its vote.
+    tc::DenseTile::View view = tc::DenseTile::kShown;
+    if (Tile::kTakesDense && p.dense.mask.On()) {
+      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+      if (view == tc::DenseTile::kHidden) continue;
+    } else {
+      __syncthreads();
+    }
     const int buf = (nb - blk.tiles.begin) & 1;
     const T* k = sK + buf * kN * kStride;
     const T* v = sV + buf * kN * kStride;
-    const int c0 = nb * kN;
 
     // ---- S = Q Kᵀ, dP = dO Vᵀ
     float s[kNT][4], dp[kNT][4];
@@ -277,7 +298,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, blk.batch, blk.head);
-    tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p), alibi);
+    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head, view);
+    tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p), alibi,
+                        dense.On() ? &dense : nullptr);
     tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p), alibi, {r0 + row_w, c0}, lane);
 
     // ---- dQ += dS K

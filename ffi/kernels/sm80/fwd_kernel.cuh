@@ -8,7 +8,8 @@
 // Scores stay in registers and are re-packed as the A operand of P·V.
 //
 // Tiles the mask policy excludes are never visited; tiles it fully includes
-// skip per-element masking. Head dims are compiled in buckets kD; columns past
+// skip per-element masking. A dense bias and mask are read per entry
+// (dense_tile.cuh); tiles the dense mask hides are skipped. Head dims are compiled in buckets kD; columns past
 // the real head_dim are zero-filled on load (so they add nothing to Q·Kᵀ or
 // P·V) and never stored.
 #pragma once
@@ -43,6 +44,8 @@ struct FwdTile {
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = !(kCtasPerSm == 2 && kMT * kN >= 256);
+  // A dense bias and mask (dense_tile.cuh): tiles of one m16 row tile per warp.
+  static constexpr bool kTakesDense = kMT == 1;
   // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
   // different 16-byte bank groups, so ldmatrix is conflict-free.
   static constexpr int kStride = kD + 8;
@@ -144,11 +147,29 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   }
 
   const float scale_log2 = p.scale * tc::kLog2e;
+  // A dense bias or mask (dense_tile.cuh; the grid's order: batch z, head y):
+  // the mask's summary of each tile is the barrier below, and a tile it hides
+  // is skipped, products and all; `seen` records rows it leaves a key.
+  unsigned seen = 0;
 
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int c0 = nb * kN;
     tc::CpAsyncWait<0>();
-    __syncthreads();  // K[nb] visible to all; everyone is done reading V[nb-1]
+    // K[nb] visible to all; everyone is done reading V[nb-1]
+    tc::DenseTile::View view = tc::DenseTile::kShown;
+    if (Tile::kTakesDense && p.dense.mask.On()) {
+      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y).Vote(r0, r_end, c0, c0 + kN, tid, kThreads);
+      if (view == tc::DenseTile::kHidden) {
+        if (nb + 1 < n_end) {  // no one reads this K: the next one may replace it now
+          tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
+                                         pol.kv_valid - (c0 + kN), head_dim, tid);
+          tc::CpAsyncCommit();
+        }
+        continue;
+      }
+    } else {
+      __syncthreads();
+    }
     tc::LoadTile<kN, kD, kThreads>(sV, kStride, gV + int64_t(c0) * kv_row_stride, kv_row_stride,
                                    pol.kv_valid - c0, head_dim, tid);
     tc::CpAsyncCommit();
@@ -178,8 +199,11 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- scale into log2 units; mask only tiles the policy does not fully admit
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
+    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y, view);
     tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p),
-                     tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, blockIdx.z, blockIdx.y));  // (held: spilled)
+                     tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, blockIdx.z, blockIdx.y),  // (held: spilled)
+                     dense.On() ? &dense : nullptr);
+    dense.Seen<kMT, kNT>(seen, pol, r0 + warp_row0, c0, lane);
 
     softmax.Update(s, o);
 
@@ -212,7 +236,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     }
   }
 
-  tc::StoreOutput<T>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane);
+  tc::StoreOutput<T, Tile::kTakesDense>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane,
+                     tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head).QuadSeen(seen));
 }
 
 // Launches the forward for one (dtype, head-dim bucket); defined per bucket in
@@ -224,7 +249,9 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   const int pick = Candidates::PickTaking(FwdTilePick(kD, causal), p);
   return Candidates::With(p.tile, pick, [&](auto tile) {
     using Tile = decltype(tile);
-    if (!TileTakes<Tile>(p)) return Status::Unimplemented("this forced sm80 forward tile takes no ALiBi slopes");
+    if (!TileTakes<Tile>(p)) {
+      return Status::Unimplemented("this forced sm80 forward tile takes no ALiBi slopes or dense terms");
+    }
     return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::template SmemBytes<T>(), device,
                                                  stream, "attention forward");
   });
