@@ -462,7 +462,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
   The orders are measured on plain calls. A decode step with segment ids or ALiBi slopes
-  puts native first. Pallas's decode kernel takes no ids, so Pallas runs such a call on its
+  puts native first; a dense bias or mask on a GPU puts Pallas first. Pallas's decode kernel takes no ids, so Pallas runs such a call on its
   training kernel, unsplit; with slopes it did too until its decode kernel took them (H200,
   B 8, 32 query heads, S 8k, bf16: 211.7 us against the native decode kernel's ~90), and
   that path is not yet measured against native's on a GPU.
@@ -471,6 +471,11 @@ def automatic_order(call: Call) -> tuple[str, ...]:
                        call.spec.window_right >= 0, call.q.shape[-3])
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))
+  if call.dense is not None and platform() != "cpu":
+    # The CUDA kernels' bias and mask are read entry by entry from global memory, and
+    # ran 2-6x slower than Pallas's on an H200 (benchmarks/bench_dense.py,
+    # docs/performance.md): Pallas first on GPUs until they are faster.
+    order = tuple(sorted(order, key=lambda name: name != "pallas"))
   return order
 
 

@@ -38,6 +38,12 @@ struct DenseTile {
   int64_t bias_row = 0, bias_key = 0, mask_row = 0, mask_key = 0;  // strides, in elements
   int q_len = 0, kv_len = 0;
   View view = kShown;  // the current tile's, as the kernel's last Vote found it
+  // The bias tile staged in shared memory (Stage) for the tile of rows from
+  // staged_r0, keys from staged_c0, kStagePad elements past each row's kN;
+  // null: read from global memory.
+  const unsigned char* staged = nullptr;
+  int staged_pitch = 0, staged_r0 = 0, staged_c0 = 0;
+  static constexpr int kStagePad = 8;  // 16 bytes: rows g = 0..7 of a fragment in distinct banks
 
   // The terms of (batch, query head) of a call (FwdParams or BwdParams), with
   // the tile's `view`. Built per tile where it is used, like score_mod.cuh's
@@ -71,6 +77,41 @@ struct DenseTile {
   __device__ __forceinline__ bool On() const { return bias != nullptr || mask != nullptr; }
   __device__ __forceinline__ bool HasMask() const { return mask != nullptr; }
 
+  // Whether a call's bias is staged tile by tile in shared memory by the
+  // kernels that can (16-bit, keys contiguous, each row a whole number of
+  // 16-byte copies): one coalesced copy per tile beside K, instead of an
+  // entry's load from global memory where it is added, which cost the sm80
+  // forward 5.7x its time on an H200 (docs/performance-log.md).
+  template <typename Params>
+  __host__ __device__ static bool Stages(const Params& p) {
+    const DenseTerm& b = p.dense.bias;
+    return b.On() && b.dtype != DType::kFloat32 && b.key_stride == 1 && b.row_stride != 0 &&
+           b.row_stride % 8 == 0 && b.head_stride % 8 == 0 && b.batch_stride % 8 == 0 &&
+           (reinterpret_cast<uintptr_t>(b.data) & 15) == 0;
+  }
+  // Shared memory for a staged bias tile of kRows x kCols.
+  template <int kRows, int kCols>
+  __host__ __device__ static constexpr size_t StageBytes() {
+    return size_t(kRows) * (kCols + kStagePad) * 2;
+  }
+  // Starts the copy of the bias tile [r0, r0 + kRows) x [c0, c0 + kCols) into
+  // `smem` (cp.async: the caller commits and waits); past the call, zeros.
+  template <int kRows, int kCols, int kThreads>
+  __device__ __forceinline__ void Stage(void* smem, int r0, int c0, int tid) const {
+    LoadTile<kRows, kCols, kThreads>(static_cast<__half*>(smem), kCols + kStagePad,
+                                     static_cast<const __half*>(bias) + r0 * bias_row + c0, bias_row, q_len - r0,
+                                     kv_len - c0, tid);
+  }
+  // This view reading the bias from a tile Stage copied.
+  __device__ __forceinline__ DenseTile Staged(const void* smem, int cols, int r0, int c0) const {
+    DenseTile t = *this;
+    t.staged = static_cast<const unsigned char*>(smem);
+    t.staged_pitch = cols + kStagePad;
+    t.staged_r0 = r0;
+    t.staged_c0 = c0;
+    return t;
+  }
+
   // The bias of (query row, key) in log2 units; both must be real positions.
   __device__ __forceinline__ float Bias2(int row, int key) const {
     if (bias == nullptr) return 0.f;
@@ -97,14 +138,38 @@ struct DenseTile {
       c1 = MinInt(c1, kv_len);
       if (mask_row == 0) r1 = MinInt(r1, r0 + 1);  // broadcast rows: one of them says it all
       if (mask_key == 0) c1 = MinInt(c1, c0 + 1);
-      const int cols = c1 - c0, n = cols > 0 && r1 > r0 ? (r1 - r0) * cols : 0;
-      for (int i = tid; i < n; i += threads) {
-        const int r = r0 + i / cols, c = c0 + i % cols;
-        const int shown = mask[r * mask_row + c * mask_key] != 0;
-        any |= shown;
-        all &= shown;
+      const int rows = r1 - r0, cols = c1 - c0;
+      if (rows <= 0 || cols <= 0) {
+        all = 0;
+      } else {
+        // 16 bytes a load where the rows allow it (a bool is a 0 / 1 byte), else
+        // bytes; each thread walks (row, chunk) slots by a fixed step, no
+        // division per slot (one per tile cost as much as the products).
+        const uint8_t* base = mask + r0 * mask_row + c0 * mask_key;
+        const bool wide = mask_key == 1 && cols % 16 == 0 && mask_row % 16 == 0 &&
+                          (reinterpret_cast<uintptr_t>(base) & 15) == 0;
+        const int width = wide ? 16 : 1, chunks = cols / width;
+        int r = tid / chunks, w = tid - r * chunks;
+        const int dr = threads / chunks, dw = threads - dr * chunks;
+        while (r < rows) {
+          const uint8_t* at = base + int64_t(r) * mask_row + int64_t(w) * width * mask_key;
+          if (wide) {
+            const uint4 x = *reinterpret_cast<const uint4*>(at);
+            any |= (x.x | x.y | x.z | x.w) != 0u;
+            all &= (x.x & x.y & x.z & x.w) == 0x01010101u;
+          } else {
+            const int shown = *at != 0;
+            any |= shown;
+            all &= shown;
+          }
+          w += dw;
+          r += dr;
+          if (w >= chunks) {
+            w -= chunks;
+            ++r;
+          }
+        }
       }
-      if (n == 0) all = 0;
     }
     any = __syncthreads_or(any || mask == nullptr);
     all = __syncthreads_and(all);
@@ -119,6 +184,10 @@ struct DenseTile {
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void AddBias(float (&s)[kT][4], int half, int row, int col0) const {
     if (bias == nullptr) return;
+    if (staged != nullptr) {
+      AddStagedBias<kRowsAreQueries>(s, half, row, col0);
+      return;
+    }
 #pragma unroll
     for (int nt = 0; nt < kT; ++nt)
 #pragma unroll
@@ -143,6 +212,33 @@ struct DenseTile {
       }
   }
 
+  // AddBias from the staged tile: query-major, a lane's two keys of a row are
+  // one 4-byte word of shared memory; key-major, its two queries of a key are
+  // two rows apart.
+  template <bool kRowsAreQueries, int kT>
+  __device__ __forceinline__ void AddStagedBias(float (&s)[kT][4], int half, int row, int col0) const {
+    const bool fp16 = bias_dtype == DType::kFloat16;
+    const auto to_float = [&](uint16_t h) {
+      return fp16 ? __half2float(__ushort_as_half(h)) : __bfloat162float(__ushort_as_bfloat16(h));
+    };
+    if constexpr (kRowsAreQueries) {
+      const unsigned char* at = staged + 2 * ((row - staged_r0) * staged_pitch + (col0 - staged_c0));
+#pragma unroll
+      for (int nt = 0; nt < kT; ++nt) {
+        const uint32_t w = *reinterpret_cast<const uint32_t*>(at + 16 * nt);
+        s[nt][2 * half] += to_float(static_cast<uint16_t>(w)) * kLog2e;
+        s[nt][2 * half + 1] += to_float(static_cast<uint16_t>(w >> 16)) * kLog2e;
+      }
+    } else {
+      const uint16_t* at = reinterpret_cast<const uint16_t*>(staged) + (col0 - staged_r0) * staged_pitch +
+                           (row - staged_c0);
+#pragma unroll
+      for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += to_float(at[(nt * 8 + j) * staged_pitch]) * kLog2e;
+    }
+  }
+
   // Both on a query-major score tile of kMT m16 row slabs (the forward's):
   // this warp's rows from `row0`, key tile from c0.
   template <int kMT, int kNT>
@@ -152,8 +248,9 @@ struct DenseTile {
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        AddBias<true>(s[mt], half, row0 + mt * 16 + g + half * 8, c0 + 2 * t);
-        Hide<true>(s[mt], half, row0 + mt * 16 + g + half * 8, c0 + 2 * t, -INFINITY);
+        const int row = row0 + mt * 16 + g + half * 8;
+        AddBias<true>(s[mt], half, row, c0 + 2 * t);
+        Hide<true>(s[mt], half, row, c0 + 2 * t, -INFINITY);
       }
   }
 

@@ -37,7 +37,7 @@ struct BiasGradTile {
   static constexpr int kStride = kD + 8;  // see FwdTile
   template <typename T>
   static constexpr size_t SmemBytes() {
-    return size_t(2 * kM + 2 * kN) * kStride * sizeof(T) + kN * sizeof(float);
+    return size_t(2 * kM + 2 * kN) * kStride * sizeof(T) + tc::DenseTile::StageBytes<kM, kN>() + kN * sizeof(float);
   }
 };
 
@@ -63,7 +63,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
   T* sdO = sQ + kM * kStride;
   T* sK = sdO + kM * kStride;
   T* sV = sK + kN * kStride;
-  float* sCols = reinterpret_cast<float*>(sV + kN * kStride);  // [kN]: a column sum over the warps
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kN * kStride);  // when staged
+  float* sCols = reinterpret_cast<float*>(sBias + tc::DenseTile::StageBytes<kM, kN>());  // [kN]: column sums
 
   const AttentionShape& sh = p.shape;
   const BiasExtent ext = BiasExtent::Of(p);
@@ -80,6 +81,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
   const int kt_begin = all_keys ? 0 : blockIdx.y, kt_end = all_keys ? (kv_len + kN - 1) / kN : blockIdx.y + 1;
   const int row_w = warp * 16;
   const float scale_log2 = p.scale * tc::kLog2e;
+  const bool stages = tc::DenseTile::Stages(p);
 
   float acc[kNT][4];
   tc::Zero(acc);
@@ -106,6 +108,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
                                          pol.kv_valid - c0, head_dim, tid);
           tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
                                          pol.kv_valid - c0, head_dim, tid);
+          if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
           tc::CpAsyncCommit();
           tc::CpAsyncWait<0>();
           tc::DenseTile::View view = tc::DenseTile::kShown;
@@ -137,7 +140,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
           }
 
           const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-          const tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
+          tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
+          if (stages) dense = dense.Staged(sBias, kN, r0, c0);
           tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p),
                               tc::AlibiBias::Of(p, pol, b, h), &dense);
           tc::QueryMajorDs(s, dp, rows);  // (no soft-cap: the handlers refuse one beside a bias)

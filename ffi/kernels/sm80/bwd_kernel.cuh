@@ -48,6 +48,12 @@ struct DkDvTile {
   static constexpr size_t SmemBytes() {
     return size_t(2 * kN + 4 * kM) * kStride * sizeof(T) + 4 * kM * sizeof(float);
   }
+  // With a staged dense bias, a tile of it per query-tile buffer.
+  static constexpr size_t kBiasStage = tc::DenseTile::StageBytes<kM, kN>();
+  template <typename T>
+  static constexpr size_t DenseSmemBytes() {
+    return SmemBytes<T>() + 2 * kBiasStage;
+  }
   static_assert(kDOut % 16 == 0 && kM % 16 == 0, "tiles are built from 16x16 mma steps");
 };
 
@@ -65,6 +71,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
   T* sdO = sQ + 2 * kM * kStride;  // [2][kM][kStride]
   float* sLse = reinterpret_cast<float*>(sdO + 2 * kM * kStride);  // [2][kM]
   float* sDelta = sLse + 2 * kM;                                    // [2][kM]
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sDelta + 2 * kM);  // [2][kBiasStage], when staged
 
   const AttentionShape& sh = p.shape;
   const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
@@ -88,7 +95,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
   const T* gK = static_cast<const T*>(p.k) + kv_off;
   const T* gV = static_cast<const T*>(p.v) + kv_off;
 
-  // Stages query tile `it` (head, row block) into buffer it & 1.
+  const bool stages = tc::DenseTile::Stages(p);
+  // Stages query tile `it` (head, row block) into buffer it & 1, with its
+  // tile of a staged dense bias.
   auto load_q_tile = [&](int it) {
     const int head = kv_head * group + it / q_tiles.count;
     const int r0 = (q_tiles.begin + it % q_tiles.count) * kM;
@@ -105,6 +114,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
       const bool ok = r0 + i < q_len;
       tc::CpAsync4(tc::SmemAddr(sLse + buf * kM + i), p.lse + (ok ? row_off + i : 0), ok);
       tc::CpAsync4(tc::SmemAddr(sDelta + buf * kM + i), p.delta + (ok ? row_off + i : 0), ok);
+    }
+    if (stages) {
+      tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head).template Stage<kM, kN, kThreads>(
+          sBias + buf * Tile::kBiasStage, r0, c0, tid);
     }
   };
 
@@ -168,7 +181,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
     // ---- Pᵀ and dSᵀ; a tile only partly visible is masked per element.
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, batch, head);
-    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head, view);
+    tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head, view);
+    if (stages) dense = dense.Staged(sBias + buf * Tile::kBiasStage, kN, r0, c0);
     tc::KeyMajorProbs(s, pol, full, r0, c0 + key_w, sLse + buf * kM, lane, scale_log2, tc::SoftCap::Of(p), alibi,
                       tc::NoKeptTanh{}, dense.On() ? &dense : nullptr);
     tc::KeyMajorDs(s, dp, sDelta + buf * kM, lane, sLse + buf * kM, tc::SoftCap::Of(p), alibi, {r0, c0 + key_w});
@@ -211,6 +225,12 @@ struct DqTile {
   static constexpr size_t SmemBytes() {
     return size_t(2 * kM + 4 * kN) * kStride * sizeof(T);
   }
+  // With a staged dense bias, a tile of it per K/V buffer.
+  static constexpr size_t kBiasStage = tc::DenseTile::StageBytes<kM, kN>();
+  template <typename T>
+  static constexpr size_t DenseSmemBytes() {
+    return SmemBytes<T>() + 2 * kBiasStage;
+  }
   static_assert(kD % 16 == 0 && kN % 16 == 0, "tiles are built from 16x16 mma steps");
 };
 
@@ -225,6 +245,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
   T* sdO = sQ + kM * kStride;
   T* sK = sdO + kM * kStride;  // [2][kN][kStride]
   T* sV = sK + 2 * kN * kStride;  // [2][kN][kStride]
+  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + 2 * kN * kStride);  // [2][kBiasStage], when staged
 
   const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template OfGrid<kM, kN>(p);
   const MaskPolicy& pol = blk.pol;
@@ -232,13 +253,18 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int head_dim = static_cast<int>(p.shape.head_dim);
 
-  auto load_kv = [&](int nb) {
+  const bool stages = tc::DenseTile::Stages(p);
+  auto load_kv = [&](int nb) {  // with its tile of a staged dense bias
     const int buf = (nb - blk.tiles.begin) & 1;
     const int c0 = nb * kN;
     tc::LoadTile<kN, kD, kThreads>(sK + buf * kN * kStride, kStride, blk.k + int64_t(c0) * blk.kv_row_stride,
                                    blk.kv_row_stride, pol.kv_valid - c0, head_dim, tid);
     tc::LoadTile<kN, kD, kThreads>(sV + buf * kN * kStride, kStride, blk.v + int64_t(c0) * blk.kv_row_stride,
                                    blk.kv_row_stride, pol.kv_valid - c0, head_dim, tid);
+    if (stages) {
+      tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head).template Stage<kM, kN, kThreads>(
+          sBias + buf * Tile::kBiasStage, blk.r0, c0, tid);
+    }
   };
 
   const int row_w = warp * 16;
@@ -298,7 +324,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
     const tc::AlibiBias alibi = tc::AlibiBias::Of(p, pol, blk.batch, blk.head);
-    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head, view);
+    tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head, view);
+    if (stages) dense = dense.Staged(sBias + buf * Tile::kBiasStage, kN, r0, c0);
     tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p), alibi,
                         dense.On() ? &dense : nullptr);
     tc::QueryMajorDs(s, dp, rows, tc::SoftCap::Of(p), alibi, {r0 + row_w, c0}, lane);
@@ -336,9 +363,16 @@ template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename BwdTilesFor<kD>::DkDv;
   using Dq = typename BwdTilesFor<kD>::Dq;
+  // The opt-in is set once per kernel, for the larger of its two sizes.
+  Status st = EnsureDynamicSmem<DkDvKernel<T, DkDv>>(DkDv::template DenseSmemBytes<T>(), device);
+  if (st.ok()) st = EnsureDynamicSmem<DqKernel<T, Dq>>(Dq::template DenseSmemBytes<T>(), device);
+  if (!st.ok()) return st;
+  const bool stages = tc::DenseTile::Stages(p);
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
-      p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads, DkDv::template SmemBytes<T>()},
-      {Dq::kM, 1, Dq::kThreads, Dq::template SmemBytes<T>()}, device, stream);
+      p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads,
+          stages ? DkDv::template DenseSmemBytes<T>() : DkDv::template SmemBytes<T>()},
+      {Dq::kM, 1, Dq::kThreads, stages ? Dq::template DenseSmemBytes<T>() : Dq::template SmemBytes<T>()}, device,
+      stream);
 }
 
 }  // namespace sm80

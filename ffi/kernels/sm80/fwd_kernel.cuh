@@ -55,6 +55,11 @@ struct FwdTile {
   static constexpr size_t SmemBytes() {
     return size_t(kM + 2 * kN) * kStride * sizeof(T);
   }
+  // With a staged dense bias (dense_tile.cuh), its tile too.
+  template <typename T>
+  static constexpr size_t DenseSmemBytes() {
+    return SmemBytes<T>() + (kTakesDense ? tc::DenseTile::StageBytes<kM, kN>() : 0);
+  }
   static_assert(kD % 16 == 0 && kN % 16 == 0, "tiles are built from 16x16 mma steps");
 };
 
@@ -114,6 +119,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kM * kStride;
   T* sV = sK + kN * kStride;
+  void* sBias = sV + kN * kStride;  // [kM][kN + pad] 16-bit, when the bias is staged (DenseTile::Stages)
 
   // The grid's own order, not grid_order.cuh's: with a computed head and
   // batch held to the epilogue, the two-CTA tiles at D 32 and 64 spill.
@@ -137,12 +143,21 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   tc::OnlineSoftmax<kMT> softmax;
   softmax.Init();
 
+  // A staged bias tile travels with its K tile (one commit group).
+  const bool stages = Tile::kTakesDense && tc::DenseTile::Stages(p);
+  auto stage_bias = [&](int c) {
+    if constexpr (Tile::kTakesDense) {
+      if (stages) tc::DenseTile::Of(p, blockIdx.z, blockIdx.y).Stage<kM, kN, kThreads>(sBias, r0, c, tid);
+    }
+  };
+
   if (n_begin < n_end) {
     // Keys at or past kv_valid are zero-filled: masked scores multiply V rows
     // by exactly 0, and 0 * (garbage in padding) could be NaN.
     tc::LoadTile<kM, kD, kThreads>(sQ, kStride, gQ, q_row_stride, r_end - r0, head_dim, tid);
     tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(n_begin) * kN * kv_row_stride, kv_row_stride,
                                    pol.kv_valid - n_begin * kN, head_dim, tid);
+    stage_bias(n_begin * kN);
     tc::CpAsyncCommit();
   }
 
@@ -163,6 +178,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
         if (nb + 1 < n_end) {  // no one reads this K: the next one may replace it now
           tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
                                          pol.kv_valid - (c0 + kN), head_dim, tid);
+          stage_bias(c0 + kN);
           tc::CpAsyncCommit();
         }
         continue;
@@ -199,19 +215,23 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
 
     // ---- scale into log2 units; mask only tiles the policy does not fully admit
     const bool full = pol.TileIsFull(r0, r_end, c0, c0 + kN);
-    const tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y, view);
+    tc::DenseTile dense = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y, view);
+    if constexpr (Tile::kTakesDense) {
+      if (stages) dense = dense.Staged(sBias, kN, r0, c0);
+    }
     tc::ScaleAndMask(s, pol, full, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap::Of(p),
                      tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, blockIdx.z, blockIdx.y),  // (held: spilled)
-                     dense.On() ? &dense : nullptr);
+                     Tile::kTakesDense && dense.On() ? &dense : nullptr);
     dense.Seen<kMT, kNT>(seen, pol, r0 + warp_row0, c0, lane);
 
     softmax.Update(s, o);
 
     tc::CpAsyncWait<0>();
     __syncthreads();  // V[nb] visible; everyone is done reading K[nb]
-    if (nb + 1 < n_end) {
+    if (nb + 1 < n_end) {  // (the staged bias tile was read above, before the barrier)
       tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
                                      pol.kv_valid - (c0 + kN), head_dim, tid);
+      stage_bias(c0 + kN);
       tc::CpAsyncCommit();
     }
 
@@ -237,7 +257,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   }
 
   tc::StoreOutput<T, Tile::kTakesDense>(softmax, o, p, pol, blk.batch, blk.head, r0, warp_row0, lane,
-                     tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head).QuadSeen(seen));
+                     Tile::kTakesDense ? tc::DenseTile::Of(p, blk.batch, blk.head).QuadSeen(seen) : ~0u);
 }
 
 // Launches the forward for one (dtype, head-dim bucket); defined per bucket in
@@ -252,8 +272,12 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
     if (!TileTakes<Tile>(p)) {
       return Status::Unimplemented("this forced sm80 forward tile takes no ALiBi slopes or dense terms");
     }
-    return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, Tile::template SmemBytes<T>(), device,
-                                                 stream, "attention forward");
+    // The opt-in is set once per kernel, for the larger of its two sizes.
+    Status st = EnsureDynamicSmem<FwdKernel<T, Tile>>(Tile::template DenseSmemBytes<T>(), device);
+    if (!st.ok()) return st;
+    const size_t smem = tc::DenseTile::Stages(p) ? Tile::template DenseSmemBytes<T>() : Tile::template SmemBytes<T>();
+    return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, smem, device, stream,
+                                                 "attention forward");
   });
 }
 
