@@ -162,8 +162,8 @@ def test_gpu_native(rng, dtype):
 
 @pytest.mark.gpu
 def test_gpu_native_runs_the_dense_targets_and_keeps_hidden_nan_out(rng):
-  """On a GPU a 16-bit call with a bias and mask lowers to the CUDA kernels' v5 targets
-  and their dB pass; a block-sparse mask with NaN in the hidden blocks' values keeps the
+  """On a GPU a 16-bit native call with a bias and mask lowers to the CUDA kernels' v5
+  targets and their dB pass; a block-sparse mask with NaN in the hidden blocks' values keeps the
   rows that cannot see them finite and equal to xla's."""
   if not HAS_GPU:
     pytest.skip("needs a GPU")
@@ -172,7 +172,8 @@ def test_gpu_native_runs_the_dense_targets_and_keeps_hidden_nan_out(rng):
   blocks = (np.arange(T)[:, None] // 128 + np.arange(S)[None, :] // 128) % 2 == 0
   mask = jnp.asarray(blocks)
   bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)
-  loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, mask).astype(jnp.float32).sum()
+  loss = lambda q, b: jaxflash.dot_product_attention(
+      q, k, v, b, mask, implementation="native").astype(jnp.float32).sum()
   hlo = jax.jit(jax.grad(loss, (0, 1))).lower(q, bias).as_text()
   for target in (*_native.DENSE_TARGETS, _native.BIAS_GRADIENT_TARGET):
     assert target in hlo, target

@@ -44,8 +44,9 @@ struct FwdTile {
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = !(kCtasPerSm == 2 && kMT * kN >= 256);
-  // A dense bias and mask (dense_tile.cuh): tiles of one m16 row tile per warp.
-  static constexpr bool kTakesDense = kMT == 1;
+  // A dense bias and mask (dense_tile.cuh): tiles of one m16 row tile per warp,
+  // and two of 64 keys at D <= 64 (the others spilled 132-184 bytes with them).
+  static constexpr bool kTakesDense = kMT == 1 || (kD <= 64 && kMT * kN <= 128);
   // +8 elements (16 bytes) per row: 8 consecutive rows then start in 8
   // different 16-byte bank groups, so ldmatrix is conflict-free.
   static constexpr int kStride = kD + 8;
