@@ -26,16 +26,23 @@ from test_native import attention, finite_baseline
 IMPLEMENTATIONS = ["pallas"] if HAS_GPU else ["native", "pallas"]
 
 
-def dense_terms(rng, shape, bias_axes, mask_axes, dtype=jnp.float32):
+def dense_terms(rng, shape, bias_axes, mask_axes, dtype=jnp.float32, blocks=False):
   """(bias, mask): arrays whose axes named in `*_axes` ("BNTS" letters) have the call's
-  size, the others 1 (None for no term). The mask shows ~70% of pairs, hides query row 1
-  entirely and leaves the first key block of the last row's keys hidden."""
+  size, the others 1 (None for no term). The mask shows ~70% of pairs (with `blocks`, a
+  checkerboard of 64 x 64 blocks instead, mostly shown or hidden whole, ~5% of the shown
+  pairs hidden in one of them), hides query row 1 entirely and leaves the first key block
+  of the last row's keys hidden."""
   B, T, S, N, _, _ = shape
   size = lambda axes: tuple(n if a in axes else 1 for a, n in zip("BNTS", (B, N, T, S)))
   bias = None if bias_axes is None else jnp.asarray(rng.standard_normal(size(bias_axes)), dtype)
   mask = None
   if mask_axes is not None:
     mask = rng.random(size(mask_axes)) < 0.7
+    if blocks:
+      assert "T" in mask_axes and "S" in mask_axes
+      grid = (np.arange(T)[:, None] // 64 + np.arange(S)[None, :] // 64) % 2 == 0
+      mask = np.broadcast_to(grid, mask.shape).copy()
+      mask[..., 64:128, :64] &= rng.random(mask[..., 64:128, :64].shape) < 0.95
     if "T" in mask_axes and T > 1:
       mask[..., 1, :] = False
     if "S" in mask_axes:
@@ -56,10 +63,10 @@ def baseline(q, k, v, bias, mask, compute_dtype, kw):
 
 
 def check(rng, shape, mask_name, dtype, implementation, bias_axes, mask_axes, gradients=True,
-          bias_dtype=jnp.float32):
+          bias_dtype=jnp.float32, blocks=False):
   B, T, S, N, K, D = shape
   q, k, v = random_inputs(rng, B, T, S, N, K, D, dtype)
-  bias, mask = dense_terms(rng, shape, bias_axes, mask_axes, bias_dtype)
+  bias, mask = dense_terms(rng, shape, bias_axes, mask_axes, bias_dtype, blocks)
   kw = mask_kwargs(mask_name, rng, B, T, S)
   scale = 1.0 / np.sqrt(D)
   truth_kw = dict(scale=scale, bias=bias, dense_mask=mask, **numpy_mask(kw))
@@ -158,6 +165,12 @@ def test_gpu_native(rng, dtype):
     for j, shape in enumerate(shapes[i % 2::2]):
       check(rng, shape, masks[(i + j) % 3], dtype, "native", bias_axes, mask_axes,
             bias_dtype=dtype if j == 0 else jnp.float32)
+  # Block masks: tiles hidden whole (skipped by every kernel), shown whole and mixed, with
+  # S a multiple of 16 (the vote's 16-byte loads) and the bias staged.
+  for shape, (bias_axes, mask_axes) in [((1, 256, 320, 4, 2, 128), ("NTS", "TS")),
+                                        ((2, 200, 192, 4, 4, 64), ("BNTS", "BNTS"))]:
+    check(rng, shape, "none", dtype, "native", bias_axes, mask_axes, bias_dtype=dtype,
+          blocks=True)
 
 
 @pytest.mark.gpu
@@ -235,10 +248,12 @@ def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
   """dB is a pass of its own, traced only when the bias is differentiated: the native
   CPU kernels' (its own FFI target) on one device, the blockwise jnp one elsewhere (a
   scan; the partition rule runs it when several devices are visible)."""
-  q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, jnp.float32)
+  dtype = jnp.bfloat16 if HAS_GPU else jnp.float32   # (the CUDA kernels' dense path is 16-bit)
+  q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, dtype)
   bias = jnp.zeros((1, 2, 16, 16))
   for impl in ("native", "pallas"):
-    loss = lambda q, b: jaxflash.dot_product_attention(q, k, v, b, implementation=impl).sum()
+    loss = lambda q, b: jaxflash.dot_product_attention(
+        q, k, v, b, implementation=impl).astype(jnp.float32).sum()
     if impl == "native" and jax.device_count() == 1:   # the target, in the lowered program
       mark = _native.BIAS_GRADIENT_TARGET
       count = lambda argnums: jax.jit(jax.grad(loss, argnums)).lower(q, bias).as_text().count(mark)

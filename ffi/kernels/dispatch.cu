@@ -99,6 +99,9 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
     }
   }
   p.tile &= ~FwdParams::kTileSm80;  // the candidate within the sm80 family (a preference stays one)
+  // A cached preference was measured on plain calls (on Hopper, for the sm90
+  // family): a dense call takes the table's pick among its own tiles.
+  if (dense && (p.tile & FwdParams::kTilePreferred)) p.tile = 0;
   switch (bucket) {
     case 32: return sm80::LaunchForward<T, 32>(p, device, stream);
     case 64: return sm80::LaunchForward<T, 64>(p, device, stream);

@@ -2,10 +2,12 @@
 //
 // `DenseTile` is one (batch, query head)'s view of them: the bias, read in its
 // own dtype and added in the kernels' log2 units, and the boolean mask, whose
-// hidden pairs get a -inf score (P = 0 exactly). Each accumulator entry reads
-// its own element straight from global memory (stride 0 on broadcast axes);
-// positions past the call's q_len / kv_len are never read (the mask policy
-// hides them anyway).
+// hidden pairs get a -inf score in the forward and P = 0 in the backward. A
+// 16-bit bias whose rows are whole 16-byte copies is staged in shared memory
+// tile by tile beside K (Stages, Stage); otherwise, and for the mask, each
+// accumulator entry reads its own element from global memory (stride 0 on
+// broadcast axes). Positions past the call's q_len / kv_len are never read
+// (the mask policy hides them anyway).
 //
 // A CTA first summarises the mask over the tile it is about to compute
 // (`View`, one barrier-vote in place of the loop's barrier): a tile the mask
@@ -177,10 +179,22 @@ struct DenseTile {
     return view;
   }
 
+  // Calls f(entry, query row, key) for accumulator row `half`'s entries that
+  // are real positions: `row` is the row's position, its columns the other
+  // side's col0 + nt * 8 + j (col0 = the tile's first + 2t); kRowsAreQueries
+  // says whether rows are query rows (keys the columns) or keys.
+  template <bool kRowsAreQueries, int kT, typename F>
+  __device__ __forceinline__ void ForRealEntries(float (&s)[kT][4], int half, int row, int col0, F&& f) const {
+#pragma unroll
+    for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int col = col0 + nt * 8 + j;
+        const int q = kRowsAreQueries ? row : col, k = kRowsAreQueries ? col : row;
+        if (q < q_len && k < kv_len) f(s[nt][2 * half + j], q, k);
+      }
+  }
   // Adds the bias to one accumulator row of a score tile in log2 units.
-  // `row` is accumulator row `half`'s position, its columns the other side's
-  // col0 + nt * 8 + j (col0 = the tile's first + 2t); kRowsAreQueries says
-  // whether rows are query rows (keys the columns) or keys.
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void AddBias(float (&s)[kT][4], int half, int row, int col0) const {
     if (bias == nullptr) return;
@@ -188,28 +202,16 @@ struct DenseTile {
       AddStagedBias<kRowsAreQueries>(s, half, row, col0);
       return;
     }
-#pragma unroll
-    for (int nt = 0; nt < kT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = col0 + nt * 8 + j;
-        const int q = kRowsAreQueries ? row : col, k = kRowsAreQueries ? col : row;
-        if (q < q_len && k < kv_len) s[nt][2 * half + j] += Bias2(q, k);
-      }
+    ForRealEntries<kRowsAreQueries>(s, half, row, col0, [&](float& x, int q, int k) { x += Bias2(q, k); });
   }
   // Sets the entries the mask hides to `hidden` (-inf for a score, 0 for a
   // probability), on a tile the vote found mixed (nothing otherwise).
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void Hide(float (&s)[kT][4], int half, int row, int col0, float hidden) const {
     if (view != kMixed) return;
-#pragma unroll
-    for (int nt = 0; nt < kT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = col0 + nt * 8 + j;
-        const int q = kRowsAreQueries ? row : col, k = kRowsAreQueries ? col : row;
-        if (q < q_len && k < kv_len && !Shows(q, k)) s[nt][2 * half + j] = hidden;
-      }
+    ForRealEntries<kRowsAreQueries>(s, half, row, col0, [&](float& x, int q, int k) {
+      if (!Shows(q, k)) x = hidden;
+    });
   }
 
   // AddBias from the staged tile: query-major, a lane's two keys of a row are

@@ -14,17 +14,24 @@
 
 namespace jaxflash {
 
-// Raises kernel Kernel's dynamic shared-memory limit to `bytes`, once per
-// (instantiation, device): the attribute is per device, and setting it on
-// every launch would cost a driver call each time. The flag must be keyed on
-// the kernel itself (a template argument), not on its type: every
-// instantiation of a kernel template has the same function-pointer type. A
-// race between threads only repeats an idempotent call.
+// Raises kernel Kernel's dynamic shared-memory limit to `bytes` where it is
+// below that, per (instantiation, device): the attribute is per device, and
+// setting it on every launch would cost a driver call each time. A kernel may
+// launch with two sizes (the sm80 kernels' staged dense bias needs more), so
+// the size opted in is kept, not a flag: a larger launch after a smaller one
+// raises it again. Keyed on the kernel itself (a template argument), not on
+// its type: every instantiation of a kernel template has the same
+// function-pointer type. A race between threads only repeats an idempotent
+// call or sets a larger limit first.
 template <auto Kernel>
 Status EnsureDynamicSmem(size_t bytes, const CudaDevice& device) {
-  static std::atomic<uint64_t> done{0};
-  const uint64_t bit = device.ordinal < 64 ? (uint64_t{1} << device.ordinal) : 0;
-  if (bit != 0 && (done.load(std::memory_order_acquire) & bit)) return Status::Ok();
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> opted[kDevices];
+  std::atomic<size_t>* mine = device.ordinal < kDevices ? &opted[device.ordinal] : nullptr;
+  if (mine != nullptr) {
+    const size_t before = mine->load(std::memory_order_acquire);
+    if (bytes <= before) return Status::Ok();
+  }
   if (bytes > device.max_smem_per_block) {
     return Status::Unimplemented("kernel needs " + std::to_string(bytes) +
                                  " bytes of shared memory; the device allows " +
@@ -37,7 +44,11 @@ Status EnsureDynamicSmem(size_t bytes, const CudaDevice& device) {
       return Status::Internal(std::string("cudaFuncSetAttribute failed: ") + cudaGetErrorString(err));
     }
   }
-  done.fetch_or(bit, std::memory_order_acq_rel);
+  if (mine != nullptr) {
+    size_t seen = mine->load(std::memory_order_acquire);
+    while (seen < bytes && !mine->compare_exchange_weak(seen, bytes, std::memory_order_acq_rel)) {
+    }
+  }
   return Status::Ok();
 }
 

@@ -10,7 +10,8 @@
 // reduced once, at the end, and every dB element is written by one CTA, in a
 // fixed order: deterministic, no atomics, no scratch. Per visited tile it
 // recomputes S = Q·Kᵀ and dP = dO·Vᵀ (two of the backward's products) as the
-// dQ kernel does, with the same element-wise steps (bwd_blocks.cuh).
+// dQ kernel does (bwd_kernel.cuh's QueryMajorScores), with the same
+// element-wise steps (bwd_blocks.cuh).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include "common/mask.h"
 #include "common/mma.cuh"
 #include "jaxflash/params.h"
+#include "sm80/bwd_kernel.cuh"
 #include "sm80/launch_sm80.h"
 
 namespace jaxflash {
@@ -72,157 +74,147 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
   const int g = lane >> 2, t = lane & 3;
   const int head_dim = static_cast<int>(sh.head_dim);
   const int q_len = static_cast<int>(sh.q_len), kv_len = static_cast<int>(sh.kv_len);
-  const int own_b = blockIdx.z / ext.heads, own_h = blockIdx.z % ext.heads;
   const bool all_rows = ext.rows == 1, all_keys = ext.keys == 1;
-  // What this CTA walks on each axis, [begin, end).
-  const int b_begin = ext.batch == 1 ? 0 : own_b, b_end = ext.batch == 1 ? int(sh.batch) : own_b + 1;
-  const int h_begin = ext.heads == 1 ? 0 : own_h, h_end = ext.heads == 1 ? int(sh.q_heads) : own_h + 1;
-  const int rt_begin = all_rows ? 0 : blockIdx.x, rt_end = all_rows ? (q_len + kM - 1) / kM : blockIdx.x + 1;
-  const int kt_begin = all_keys ? 0 : blockIdx.y, kt_end = all_keys ? (kv_len + kN - 1) / kN : blockIdx.y + 1;
-  const int row_w = warp * 16;
-  const float scale_log2 = p.scale * tc::kLog2e;
-  const bool stages = tc::DenseTile::Stages(p);
+  // x: the dB tile (row tile major, key tile minor); y: the bias's (batch,
+  // head) items, walked with the grid's stride where they pass its limit.
+  const int key_tiles = all_keys ? 1 : (ext.keys + kN - 1) / kN;
+  const int own_rt = blockIdx.x / key_tiles, own_kt = blockIdx.x % key_tiles;
+  for (int64_t item = blockIdx.y; item < int64_t{ext.batch} * ext.heads; item += gridDim.y) {
+    const int own_b = static_cast<int>(item / ext.heads), own_h = static_cast<int>(item % ext.heads);
+    // What this CTA walks on each axis, [begin, end).
+    const int b_begin = ext.batch == 1 ? 0 : own_b, b_end = ext.batch == 1 ? int(sh.batch) : own_b + 1;
+    const int h_begin = ext.heads == 1 ? 0 : own_h, h_end = ext.heads == 1 ? int(sh.q_heads) : own_h + 1;
+    const int rt_begin = all_rows ? 0 : own_rt, rt_end = all_rows ? (q_len + kM - 1) / kM : own_rt + 1;
+    const int kt_begin = all_keys ? 0 : own_kt, kt_end = all_keys ? (kv_len + kN - 1) / kN : own_kt + 1;
+    const int row_w = warp * 16;
+    const float scale_log2 = p.scale * tc::kLog2e;
+    const bool stages = tc::DenseTile::Stages(p);
 
-  float acc[kNT][4];
-  tc::Zero(acc);
+    float acc[kNT][4];
+    tc::Zero(acc);
 
-  for (int b = b_begin; b < b_end; ++b)
-    for (int h = h_begin; h < h_end; ++h)
-      for (int rt = rt_begin; rt < rt_end; ++rt) {
-        const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, rt, h, b);
-        const MaskPolicy& pol = blk.pol;
-        const int r0 = blk.r0;
-        const int k_first = MaxInt(blk.tiles.begin, kt_begin), k_last = MinInt(blk.tiles.end, kt_end);
-        if (k_first >= k_last) continue;  // (uniform over the CTA)
-        __syncthreads();  // everyone is done with the last item's Q and dO
-        const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(sh, b, h, r0);
-        tc::LoadTile<kM, kD, kThreads>(sQ, kStride, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
-        tc::LoadTile<kM, kD, kThreads>(sdO, kStride, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
-        tc::RowStats rows;
-        rows.Load(p, pol, b, h, r0 + row_w, lane);
+    for (int b = b_begin; b < b_end; ++b)
+      for (int h = h_begin; h < h_end; ++h)
+        for (int rt = rt_begin; rt < rt_end; ++rt) {
+          const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, rt, h, b);
+          const MaskPolicy& pol = blk.pol;
+          const int r0 = blk.r0;
+          const int k_first = MaxInt(blk.tiles.begin, kt_begin), k_last = MinInt(blk.tiles.end, kt_end);
+          if (k_first >= k_last) continue;  // (uniform over the CTA)
+          __syncthreads();  // everyone is done with the last item's Q and dO
+          const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(sh, b, h, r0);
+          tc::LoadTile<kM, kD, kThreads>(sQ, kStride, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          tc::LoadTile<kM, kD, kThreads>(sdO, kStride, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          tc::RowStats rows;
+          rows.Load(p, pol, b, h, r0 + row_w, lane);
 
-        for (int nb = k_first; nb < k_last; ++nb) {
-          const int c0 = nb * kN;
-          __syncthreads();  // everyone is done with the last K and V
-          tc::LoadTile<kN, kD, kThreads>(sK, kStride, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                         pol.kv_valid - c0, head_dim, tid);
-          tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                         pol.kv_valid - c0, head_dim, tid);
-          if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
-          tc::CpAsyncCommit();
-          tc::CpAsyncWait<0>();
-          tc::DenseTile::View view = tc::DenseTile::kShown;
-          if (p.dense.mask.On()) {
-            view = tc::DenseTile::Of(p, b, h).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
-            if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
-          } else {
-            __syncthreads();
-          }
-
-          float s[kNT][4], dp[kNT][4];
-          tc::Zero(s);
-          tc::Zero(dp);
-#pragma unroll
-          for (int kk = 0; kk < kD / 16; ++kk) {
-            uint32_t aq[4], ado[4];
-            tc::Ldmatrix4(aq, tc::AFragAddr(sQ, kStride, row_w, kk * 16, lane));
-            tc::Ldmatrix4(ado, tc::AFragAddr(sdO, kStride, row_w, kk * 16, lane));
-#pragma unroll
-            for (int np = 0; np < kN / 16; ++np) {
-              uint32_t bf[4];
-              tc::Ldmatrix4(bf, tc::BFragAddrNK(sK, kStride, np * 16, kk * 16, lane));
-              tc::Mma<T>(s[2 * np], aq, bf[0], bf[1]);
-              tc::Mma<T>(s[2 * np + 1], aq, bf[2], bf[3]);
-              tc::Ldmatrix4(bf, tc::BFragAddrNK(sV, kStride, np * 16, kk * 16, lane));
-              tc::Mma<T>(dp[2 * np], ado, bf[0], bf[1]);
-              tc::Mma<T>(dp[2 * np + 1], ado, bf[2], bf[3]);
+          for (int nb = k_first; nb < k_last; ++nb) {
+            const int c0 = nb * kN;
+            __syncthreads();  // everyone is done with the last K and V
+            tc::LoadTile<kN, kD, kThreads>(sK, kStride, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
+                                           pol.kv_valid - c0, head_dim, tid);
+            tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
+                                           pol.kv_valid - c0, head_dim, tid);
+            if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
+            tc::CpAsyncCommit();
+            tc::CpAsyncWait<0>();
+            tc::DenseTile::View view = tc::DenseTile::kShown;
+            if (p.dense.mask.On()) {
+              view = tc::DenseTile::Of(p, b, h).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+              if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
+            } else {
+              __syncthreads();
             }
-          }
 
-          const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-          tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
-          if (stages) dense = dense.Staged(sBias, kN, r0, c0);
-          tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p),
-                              tc::AlibiBias::Of(p, pol, b, h), &dense);
-          tc::QueryMajorDs(s, dp, rows);  // (no soft-cap: the handlers refuse one beside a bias)
+            float s[kNT][4], dp[kNT][4];
+            QueryMajorScores<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
+
+            const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+            tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
+            if (stages) dense = dense.Staged(sBias, kN, r0, c0);
+            tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p),
+                                tc::AlibiBias::Of(p, pol, b, h), &dense);
+            tc::QueryMajorDs(s, dp, rows);  // (no soft-cap: the handlers refuse one beside a bias)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                float ds = dp[nt][i];
+                // A hidden pair has P = 0 exactly; 0 * a non-finite dP (a value
+                // the row cannot see) must not reach dB, which is 0 there.
+                if (!isfinite(ds) && s[nt][i] == 0.f) {
+                  const int row = r0 + row_w + g + (i >> 1) * 8, col = c0 + nt * 8 + 2 * t + (i & 1);
+                  if (col >= kv_len || !pol.Visible(row, col) || !dense.Shows(row, col)) ds = 0.f;
+                }
+                acc[nt][i] += ds;
+              }
+          }
+        }
+
+    // Reduce the broadcast axes and write this CTA's dB tile (float32,
+    // [ext.batch, ext.heads, ext.rows, ext.keys], contiguous).
+    if (all_keys) {  // sum over the columns: the lane's, then its quad's
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int nt = 1; nt < kNT; ++nt) acc[0][i] += acc[nt][i];
+      }
+      acc[0][0] += acc[0][1];
+      acc[0][2] += acc[0][3];
+#pragma unroll
+      for (int i = 0; i < 4; i += 2) {
+        acc[0][i] += __shfl_xor_sync(0xffffffffu, acc[0][i], 1);
+        acc[0][i] += __shfl_xor_sync(0xffffffffu, acc[0][i], 2);
+      }
+    }
+    if (all_rows) {  // sum over the rows: the lane's two, the warp's eight quads, the warps
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          float x = acc[nt][j] + acc[nt][2 + j];
+          x += __shfl_xor_sync(0xffffffffu, x, 4);
+          x += __shfl_xor_sync(0xffffffffu, x, 8);
+          x += __shfl_xor_sync(0xffffffffu, x, 16);
+          acc[nt][j] = x;
+        }
+      for (int i = tid; i < kN; i += kThreads) sCols[i] = 0.f;
+      __syncthreads();
+      for (int w = 0; w < Tile::kWarps; ++w) {  // warp by warp: a fixed order of sums
+        if (warp == w && g == 0) {
 #pragma unroll
           for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              float ds = dp[nt][i];
-              // A hidden pair has P = 0 exactly; 0 * a non-finite dP (a value
-              // the row cannot see) must not reach dB, which is 0 there.
-              if (!isfinite(ds) && s[nt][i] == 0.f) {
-                const int row = r0 + row_w + g + (i >> 1) * 8, col = c0 + nt * 8 + 2 * t + (i & 1);
-                if (col >= kv_len || !pol.Visible(row, col) || !dense.Shows(row, col)) ds = 0.f;
-              }
-              acc[nt][i] += ds;
-            }
+            for (int j = 0; j < 2; ++j) sCols[nt * 8 + 2 * t + j] += acc[nt][j];
         }
+        __syncthreads();
       }
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) acc[nt][j] = sCols[nt * 8 + 2 * t + j];
+    }
 
-  // Reduce the broadcast axes and write this CTA's dB tile (float32,
-  // [ext.batch, ext.heads, ext.rows, ext.keys], contiguous).
-  if (all_keys) {  // sum over the columns: the lane's, then its quad's
+    float* dst = p.dbias + int64_t(item) * ext.rows * ext.keys;
+    const int row_base = all_rows ? 0 : own_rt * kM + row_w;
+    const int col_base = all_keys ? 0 : own_kt * kN;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int nt = 1; nt < kNT; ++nt) acc[0][i] += acc[nt][i];
-    }
-    acc[0][0] += acc[0][1];
-    acc[0][2] += acc[0][3];
-#pragma unroll
-    for (int i = 0; i < 4; i += 2) {
-      acc[0][i] += __shfl_xor_sync(0xffffffffu, acc[0][i], 1);
-      acc[0][i] += __shfl_xor_sync(0xffffffffu, acc[0][i], 2);
-    }
-  }
-  if (all_rows) {  // sum over the rows: the lane's two, the warp's eight quads, the warps
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        float x = acc[nt][j] + acc[nt][2 + j];
-        x += __shfl_xor_sync(0xffffffffu, x, 4);
-        x += __shfl_xor_sync(0xffffffffu, x, 8);
-        x += __shfl_xor_sync(0xffffffffu, x, 16);
-        acc[nt][j] = x;
+    for (int half = 0; half < 2; ++half) {
+      const int row = row_base + g + half * 8;
+      if (all_rows ? (warp != 0 || g != 0 || half != 0) : row >= ext.rows) continue;
+      if (all_keys) {
+        if (t == 0) dst[row] = acc[0][2 * half];
+        continue;
       }
-    for (int i = tid; i < kN; i += kThreads) sCols[i] = 0.f;
-    __syncthreads();
-    for (int w = 0; w < Tile::kWarps; ++w) {  // warp by warp: a fixed order of sums
-      if (warp == w && g == 0) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int j = 0; j < 2; ++j) sCols[nt * 8 + 2 * t + j] += acc[nt][j];
-      }
-      __syncthreads();
+        for (int j = 0; j < 2; ++j) {
+          const int col = col_base + nt * 8 + 2 * t + j;
+          if (col < ext.keys) dst[int64_t(row) * ext.keys + col] = acc[nt][2 * half + j];
+        }
     }
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) acc[nt][j] = sCols[nt * 8 + 2 * t + j];
-  }
-
-  float* dst = p.dbias + int64_t(blockIdx.z) * ext.rows * ext.keys;
-  const int row_base = all_rows ? 0 : blockIdx.x * kM + row_w;
-  const int col_base = all_keys ? 0 : blockIdx.y * kN;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row_base + g + half * 8;
-    if (all_rows ? (warp != 0 || g != 0 || half != 0) : row >= ext.rows) continue;
-    if (all_keys) {
-      if (t == 0) dst[row] = acc[0][2 * half];
-      continue;
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int col = col_base + nt * 8 + 2 * t + j;
-        if (col < ext.keys) dst[int64_t(row) * ext.keys + col] = acc[nt][2 * half + j];
-      }
+    __syncthreads();  // (the next item reuses the column sums and the tiles)
   }
 }
 
@@ -230,15 +222,17 @@ template <typename T, int kD>
 Status LaunchBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Tile = BiasGradTile<kD>;
   const BiasExtent ext = BiasExtent::Of(p);
-  if (ext.batch * ext.heads * ext.rows * ext.keys == 0) return Status::Ok();
+  if (int64_t{ext.batch} * ext.heads * ext.rows * ext.keys == 0) return Status::Ok();
+  const int64_t tiles =
+      (ext.rows == 1 ? 1 : CeilDiv(ext.rows, Tile::kM)) * (ext.keys == 1 ? 1 : CeilDiv(ext.keys, Tile::kN));
+  if (tiles > INT32_MAX) return Status::Unimplemented("the bias is too large for the bias-gradient kernel's grid");
   Status st = EnsureDynamicSmem<BiasGradKernel<T, Tile>>(Tile::template SmemBytes<T>(), device);
   if (!st.ok()) return st;
   // The delta pre-pass (nothing without queries), then dB; with no keys every
   // item is empty and the kernel writes its zeros.
   if (!(st = tc::LaunchDelta<T>(p, stream)).ok()) return st;
-  const dim3 grid(static_cast<unsigned>(ext.rows == 1 ? 1 : CeilDiv(ext.rows, Tile::kM)),
-                  static_cast<unsigned>(ext.keys == 1 ? 1 : CeilDiv(ext.keys, Tile::kN)),
-                  static_cast<unsigned>(ext.batch * ext.heads));
+  const int64_t items = int64_t{ext.batch} * ext.heads;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(items < 65535 ? items : 65535));
   BiasGradKernel<T, Tile><<<grid, Tile::kThreads, Tile::template SmemBytes<T>(), stream>>>(p);
   return CheckLaunch("attention bias gradient");
 }

@@ -212,6 +212,32 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 }
 
 // ------------------------------------------------------------ dQ
+// S = Q Kᵀ and dP = dO Vᵀ for this warp's 16 query rows (from `row_w`) and a
+// tile of kN keys, all four operands in shared memory (row stride kStride):
+// the query-major products of the dQ kernel and the bias-gradient kernel.
+template <typename T, int kD, int kN, int kStride>
+__device__ __forceinline__ void QueryMajorScores(float (&s)[kN / 8][4], float (&dp)[kN / 8][4], const T* q,
+                                                 const T* d_o, const T* k, const T* v, int row_w, int lane) {
+  tc::Zero(s);
+  tc::Zero(dp);
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t aq[4], ado[4];
+    tc::Ldmatrix4(aq, tc::AFragAddr(q, kStride, row_w, kk * 16, lane));
+    tc::Ldmatrix4(ado, tc::AFragAddr(d_o, kStride, row_w, kk * 16, lane));
+#pragma unroll
+    for (int np = 0; np < kN / 16; ++np) {
+      uint32_t b[4];
+      tc::Ldmatrix4(b, tc::BFragAddrNK(k, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(s[2 * np], aq, b[0], b[1]);
+      tc::Mma<T>(s[2 * np + 1], aq, b[2], b[3]);
+      tc::Ldmatrix4(b, tc::BFragAddrNK(v, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(dp[2 * np], ado, b[0], b[1]);
+      tc::Mma<T>(dp[2 * np + 1], ado, b[2], b[3]);
+    }
+  }
+}
+
 template <int kD_, int kWarps_, int kN_>
 struct DqTile {
   static constexpr int kD = kD_;
@@ -302,24 +328,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 
     // ---- S = Q Kᵀ, dP = dO Vᵀ
     float s[kNT][4], dp[kNT][4];
-    tc::Zero(s);
-    tc::Zero(dp);
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t aq[4], ado[4];
-      tc::Ldmatrix4(aq, tc::AFragAddr(sQ, kStride, row_w, kk * 16, lane));
-      tc::Ldmatrix4(ado, tc::AFragAddr(sdO, kStride, row_w, kk * 16, lane));
-#pragma unroll
-      for (int np = 0; np < kN / 16; ++np) {
-        uint32_t b[4];
-        tc::Ldmatrix4(b, tc::BFragAddrNK(k, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(s[2 * np], aq, b[0], b[1]);
-        tc::Mma<T>(s[2 * np + 1], aq, b[2], b[3]);
-        tc::Ldmatrix4(b, tc::BFragAddrNK(v, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(dp[2 * np], ado, b[0], b[1]);
-        tc::Mma<T>(dp[2 * np + 1], ado, b[2], b[3]);
-      }
-    }
+    QueryMajorScores<T, kD, kN, kStride>(s, dp, sQ, sdO, k, v, row_w, lane);
 
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
@@ -363,11 +372,7 @@ template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using DkDv = typename BwdTilesFor<kD>::DkDv;
   using Dq = typename BwdTilesFor<kD>::Dq;
-  // The opt-in is set once per kernel, for the larger of its two sizes.
-  Status st = EnsureDynamicSmem<DkDvKernel<T, DkDv>>(DkDv::template DenseSmemBytes<T>(), device);
-  if (st.ok()) st = EnsureDynamicSmem<DqKernel<T, Dq>>(Dq::template DenseSmemBytes<T>(), device);
-  if (!st.ok()) return st;
-  const bool stages = tc::DenseTile::Stages(p);
+  const bool stages = tc::DenseTile::Stages(p);  // (a staged bias takes more shared memory)
   return tc::LaunchBackwardKernels<T, DkDvKernel<T, DkDv>, DqKernel<T, Dq>>(
       p, {DkDv::kN, DkDv::kSplits, DkDv::kThreads,
           stages ? DkDv::template DenseSmemBytes<T>() : DkDv::template SmemBytes<T>()},

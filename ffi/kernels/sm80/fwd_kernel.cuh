@@ -273,9 +273,8 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
     if (!TileTakes<Tile>(p)) {
       return Status::Unimplemented("this forced sm80 forward tile takes no ALiBi slopes or dense terms");
     }
-    // The opt-in is set once per kernel, for the larger of its two sizes.
-    Status st = EnsureDynamicSmem<FwdKernel<T, Tile>>(Tile::template DenseSmemBytes<T>(), device);
-    if (!st.ok()) return st;
+    // A staged dense bias takes more shared memory than the plain call (whose
+    // size some tiles fill exactly on GPUs of 99 KB a block).
     const size_t smem = tc::DenseTile::Stages(p) ? Tile::template DenseSmemBytes<T>() : Tile::template SmemBytes<T>();
     return LaunchForwardGrid<FwdKernel<T, Tile>>(p, Tile::kM, Tile::kThreads, smem, device, stream,
                                                  "attention forward");
