@@ -438,41 +438,14 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   if call.dense is not None and call.spec.num_splits > 1:
     return f"implementation={name!r}: num_splits > 1 (split-KV) does not take a dense bias or mask"
   if name == "native":
-    if call.dense is not None and platform() != "cpu":
-      if call.q.dtype == jnp.float32:
-        return ("implementation='native' takes a dense bias or mask on the GPU in float16 and "
-                "bfloat16 (its tensor-core kernels); use 'pallas' for float32")
-      if call.dense.bias is not None and call.spec.softcap > 0:
-        return ("implementation='native' has no GPU kernel for a dense bias beside "
-                "logits_soft_cap; use 'pallas'")
-      why = _native_dense_gpu_refusal(call)
-      if why:
-        return f"implementation='native' takes a dense bias or mask on the GPU {why}; use 'pallas'"
-    return _native.unavailable_reason(platform())
+    why = call.dense is not None and platform() != "cpu" and _native.dense_gpu_refusal(
+        call.q, call.k, call.width, call.dense.bias is not None, call.spec.softcap)
+    return why or _native.unavailable_reason(platform())
   if name == "pallas":
     q, k, v = (x.shape[:-1] + (call.width,) for x in (call.q, call.k, call.v))
     return _pallas.pallas_supported(q, k, v, call.q.dtype,
                                     platform(), k_dtype=call.k.dtype, v_dtype=call.v.dtype,
                                     interpret_ok=explicit)
-  return None
-
-
-def _native_dense_gpu_refusal(call: Call) -> str | None:
-  """Where the CUDA kernels' dense path (the sm80 tensor-core family, dispatch.cu's
-  DenseRefusal) cannot take a 16-bit call: said here, before any kernel runs."""
-  if call.width % 8:
-    return f"for head dims that are multiples of 8, got {call.width}"
-  capability = getattr(jax.devices()[0], "compute_capability", None)
-  try:
-    if capability is not None and float(capability) < 8.0:
-      return f"on compute capability 8.0 or newer, got {capability}"
-  except ValueError:
-    pass
-  batch, heads = math.prod(call.q.shape[:-3]), call.q.shape[-2]
-  if heads > 65535 or batch > 32767:
-    return f"for at most 65535 heads and a batch of at most 32767, got {heads} and {batch}"
-  if max(call.q.shape[-3], call.k.shape[-3]) >= 2**31:
-    return "for sequences shorter than 2^31"
   return None
 
 
@@ -483,20 +456,17 @@ def device_kind() -> str:
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
-  The orders are measured on plain calls. A decode step with segment ids or ALiBi slopes
-  puts native first; a dense bias or mask on a GPU puts Pallas first. Pallas's decode kernel takes no ids, so Pallas runs such a call on its
-  training kernel, unsplit; with slopes it did too until its decode kernel took them (H200,
-  B 8, 32 query heads, S 8k, bf16: 211.7 us against the native decode kernel's ~90), and
-  that path is not yet measured against native's on a GPU.
+  The orders are measured on plain calls. A dense bias or mask on a GPU puts Pallas first
+  (the CUDA kernels take them on their sm80 family only: 2.4x slower forward on an H200).
+  A decode step with segment ids or ALiBi slopes puts native first: Pallas's decode kernel
+  takes no ids (its training kernel runs such a call, unsplit), nor, until recently, slopes
+  (H200, B 8, 32 query heads, S 8k, bf16: 211.7 us against native's ~90; not re-measured).
   """
   order = choice.order(device_kind(), _native.build_id, call.q.dtype, call.width,
                        call.spec.window_right >= 0, call.q.shape[-3])
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))
-  if call.dense is not None and platform() != "cpu":
-    # The CUDA kernels take them on the sm80 family only, which ran them 2.4x slower
-    # forward than Pallas on an H200 (benchmarks/bench_dense.py, docs/performance.md):
-    # Pallas first on GPUs until they are faster.
+  if call.dense is not None and platform() != "cpu":   # (docs/performance.md, Dense bias)
     order = tuple(sorted(order, key=lambda name: name != "pallas"))
   return order
 

@@ -262,6 +262,31 @@ def disabled_export_checks() -> list:
   return [jax.export.DisabledSafetyCheck.custom_call(target) for target in TARGETS]
 
 
+def dense_gpu_refusal(q, k, width: int, has_bias: bool, softcap: float) -> str | None:
+  """Why the CUDA kernels' dense path (the sm80 tensor-core family: dispatch.cu's
+  DenseRefusal) cannot take a call with a dense bias or mask, said before any kernel runs;
+  None when it can."""
+  why = None
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    old_gpu = capability is not None and float(capability) < 8.0
+  except ValueError:
+    old_gpu = False
+  batch, heads = int(np.prod(q.shape[:-3])), q.shape[-2]
+  if q.dtype == np.float32:
+    why = "in float16 and bfloat16 only (its tensor-core kernels)"
+  elif has_bias and softcap > 0:
+    why = "without a bias beside logits_soft_cap"
+  elif width % 8:
+    why = f"for head dims that are multiples of 8, got {width}"
+  elif old_gpu:
+    why = f"on compute capability 8.0 or newer, got {capability}"
+  elif heads > 65535 or batch > 32767 or max(q.shape[-3], k.shape[-3]) >= 2**31:
+    why = "for at most 65535 heads, a batch of at most 32767 and sequences below 2^31"
+  return None if why is None else (
+      f"implementation='native' takes a dense bias or mask on the GPU {why}; use 'pallas'")
+
+
 def unavailable_reason(platform: str) -> str | None:
   """Why the native path cannot run on `platform` ("cpu", "gpu", ...), or None."""
   ext, err = _load()

@@ -301,3 +301,16 @@ def test_errors(rng):
   with pytest.raises(ValueError, match="num_splits"):
     jaxflash.dot_product_attention(q, k, v, jnp.zeros((8, 8)), implementation="native",
                                    num_splits=2)
+
+
+def test_native_gpu_dense_refusals_are_said_before_any_kernel():
+  """What the CUDA kernels' dense path refuses (dispatch.cu's DenseRefusal), as the
+  Python check says it on any platform."""
+  q = jax.ShapeDtypeStruct((2, 64, 4, 64), jnp.bfloat16)
+  refusal = lambda q, width=64, bias=True, cap=0.0: _native.dense_gpu_refusal(q, q, width, bias, cap)
+  assert refusal(q) is None
+  assert refusal(q, bias=False, cap=30.0) is None
+  assert "float16 and bfloat16" in refusal(jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  assert "soft_cap" in refusal(q, cap=30.0)
+  assert "multiples of 8" in refusal(q, width=36)
+  assert "65535 heads" in refusal(jax.ShapeDtypeStruct((2, 64, 70000, 64), jnp.bfloat16))
