@@ -10,7 +10,7 @@
 // reduced once, at the end, and every dB element is written by one CTA, in a
 // fixed order: deterministic, no atomics, no scratch. Per visited tile it
 // recomputes S = Q·Kᵀ and dP = dO·Vᵀ (two of the backward's products) as the
-// dQ kernel does (bwd_kernel.cuh's QueryMajorScores), with the same
+// dQ kernel does (bwd_kernel.cuh's ScoreProducts), with the same
 // element-wise steps (bwd_blocks.cuh).
 #pragma once
 
@@ -127,7 +127,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
             }
 
             float s[kNT][4], dp[kNT][4];
-            QueryMajorScores<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
+            ScoreProducts<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
 
             const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
             tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);

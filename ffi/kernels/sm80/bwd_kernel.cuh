@@ -32,6 +32,34 @@
 namespace jaxflash {
 namespace sm80 {
 
+// ------------------------------------------------------------ the score products
+// The backward's two score products for this warp's 16 rows of the A
+// operands (from `row0`) against kCols rows of the B operands, all in shared
+// memory (row stride kStride): S = A_s B_sᵀ and dP = A_dp B_dpᵀ. The dQ and dB
+// kernels pass (Q, dO; K, V), the dK/dV kernel (K, V; Q, dO) for Sᵀ and dPᵀ.
+template <typename T, int kD, int kCols, int kStride>
+__device__ __forceinline__ void ScoreProducts(float (&s)[kCols / 8][4], float (&dp)[kCols / 8][4], const T* a_s,
+                                              const T* a_dp, const T* b_s, const T* b_dp, int row0, int lane) {
+  tc::Zero(s);
+  tc::Zero(dp);
+#pragma unroll
+  for (int kk = 0; kk < kD / 16; ++kk) {
+    uint32_t as[4], adp[4];
+    tc::Ldmatrix4(as, tc::AFragAddr(a_s, kStride, row0, kk * 16, lane));
+    tc::Ldmatrix4(adp, tc::AFragAddr(a_dp, kStride, row0, kk * 16, lane));
+#pragma unroll
+    for (int np = 0; np < kCols / 16; ++np) {
+      uint32_t b[4];
+      tc::Ldmatrix4(b, tc::BFragAddrNK(b_s, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(s[2 * np], as, b[0], b[1]);
+      tc::Mma<T>(s[2 * np + 1], as, b[2], b[3]);
+      tc::Ldmatrix4(b, tc::BFragAddrNK(b_dp, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(dp[2 * np], adp, b[0], b[1]);
+      tc::Mma<T>(dp[2 * np + 1], adp, b[2], b[3]);
+    }
+  }
+}
+
 // ------------------------------------------------------------ dK, dV
 template <int kD_, int kSplits_, int kWarps_, int kM_>
 struct DkDvTile {
@@ -159,24 +187,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 
     // ---- Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (16 keys x kM queries per warp)
     float s[kQT][4], dp[kQT][4];
-    tc::Zero(s);
-    tc::Zero(dp);
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      uint32_t ak[4], av[4];
-      tc::Ldmatrix4(ak, tc::AFragAddr(sK, kStride, key_w, kk * 16, lane));
-      tc::Ldmatrix4(av, tc::AFragAddr(sV, kStride, key_w, kk * 16, lane));
-#pragma unroll
-      for (int np = 0; np < kM / 16; ++np) {
-        uint32_t b[4];
-        tc::Ldmatrix4(b, tc::BFragAddrNK(q, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(s[2 * np], ak, b[0], b[1]);
-        tc::Mma<T>(s[2 * np + 1], ak, b[2], b[3]);
-        tc::Ldmatrix4(b, tc::BFragAddrNK(d_o, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(dp[2 * np], av, b[0], b[1]);
-        tc::Mma<T>(dp[2 * np + 1], av, b[2], b[3]);
-      }
-    }
+    ScoreProducts<T, kD, kM, kStride>(s, dp, sK, sV, q, d_o, key_w, lane);
 
     // ---- Pᵀ and dSᵀ; a tile only partly visible is masked per element.
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
@@ -212,32 +223,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
 }
 
 // ------------------------------------------------------------ dQ
-// S = Q Kᵀ and dP = dO Vᵀ for this warp's 16 query rows (from `row_w`) and a
-// tile of kN keys, all four operands in shared memory (row stride kStride):
-// the query-major products of the dQ kernel and the bias-gradient kernel.
-template <typename T, int kD, int kN, int kStride>
-__device__ __forceinline__ void QueryMajorScores(float (&s)[kN / 8][4], float (&dp)[kN / 8][4], const T* q,
-                                                 const T* d_o, const T* k, const T* v, int row_w, int lane) {
-  tc::Zero(s);
-  tc::Zero(dp);
-#pragma unroll
-  for (int kk = 0; kk < kD / 16; ++kk) {
-    uint32_t aq[4], ado[4];
-    tc::Ldmatrix4(aq, tc::AFragAddr(q, kStride, row_w, kk * 16, lane));
-    tc::Ldmatrix4(ado, tc::AFragAddr(d_o, kStride, row_w, kk * 16, lane));
-#pragma unroll
-    for (int np = 0; np < kN / 16; ++np) {
-      uint32_t b[4];
-      tc::Ldmatrix4(b, tc::BFragAddrNK(k, kStride, np * 16, kk * 16, lane));
-      tc::Mma<T>(s[2 * np], aq, b[0], b[1]);
-      tc::Mma<T>(s[2 * np + 1], aq, b[2], b[3]);
-      tc::Ldmatrix4(b, tc::BFragAddrNK(v, kStride, np * 16, kk * 16, lane));
-      tc::Mma<T>(dp[2 * np], ado, b[0], b[1]);
-      tc::Mma<T>(dp[2 * np + 1], ado, b[2], b[3]);
-    }
-  }
-}
-
 template <int kD_, int kWarps_, int kN_>
 struct DqTile {
   static constexpr int kD = kD_;
@@ -328,7 +313,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
 
     // ---- S = Q Kᵀ, dP = dO Vᵀ
     float s[kNT][4], dp[kNT][4];
-    QueryMajorScores<T, kD, kN, kStride>(s, dp, sQ, sdO, k, v, row_w, lane);
+    ScoreProducts<T, kD, kN, kStride>(s, dp, sQ, sdO, k, v, row_w, lane);
 
     // ---- dS = P ∘ (dP - delta)
     const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
