@@ -10,7 +10,7 @@
 // (the mask policy hides them anyway).
 //
 // A CTA first summarises the mask over the tile it is about to compute
-// (`View`, one barrier-vote in place of the loop's barrier): a tile the mask
+// (`Vote`, one barrier-vote in place of the loop's barrier): a tile the mask
 // hides entirely is skipped, products and all; one it shows entirely skips the
 // per-entry mask read. The forward also keeps, per accumulator row, whether it
 // has seen a key the mask rule and the mask both admit (`Seen`), so a row the
@@ -77,7 +77,6 @@ struct DenseTile {
     return t;
   }
   __device__ __forceinline__ bool On() const { return bias != nullptr || mask != nullptr; }
-  __device__ __forceinline__ bool HasMask() const { return mask != nullptr; }
 
   // Whether a call's bias is staged tile by tile in shared memory by the
   // kernels that can (16-bit, keys contiguous, each row a whole number of

@@ -8,10 +8,10 @@
 // Scores stay in registers and are re-packed as the A operand of P·V.
 //
 // Tiles the mask policy excludes are never visited; tiles it fully includes
-// skip per-element masking. A dense bias and mask are read per entry
-// (dense_tile.cuh); tiles the dense mask hides are skipped. Head dims are compiled in buckets kD; columns past
-// the real head_dim are zero-filled on load (so they add nothing to Q·Kᵀ or
-// P·V) and never stored.
+// skip per-element masking. A dense bias (staged beside K where it can be)
+// and mask come from dense_tile.cuh; tiles the dense mask hides are skipped.
+// Head dims are compiled in buckets kD; columns past the real head_dim are
+// zero-filled on load (so they add nothing to Q·Kᵀ or P·V) and never stored.
 #pragma once
 
 #include <cuda_runtime.h>
