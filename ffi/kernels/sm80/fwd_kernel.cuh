@@ -174,7 +174,8 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     // K[nb] visible to all; everyone is done reading V[nb-1]
     tc::DenseTile::View view = tc::DenseTile::kShown;
     if (Tile::kTakesDense && p.dense.mask.On()) {
-      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y).Vote(r0, r_end, c0, c0 + kN, tid, kThreads);
+      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y)
+                 .Vote(r0, r_end, c0, c0 + kN, tid, kThreads);
       if (view == tc::DenseTile::kHidden) {
         if (nb + 1 < n_end) {  // no one reads this K: the next one may replace it now
           tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
