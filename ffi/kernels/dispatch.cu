@@ -139,12 +139,20 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
 template <typename Params>
 std::string DenseRefusal(const Params& p, const CudaDevice& device) {
   if (!p.dense.On()) return std::string();
-  if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) {
-    return "a dense bias or mask runs on the tensor-core kernels only (" +
-           TensorCoreRefusal(p.dtype, p.shape, device) + ")";
+  if (const std::string why = TensorCoreRefusal(p.dtype, p.shape, device); !why.empty()) {
+    return "a dense bias or mask runs on the tensor-core kernels only (" + why + ")";
   }
   if (p.dense.bias.On() && p.softcap > 0.f) return "a dense bias beside a logit soft-cap has no CUDA kernel";
   return std::string();
+}
+
+// The bias-gradient kernel of the smallest compiled bucket >= head_dim (<= 256:
+// HeadDimRefusal); narrower heads run zero-padded.
+template <typename T>
+Status BiasGradientBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (p.shape.head_dim <= 64) return sm80::LaunchBiasGradient<T, 64>(p, device, stream);
+  if (p.shape.head_dim <= 128) return sm80::LaunchBiasGradient<T, 128>(p, device, stream);
+  return sm80::LaunchBiasGradient<T, 256>(p, device, stream);
 }
 
 }  // namespace
@@ -216,19 +224,8 @@ Status CudaBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream
   if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
   if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!p.dense.bias.On()) return Status::InvalidArgument("the bias gradient needs a bias");
-  for (int bucket : sm80::kBiasGradBuckets) {
-    if (p.shape.head_dim > bucket) continue;
-    const bool half = p.dtype == DType::kFloat16;
-    switch (bucket) {
-      case 64: return half ? sm80::LaunchBiasGradient<__half, 64>(p, device, stream)
-                           : sm80::LaunchBiasGradient<__nv_bfloat16, 64>(p, device, stream);
-      case 128: return half ? sm80::LaunchBiasGradient<__half, 128>(p, device, stream)
-                            : sm80::LaunchBiasGradient<__nv_bfloat16, 128>(p, device, stream);
-      case 256: return half ? sm80::LaunchBiasGradient<__half, 256>(p, device, stream)
-                            : sm80::LaunchBiasGradient<__nv_bfloat16, 256>(p, device, stream);
-    }
-  }
-  return Status::Unimplemented("no bias-gradient kernel for head_dim " + std::to_string(p.shape.head_dim));
+  if (p.dtype == DType::kFloat16) return BiasGradientBucket<__half>(p, device, stream);
+  return BiasGradientBucket<__nv_bfloat16>(p, device, stream);
 }
 
 }  // namespace jaxflash

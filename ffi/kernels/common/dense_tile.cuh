@@ -178,6 +178,17 @@ struct DenseTile {
     return view;
   }
 
+  // The barrier at the top of a kernel's tile loop: with a dense mask, its
+  // Vote over the tile (the view the kernel then builds its DenseTile with;
+  // kHidden: skip the tile), else a plain __syncthreads(). kTakes as Of's.
+  template <bool kTakes = true, typename Params>
+  __device__ __forceinline__ static View TileBarrier(const Params& p, int batch, int head, int r0, int r1, int c0,
+                                                     int c1, int tid, int threads) {
+    if (kTakes && p.dense.mask.On()) return Of<kTakes>(p, batch, head).Vote(r0, r1, c0, c1, tid, threads);
+    __syncthreads();
+    return kShown;
+  }
+
   // Calls f(entry, query row, key) for accumulator row `half`'s entries that
   // are real positions: `row` is the row's position, its columns the other
   // side's col0 + nt * 8 + j (col0 = the tile's first + 2t); kRowsAreQueries

@@ -118,13 +118,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
             if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
             tc::CpAsyncCommit();
             tc::CpAsyncWait<0>();
-            tc::DenseTile::View view = tc::DenseTile::kShown;
-            if (p.dense.mask.On()) {
-              view = tc::DenseTile::Of(p, b, h).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
-              if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
-            } else {
-              __syncthreads();
-            }
+            const tc::DenseTile::View view =
+                tc::DenseTile::TileBarrier(p, b, h, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+            if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
 
             float s[kNT][4], dp[kNT][4];
             ScoreProducts<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);

@@ -173,13 +173,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
     // Tile `it` visible to all. With a dense mask this barrier is its vote
     // (dense_tile.cuh): a tile it hides is skipped (no one reads its buffer,
     // so the next load may refill it without the barrier at the end).
-    tc::DenseTile::View view = tc::DenseTile::kShown;
-    if (Tile::kTakesDense && p.dense.mask.On()) {
-      view = tc::DenseTile::Of<Tile::kTakesDense>(p, batch, head).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
-      if (view == tc::DenseTile::kHidden) continue;
-    } else {
-      __syncthreads();
-    }
+    const tc::DenseTile::View view =
+        tc::DenseTile::TileBarrier<Tile::kTakesDense>(p, batch, head, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+    if (view == tc::DenseTile::kHidden) continue;
 
     const int buf = it & 1;
     const T* q = sQ + buf * kM * kStride;
@@ -300,13 +296,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DqKernel(const BwdParams p)
     tc::CpAsyncWait<1>();
     const int c0 = nb * kN;
     // As in DkDvKernel: with a dense mask the barrier is its vote.
-    tc::DenseTile::View view = tc::DenseTile::kShown;
-    if (Tile::kTakesDense && p.dense.mask.On()) {
-      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blk.batch, blk.head).Vote(r0, r0 + kM, c0, c0 + kN, tid, kThreads);
-      if (view == tc::DenseTile::kHidden) continue;
-    } else {
-      __syncthreads();
-    }
+    const tc::DenseTile::View view = tc::DenseTile::TileBarrier<Tile::kTakesDense>(
+        p, blk.batch, blk.head, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+    if (view == tc::DenseTile::kHidden) continue;
     const int buf = (nb - blk.tiles.begin) & 1;
     const T* k = sK + buf * kN * kStride;
     const T* v = sV + buf * kN * kStride;

@@ -144,21 +144,21 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   tc::OnlineSoftmax<kMT> softmax;
   softmax.Init();
 
-  // A staged bias tile travels with its K tile (one commit group).
+  // Starts the copy of the K tile of keys from c (keys at or past kv_valid
+  // zero-filled: masked scores multiply V rows by exactly 0, and 0 * (garbage
+  // in padding) could be NaN) and of a staged bias tile with it.
   const bool stages = Tile::kTakesDense && tc::DenseTile::Stages(p);
-  auto stage_bias = [&](int c) {
+  auto load_k = [&](int c) {
+    tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c) * kv_row_stride, kv_row_stride, pol.kv_valid - c,
+                                   head_dim, tid);
     if constexpr (Tile::kTakesDense) {
       if (stages) tc::DenseTile::Of(p, blockIdx.z, blockIdx.y).Stage<kM, kN, kThreads>(sBias, r0, c, tid);
     }
   };
 
   if (n_begin < n_end) {
-    // Keys at or past kv_valid are zero-filled: masked scores multiply V rows
-    // by exactly 0, and 0 * (garbage in padding) could be NaN.
     tc::LoadTile<kM, kD, kThreads>(sQ, kStride, gQ, q_row_stride, r_end - r0, head_dim, tid);
-    tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(n_begin) * kN * kv_row_stride, kv_row_stride,
-                                   pol.kv_valid - n_begin * kN, head_dim, tid);
-    stage_bias(n_begin * kN);
+    load_k(n_begin * kN);
     tc::CpAsyncCommit();
   }
 
@@ -171,22 +171,16 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int c0 = nb * kN;
     tc::CpAsyncWait<0>();
-    // K[nb] visible to all; everyone is done reading V[nb-1]
-    tc::DenseTile::View view = tc::DenseTile::kShown;
-    if (Tile::kTakesDense && p.dense.mask.On()) {
-      view = tc::DenseTile::Of<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y)
-                 .Vote(r0, r_end, c0, c0 + kN, tid, kThreads);
-      if (view == tc::DenseTile::kHidden) {
-        if (nb + 1 < n_end) {  // no one reads this K: the next one may replace it now
-          tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
-                                         pol.kv_valid - (c0 + kN), head_dim, tid);
-          stage_bias(c0 + kN);
-          tc::CpAsyncCommit();
-        }
-        continue;
+    // K[nb] visible to all; everyone is done reading V[nb-1]. With a dense
+    // mask this barrier is its vote, and a tile it hides is skipped.
+    const tc::DenseTile::View view =
+        tc::DenseTile::TileBarrier<Tile::kTakesDense>(p, blockIdx.z, blockIdx.y, r0, r_end, c0, c0 + kN, tid, kThreads);
+    if (view == tc::DenseTile::kHidden) {
+      if (nb + 1 < n_end) {  // no one reads this K: the next one may replace it now
+        load_k(c0 + kN);
+        tc::CpAsyncCommit();
       }
-    } else {
-      __syncthreads();
+      continue;
     }
     tc::LoadTile<kN, kD, kThreads>(sV, kStride, gV + int64_t(c0) * kv_row_stride, kv_row_stride,
                                    pol.kv_valid - c0, head_dim, tid);
@@ -231,9 +225,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) FwdKernel(co
     tc::CpAsyncWait<0>();
     __syncthreads();  // V[nb] visible; everyone is done reading K[nb]
     if (nb + 1 < n_end) {  // (the staged bias tile was read above, before the barrier)
-      tc::LoadTile<kN, kD, kThreads>(sK, kStride, gK + int64_t(c0 + kN) * kv_row_stride, kv_row_stride,
-                                     pol.kv_valid - (c0 + kN), head_dim, tid);
-      stage_bias(c0 + kN);
+      load_k(c0 + kN);
       tc::CpAsyncCommit();
     }
 

@@ -23,7 +23,6 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
 
 // The dense bias's gradient (bias_grad_kernel.cuh), for buckets 64, 128 and
 // 256 only (bias_grad_d*.cu): narrower heads run zero-padded in the next.
-constexpr int kBiasGradBuckets[] = {64, 128, 256};
 template <typename T, int kD>
 Status LaunchBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
