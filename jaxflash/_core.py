@@ -381,12 +381,14 @@ class PallasKernels:
                                    segments=segments, dense=dense)
 
   @classmethod
-  def tangent(cls, q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, spec: MaskSpec,
-              offsets=None, segments=None, alibi=None):
+  def bias_gradient(cls, *arrays, spec: MaskSpec, offsets=None, **extras):
+    """The dense bias's gradient (pallas/bias_grad.py)."""
+    return _pallas.pallas_bias_gradient(*arrays, **cls._kw(spec), diagonal_offsets=offsets, **extras)
+
+  @classmethod
+  def tangent(cls, *arrays, spec: MaskSpec, offsets=None, **extras):
     """Forward mode's (tO, tLSE) as a flash pass (pallas/tangent.py)."""
-    return _pallas.pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
-                                  **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi,
-                                  segments=segments)
+    return _pallas.pallas_tangent(*arrays, **cls._kw(spec), diagonal_offsets=offsets, **extras)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9))
@@ -443,9 +445,8 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
     return why or _native.unavailable_reason(platform())
   if name == "pallas":
     q, k, v = (x.shape[:-1] + (call.width,) for x in (call.q, call.k, call.v))
-    return _pallas.pallas_supported(q, k, v, call.q.dtype,
-                                    platform(), k_dtype=call.k.dtype, v_dtype=call.v.dtype,
-                                    interpret_ok=explicit)
+    return _pallas.pallas_supported(q, k, v, call.q.dtype, platform(), k_dtype=call.k.dtype,
+                                    v_dtype=call.v.dtype, interpret_ok=explicit)
   return None
 
 
@@ -457,10 +458,9 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
   The orders are measured on plain calls. A dense bias or mask on a GPU puts Pallas first
-  (the CUDA kernels take them on their sm80 family only: 2.4x slower forward on an H200).
-  A decode step with segment ids or ALiBi slopes puts native first: Pallas's decode kernel
-  takes no ids (its training kernel runs such a call, unsplit), nor, until recently, slopes
-  (H200, B 8, 32 query heads, S 8k, bf16: 211.7 us against native's ~90; not re-measured).
+  (the CUDA kernels take them on their sm80 family only: 2.4x slower forward, 2.0x forward
+  +backward on an H200). A decode step with segment ids or ALiBi slopes puts native first
+  (Pallas's decode kernel takes no ids; with slopes it took 211.7 us against ~90, H200).
   """
   order = choice.order(device_kind(), _native.build_id, call.q.dtype, call.width,
                        call.spec.window_right >= 0, call.q.shape[-3])

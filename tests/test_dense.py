@@ -246,8 +246,9 @@ def test_forward_mode_vmap_and_the_default(rng, implementation):
 
 def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
   """dB is a pass of its own, traced only when the bias is differentiated: the native
-  CPU kernels' (its own FFI target) on one device, the blockwise jnp one elsewhere (a
-  scan; the partition rule runs it when several devices are visible)."""
+  CPU kernels' (its own FFI target) and Pallas's kernel on one device, the blockwise
+  jnp one elsewhere (a scan; the partition rule runs it when several devices are
+  visible)."""
   dtype = jnp.bfloat16 if HAS_GPU else jnp.float32   # (the CUDA kernels' dense path is 16-bit)
   q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, dtype)
   bias = jnp.zeros((1, 2, 16, 16))
@@ -258,7 +259,7 @@ def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
       mark = _native.BIAS_GRADIENT_TARGET
       count = lambda argnums: jax.jit(jax.grad(loss, argnums)).lower(q, bias).as_text().count(mark)
     else:
-      mark = "scan"
+      mark = "scan" if jax.device_count() > 1 else "jaxflash_pallas_bias_grad"
       count = lambda argnums: str(jax.make_jaxpr(jax.grad(loss, argnums))(q, bias)).count(mark)
     assert count(0) < count((0, 1)), impl
 
@@ -292,6 +293,44 @@ def test_native_bias_gradient_with_score_modifiers_vmap_and_second_order(rng):
   second = lambda impl: jax.jvp(lambda b: grad(impl)(q, b)[1], (bias,), (t,))[1]
   ref = second("xla")
   assert max_abs(second("native"), ref) < 1e-4 * float(jnp.max(jnp.abs(ref)))
+
+
+@pytest.mark.parametrize("bias_shape, mask_shape", [
+    ((1, 4, 40, 56), (2, 1, 40, 56)), ((2, 1, 1, 56), None), ((2, 4, 40, 1), (1, 4, 1, 56)),
+    ((1, 1, 1, 1), None)], ids=str)
+def test_pallas_bias_gradient_kernel(rng, bias_shape, mask_shape):
+  """Pallas's dB kernel (pallas/bias_grad.py) against xla's: the bias broadcast over the
+  batch, the heads, the rows (its programs' row sums added) and the keys, under a
+  soft-cap (the bias is added after it), ALiBi, segment ids, ragged lengths and a
+  mask; an input NaN on a pair the mask hides stays out of dB."""
+  dtype = jnp.bfloat16 if HAS_GPU else jnp.float32
+  q, k, v = random_inputs(rng, 2, 40, 56, 4, 2, 32, dtype)
+  k = k.at[1, 50].set(jnp.nan)   # past key_value_seq_lengths[1]: hidden from every row
+  bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+  mask = None if mask_shape is None else jnp.asarray(rng.random(mask_shape) < 0.8)
+  ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, 40)), axis=1), jnp.int32)
+  kv_ids = jnp.asarray(np.sort(rng.integers(0, 3, (2, 56)), axis=1), jnp.int32)
+  do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+
+  def grad(impl):
+    def loss(b):
+      o = jaxflash.dot_product_attention(
+          q, k, v, b, mask, is_causal=True, logits_soft_cap=4.0,
+          alibi_slopes=jnp.asarray([0.1, 0.2, 0.3, 0.4]), query_segment_ids=ids,
+          key_value_segment_ids=kv_ids, query_seq_lengths=jnp.asarray([40, 31]),
+          key_value_seq_lengths=jnp.asarray([56, 45]), implementation=impl)
+      return jnp.sum(o.astype(jnp.float32) * do)
+    return jax.jit(jax.grad(loss))(bias)
+  if "jaxflash_pallas_bias_grad" not in str(jax.make_jaxpr(lambda b: grad("pallas"))(bias)):
+    pytest.fail("the Pallas call's dB did not come from its kernel")
+  got = grad("pallas")
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))   # xla's dB in float32: the truth
+  want = grad("xla")
+  assert np.all(np.isfinite(np.asarray(got)))
+  # An entry sums `count` pairs' dS (a scalar bias's are ~0 in total: rounding remains).
+  count = np.prod((2, 4, 40, 56)) // np.prod(bias_shape)
+  tol = (3e-2 if HAS_GPU else 1e-5) * max(1.0, float(jnp.max(jnp.abs(want)))) * np.sqrt(count)
+  assert max_abs(got, want) < tol
 
 
 def test_errors(rng):

@@ -37,10 +37,12 @@ host      what the wrappers share: argument checks, block sizes, padding,
           lengths and diagonal offsets.
 forward   the forward and decode kernels, the split merge, pallas_forward.
 backward  the dQ and dK/dV kernels, pallas_backward.
+bias_grad the dense bias's gradient, pallas_bias_gradient.
 tangent   forward mode's tangent kernel, pallas_tangent.
 """
 
 from jaxflash.pallas.backward import pallas_backward
+from jaxflash.pallas.bias_grad import pallas_bias_gradient
 from jaxflash.pallas.config import MAX_HEAD_DIM
 from jaxflash.pallas.config import PallasConfig
 from jaxflash.pallas.config import default_config
@@ -53,6 +55,7 @@ __all__ = [
     "PallasConfig",
     "default_config",
     "pallas_backward",
+    "pallas_bias_gradient",
     "pallas_forward",
     "pallas_supported",
     "pallas_tangent",
