@@ -90,7 +90,7 @@ def _kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
       dense = DenseTile(bias, _dense_view(mask_ref, bg, hg, r0, block_q),
                         _dense_view(summary_ref, bg, hg, qi, 1))
     lo, _, _, hi = key_blocks(mask, r0, block_q, block_k)
-    return dict(bg=bg, kv=hg // group, mask=mask, dense=dense, lo=lo, hi=hi,
+    return dict(bg=bg, kv=lax.div(hg, jnp.int32(group)), mask=mask, dense=dense, lo=lo, hi=hi,
                 slopes=Alibi.of(slope_ref, bg * Hq + hg, mask),
                 q=q_ref[bg, pl.ds(r0, block_q), hg, :], do=do_ref[bg, pl.ds(r0, block_q), hg, :],
                 lse2=lse_log2(lse_ref[bg, hg, pl.ds(r0, block_q)]),
@@ -144,10 +144,9 @@ def _kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
 
 # The kernel's (rows, keys, warps) per padded head dim where no config names them (its
 # dQ kernel's blocks and warps then): the fastest of the tiles timed on an H200
-# (2026-11-29, bf16, B 2, S 4k, 16 heads, bias [1, 16, T, S]; the dQ kernel's own tile
-# in brackets): D 64 128 x 64, 4 warps, 1.01 ms (128 x 32: 1.24 with 128 x 128);
-# D 128 128 x 128, 8 warps, 1.45 ms (128 x 32: 1.95); D 256 128 x 64, 8 warps, 2.74 ms
-# (64 x 64, 4 warps: 3.75).
+# (2026-11-29, bf16, B 2, S 4k, 16 heads, bias [1, 16, T, S]; performance-log.md,
+# "Pallas's bias gradient"): D 64 1.01 ms (128 x 128: 1.24), D 128 1.45 ms (the dQ
+# kernel's 128 x 32: 1.95), D 256 2.74 ms (64 x 64: 3.75).
 _TILES = {64: (128, 64, 4), 128: (128, 128, 8), 256: (128, 64, 8)}
 
 
