@@ -31,7 +31,8 @@ log, scale c, sums over visible keys j):
 
 The transpose with respect to tB is the bias gradient dB = dS = P (dP - delta)
 reduced over the bias's broadcast axes (`bias_gradient`): the kernels compute
-dQ, dK and dV, this blockwise pass dB, and only when the bias is differentiated.
+dQ, dK and dV, a pass of their own dB where they have one (else this blockwise
+one), and only when the bias is differentiated.
 """
 
 from __future__ import annotations
@@ -384,7 +385,7 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
 
 def _bias_gradient_of(kernels, spec):
   """fn(q, k, v, o, lse, do, dlse, lengths, tables, slopes, bias, mask) -> dB: the kernels'
-  own pass where they have one (`bias_gradient`: the native CPU kernels), vmapped and
+  own pass where they have one (`bias_gradient`: the native CPU kernels, Pallas), vmapped and
   differentiated as the blockwise `bias_gradient`, the definition; else that one."""
   blockwise = lambda *xs: bias_gradient(*xs[:9], spec=spec, **_extras(*xs[9:]))  # noqa: E731
   own = getattr(kernels, "bias_gradient", None)

@@ -26,7 +26,7 @@ from jaxflash.pallas.blocks import (
 from jaxflash.pallas.config import (
     EMPTY_LSE, PallasConfig, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
-    output, same_varying_axes,
+    output, output_delta, same_varying_axes,
     batch_offsets, block_sizes, check_static_args, clamped_lengths, length_spec, pad_to,
     round_up, extra_operands, dense_operands)
 
@@ -202,7 +202,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
                     diagonal_offsets=None, softcap: float = 0.0, alibi=None, segments=None,
                     dense=None):
   """Attention backward with the Pallas kernels (the dense bias's gradient, where it is
-  needed, comes from `jaxflash.derivatives.bias_gradient`).
+  needed, is a kernel of its own: `pallas_bias_gradient`).
 
   Args:
     q, k, v, q_lengths, kv_lengths, scale, window_left, window_right,
@@ -230,13 +230,8 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   kv_len = clamped_lengths(kv_lengths, batch, s)
   offsets = batch_offsets(diagonal_offsets, batch)
 
-  # delta_i = rowsum(dO * O)_i - dlse_i, fp32 [B, Hq, T]; 0 on rows that see
-  # no key, whose dO (padding, say) must not reach any key.
-  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
-                     o.astype(jnp.float32),
-                     precision=lax.Precision.HIGHEST)
-  if dlse is not None:
-    delta = delta - dlse.astype(jnp.float32)
+  # delta, 0 on rows that see no key, whose dO (padding, say) must not reach any key.
+  delta = output_delta(o, do, dlse)
   mask = Mask.make(q_len[:, None], kv_len[:, None], offsets[:, None], int(window_left),
                    int(window_right), bool(bottom_right))
   if segments is None:

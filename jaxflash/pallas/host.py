@@ -93,6 +93,14 @@ def batch_offsets(offsets, batch: int):
   return offsets.astype(jnp.int32)
 
 
+def output_delta(o, do, dlse):
+  """delta_i = rowsum(dO * O)_i - dlse_i, float32 [B, Hq, T] (`dlse` None: zero); the
+  callers zero it on rows that see no key."""
+  delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), o.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+  return delta if dlse is None else delta - dlse.astype(jnp.float32)
+
+
 def length_spec(batch: int):
   return pl.BlockSpec((batch,), lambda *_: (0,))
 
