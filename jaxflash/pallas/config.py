@@ -62,11 +62,13 @@ class PallasConfig:
     block_k: keys per inner-loop step of the forward kernel.
     block_q_dkv: query rows per inner-loop step of the dK/dV kernel.
     block_k_dkv: keys per program of the dK/dV kernel.
-    block_q_dq: query rows per program of the dQ kernel.
-    block_k_dq: keys per inner-loop step of the dQ kernel.
+    block_q_dq: query rows per program of the dQ kernel (and, when given, of the
+      dense bias's gradient kernel; pallas/bias_grad.py).
+    block_k_dq: keys per inner-loop step of the dQ kernel (the same).
     num_warps: warps per program of the forward kernel (GPU only).
     num_stages: software-pipelining depth of the forward kernel (GPU only).
-    num_warps_bwd: warps per program of the backward kernels (GPU only).
+    num_warps_bwd: warps per program of the backward kernels (GPU only; the bias
+      gradient's too, when given).
     num_stages_bwd: pipelining depth of the backward kernels (GPU only).
     interpret: run the kernels in the Pallas interpreter. ``None`` chooses it
       automatically when the default backend is the CPU.
