@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jaxflash.pallas.blocks import (
     Alibi, DenseTile, Mask, Scores, both, dot, key_blocks, lse_log2, take_extras)
 from jaxflash.pallas.config import (
-    EMPTY_LSE, PallasConfig, compiler_params, padded_head_dim, resolve_config)
+    EMPTY_LSE, PallasConfig, capability_major, compiler_params, padded_head_dim, resolve_config)
 from jaxflash.pallas.host import (
     batch_offsets, block_sizes, check_static_args, clamped_lengths, dense_operands,
     extra_operands, output, output_delta, pad_to, same_varying_axes)
@@ -179,10 +179,10 @@ def _large_shared_memory() -> bool:
   """Whether the GPU is of compute capability 9.x or 10.x (~227 KB of shared memory a
   block; Hopper, datacenter Blackwell)."""
   try:
-    cc = jax.devices("gpu")[0].compute_capability
-  except (RuntimeError, IndexError, AttributeError):
+    device = jax.devices("gpu")[0]
+  except (RuntimeError, IndexError):
     return False
-  return str(cc).split(".")[0] in ("9", "10")
+  return capability_major(device) in (9, 10)
 
 
 def _tile(config: PallasConfig | None, cfg: PallasConfig, dp: int, itemsize: int):

@@ -223,6 +223,14 @@ def compiler_params(num_warps, num_stages, tile_m: int, tile_n: int):
 # ---------------------------------------------------------------------------
 
 
+def capability_major(device) -> int | None:
+  """The major compute capability of a GPU device; None where it has none readable."""
+  try:
+    return int(str(device.compute_capability).split(".")[0])
+  except (AttributeError, ValueError):
+    return None
+
+
 def _valid_cap(cap) -> bool:
   # A static Python number: the kernels branch on it while tracing.
   try:
@@ -305,9 +313,8 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     cc = getattr(device, "compute_capability", None)
     if cc is None:
       return "the pallas implementation needs an NVIDIA GPU"
-    try:
-      major = int(str(cc).split(".")[0])
-    except ValueError:
+    major = capability_major(device)
+    if major is None:
       return f"unrecognised GPU compute capability {cc!r}"
     if major < 8:
       return ("the pallas implementation needs an NVIDIA GPU of compute "
