@@ -97,6 +97,22 @@ def key_block(x, heads: int, kv_heads: int, j0, block: int):
   return jax.lax.dynamic_slice_in_dim(x, j0, block, axis=4)
 
 
+def gradient_over_keys(o, lse, do, dlse, shape: tuple[int, ...]):
+  """The gradient of a bias of one key, `shape` [Bb, Nb, Tb, 1], in float32: a row's
+  dS summed over its keys. The bias adds one constant to all of a row's scores, which
+  moves its LSE by that constant and leaves its output as it is: the sum is dlse on
+  rows that see a key, 0 on rows that see none. The kernels' way, A - delta Z with
+  A = sum_j P dP, Z = sum_j P and delta = rowsum(dO O) - dlse, reaches dlse as the
+  remainder of two large terms, most of it O's rounding in 16 bits. rowsum(dO O) * 0
+  carries a NaN row (or an infinite cotangent) into the row's gradient, as the kernels
+  would."""
+  nan_carrier = 0.0 * jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
+                                 o.astype(jnp.float32))
+  rows = nan_carrier if dlse is None else dlse.astype(jnp.float32) + nan_carrier
+  empty = lse.astype(jnp.float32) == jnp.finfo(jnp.float32).min
+  return reduce_to(jnp.where(empty, 0.0, rows)[..., None], shape)
+
+
 def reduce_to(ds, shape: tuple[int, ...]):
   """A score gradient [B, N, T, cols] summed over the axes `shape` broadcasts (size 1):
   the gradient of a bias of that shape (the last axis: its key block)."""

@@ -264,7 +264,10 @@ def bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, den
   score gradient dS of every pair, summed over the bias's broadcast axes block by
   block (memory: dB and one [B, N, T, 128] block). The products of 16-bit calls take
   their operands as they are with float32 sums, like the kernels (with float32 IEEE
-  products the pass took ~9 of a 16 ms forward+backward on an H200 at S 4k, D 128)."""
+  products the pass took ~9 of a 16 ms forward+backward on an H200 at S 4k, D 128).
+  A bias of one key has its gradient in closed form (`dense.gradient_over_keys`)."""
+  if dense.bias.shape[-1] == 1:
+    return _dense.gradient_over_keys(o, lse, do, dlse, dense.bias.shape).astype(dense.bias.dtype)
   g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
                       alibi, dense, dtype=q.dtype if q.dtype.itemsize == 2 else jnp.float32)
   bias = dense.bias
@@ -376,20 +379,20 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
                             extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
   d_bias = None
   if ad.is_undefined_primal(t_bias):
-    d_bias = _outside_explicit_axes(_bias_gradient_of(kernels, spec),
+    d_bias = _outside_explicit_axes(_bias_gradient_of(kernels, spec, bias.shape[-1]),
                                     (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
                                      q_table, kv_table, slopes, bias, mask), bias)
   return [None] * 12 + [g if ad.is_undefined_primal(t) else None
                         for g, t in zip(grads, (tq, tk, tv))] + [d_bias]
 
 
-def _bias_gradient_of(kernels, spec):
+def _bias_gradient_of(kernels, spec, keys: int):
   """fn(q, k, v, o, lse, do, dlse, lengths, tables, slopes, bias, mask) -> dB: the kernels'
   own pass where they have one (`bias_gradient`: the native CPU kernels, Pallas), vmapped and
   differentiated as the blockwise `bias_gradient`, the definition; else that one."""
   blockwise = lambda *xs: bias_gradient(*xs[:9], spec=spec, **_extras(*xs[9:]))  # noqa: E731
   own = getattr(kernels, "bias_gradient", None)
-  if own is None:
+  if own is None or keys == 1:   # one key: bias_gradient's closed form
     return blockwise
 
   @jax.custom_batching.custom_vmap

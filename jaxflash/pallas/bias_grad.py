@@ -9,7 +9,8 @@ the bias broadcasts over (all B where Bb = 1, all Hq where Nb = 1), then
 writes that block of dB once: deterministic, no atomics, and nothing
 materialised beyond dB. A bias broadcast over rows (Tb = 1) gets each
 program's tiles summed over its rows, which the wrapper then sums over the
-programs; one broadcast over keys (Sb = 1), the tiles summed over keys.
+programs. A bias of one key (Sb = 1) has its gradient in closed form
+(`jaxflash.dense.gradient_over_keys`): no kernel.
 
 dB is element-wise in the pairs (each pair's dS involves only its own row and
 key), so a hidden pair is an exact zero whatever its inputs: no tile product
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxflash import dense as _dense
 from jaxflash.pallas.blocks import (
     Alibi, DenseTile, Mask, Scores, both, dot, key_blocks, lse_log2, take_extras)
 from jaxflash.pallas.config import (
@@ -91,7 +93,7 @@ def _kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
             segments: bool, dense_mask: bool, batch: int, heads: int, group: int,
             bias_shape, left: int, right: int, bottom_right: bool, block_q: int,
             block_k: int, num_k_blocks: int):
-  Bb, Nb, Tb, Sb = bias_shape
+  Bb, Nb, Tb, _ = bias_shape
   slope_ref, tables, refs = take_extras(refs, alibi, segments)
   bias_ref, refs = refs[0], refs[1:]
   (mask_ref, summary_ref), refs = (refs[:2], refs[2:]) if dense_mask else ((None, None), refs)
@@ -153,17 +155,11 @@ def _kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
                          jnp.zeros((block_q, block_k), jnp.float32))
     return jnp.sum(ds, axis=0, keepdims=True) if Tb == 1 else ds
 
-  if Sb > 1:
-    def store(kb, carry):
-      cols = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-      db_ref[b, h, out_rows, cols] = key_block_sum(kb).astype(db_ref.dtype)
-      return carry
-    lax.fori_loop(0, num_k_blocks, store, None)
-  else:   # one key: summed over keys too
-    total = lax.fori_loop(0, num_k_blocks,
-                          lambda kb, acc: acc + jnp.sum(key_block_sum(kb), axis=1, keepdims=True),
-                          jnp.zeros((block_q if Tb > 1 else 1, 1), jnp.float32))
-    db_ref[b, h, out_rows, :] = total.astype(db_ref.dtype)
+  def store(kb, carry):
+    cols = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+    db_ref[b, h, out_rows, cols] = key_block_sum(kb).astype(db_ref.dtype)
+    return carry
+  lax.fori_loop(0, num_k_blocks, store, None)
 
 
 # The kernel's (rows, keys, warps) per padded head dim for 16-bit inputs on GPUs that
@@ -214,6 +210,8 @@ def pallas_bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, de
   Bb, Nb, Tb, Sb = bias.shape
   if batch * t * hq * s == 0:
     return jnp.zeros(bias.shape, bias.dtype)
+  if Sb == 1:
+    return _dense.gradient_over_keys(o, lse, do, dlse, bias.shape).astype(bias.dtype)
   cfg = resolve_config(config, d, q.dtype)
   dp = padded_head_dim(d)
   block_q, block_k, warps = _tile(config, cfg, dp, q.dtype.itemsize)
@@ -236,7 +234,7 @@ def pallas_bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, de
       pad_to(lse, {2: t_all}, value=EMPTY_LSE), pad_to(delta, {2: t_all}))
   whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
   summed_later = Tb == 1 and nq > 1   # one row per program, summed below
-  out_shape = (Bb, Nb, t_all if Tb > 1 else nq, s_all if Sb > 1 else 1)
+  out_shape = (Bb, Nb, t_all if Tb > 1 else nq, s_all)
   db = pl.pallas_call(
       functools.partial(
           _kernel, scores=Scores(float(scale), float(softcap)), alibi=alibi is not None,
@@ -255,4 +253,4 @@ def pallas_bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, de
   )(*operands)
   if summed_later:
     db = jnp.sum(db, axis=2, keepdims=True)
-  return db[:, :, :Tb, :Sb].astype(bias.dtype)
+  return db[:, :, :Tb, :s].astype(bias.dtype)
