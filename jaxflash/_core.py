@@ -36,13 +36,13 @@ Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
 FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
-MAX_FUSED_HEAD_DIM = 256   # the CUDA and Pallas kernels
-MAX_CPU_HEAD_DIM = 512     # the native CPU kernels (params.h, kMaxCpuHeadDim)
+MAX_FUSED_HEAD_DIM = 512   # the CPU kernels (params.h, kMaxCpuHeadDim) and Pallas's
+MAX_CUDA_HEAD_DIM = 256    # the CUDA kernels (dispatch.cu refuses wider)
 
 
 def max_head_dim(name: str) -> int:
   """The widest head dim implementation `name` takes here."""
-  return MAX_CPU_HEAD_DIM if name == "native" and platform() == "cpu" else MAX_FUSED_HEAD_DIM
+  return MAX_CUDA_HEAD_DIM if name == "native" and platform() != "cpu" else MAX_FUSED_HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,10 +450,6 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
   return None
 
 
-def device_kind() -> str:
-  return jax.devices()[0].device_kind
-
-
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
@@ -461,8 +457,12 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   (the CUDA kernels take them on their sm80 family only: 2.4x slower forward, 2.0x forward
   +backward on an H200). A decode step with segment ids or ALiBi slopes puts native first
   (Pallas's decode kernel takes no ids; with slopes it took 211.7 us against ~90, H200).
+  Head dims past the CUDA kernels' take Pallas (at D 512 3.4x xla's forward, 1.3x its
+  forward+backward, H200; docs/performance.md, Head dims past 256).
   """
-  order = choice.order(device_kind(), _native.build_id, call.q.dtype, call.width,
+  if call.width > max_head_dim("native"):
+    return ("pallas",)
+  order = choice.order(jax.devices()[0].device_kind, _native.build_id, call.q.dtype, call.width,
                        call.spec.window_right >= 0, call.q.shape[-3])
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))

@@ -97,3 +97,14 @@ def test_the_shipped_table_is_well_formed():
     assert list(o.ms) == sorted(o.ms), o   # fastest first
   cells = [o.cell() for o in shipped]
   assert len(cells) == len(set(cells))
+
+
+
+def test_head_dims_past_the_cuda_kernels_run_on_pallas(monkeypatch):
+  """Where native cannot take a call's head dim (the CUDA kernels' 256, here pretended on
+  any platform) the order is Pallas's, whatever the measured orders say."""
+  monkeypatch.setattr(_core, "max_head_dim", lambda name: 256 if name == "native" else 512)
+  monkeypatch.setattr(choice, "order", lambda *a: ("native",))
+  q, k = jnp.zeros((2, 64, 4, 320), jnp.bfloat16), jnp.zeros((2, 96, 2, 320), jnp.bfloat16)
+  call = _core.validate(q, k, k, None, None, None, False, None, None, None, "top_left", False)
+  assert _core.automatic_order(call) == ("pallas",)

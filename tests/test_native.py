@@ -238,21 +238,25 @@ def test_value_head_dim_of_its_own_on_the_cpu(rng):
     close(paged("native"), paged("xla"))
 
 
+@pytest.mark.parametrize("implementation", ["native", "pallas"])
 @pytest.mark.parametrize("shape,dtype", [((2, 33, 47, 4, 2, 264), jnp.float32),
                                          ((1, 20, 40, 2, 1, 512), jnp.bfloat16)], ids=str)
-def test_head_dims_past_256(rng, shape, dtype):
-  """Head dims 257-512: the CPU kernels take them (against float64, forward and
-  gradients, GQA 2, ragged lengths); the CUDA kernels refuse them with a clear error."""
-  if jax.default_backend() != "cpu":
+def test_head_dims_past_256(rng, shape, dtype, implementation):
+  """Head dims 257-512: the CPU kernels and Pallas's (the interpreter on a CPU, Triton on
+  a GPU) take them (against float64, forward and gradients, GQA 2, ragged lengths); the
+  CUDA kernels refuse them with a clear error, and the default runs Pallas there."""
+  if implementation == "native" and jax.default_backend() != "cpu":
     q = jnp.ones((1, 8, 2, 320), dtype)
     with pytest.raises(ValueError, match="head_dim <= 256"):
       jaxflash.dot_product_attention(q, q, q, implementation="native")
+    hlo = jax.jit(lambda q: jaxflash.dot_product_attention(q, q, q)).lower(q).as_text()
+    assert "pallas" in hlo or "triton" in hlo
     return
-  check_forward(rng, shape, "lengths", dtype)
-  check_gradients(rng, shape, "causal_bottom_right", dtype)
+  check_forward(rng, shape, "lengths", dtype, implementation=implementation)
+  check_gradients(rng, shape, "causal_bottom_right", dtype, implementation=implementation)
   q = jnp.ones((1, 8, 2, 520), dtype)
-  with pytest.raises(ValueError, match="head_dim <= 512"):
-    jaxflash.dot_product_attention(q, q, q, implementation="native")
+  with pytest.raises(ValueError, match="head_dim <= 512|head dims 1..512"):
+    jaxflash.dot_product_attention(q, q, q, implementation=implementation)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.__name__)

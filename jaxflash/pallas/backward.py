@@ -251,8 +251,7 @@ def pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *,
   def params(tile_m, tile_n):
     if cfg.interpret:
       return None
-    return compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, tile_m,
-                           tile_n)
+    return compiler_params(cfg.num_warps_bwd, cfg.num_stages_bwd, tile_m, tile_n, dp)
 
   bq_dq, _ = block_sizes(t, cfg.block_q_dq)
   bk_dq, _ = block_sizes(s, cfg.block_k_dq)

@@ -34,7 +34,8 @@ from jaxflash import dense as _dense
 from jaxflash.pallas.blocks import (
     Alibi, DenseTile, Mask, Scores, both, dot, key_blocks, lse_log2, take_extras)
 from jaxflash.pallas.config import (
-    EMPTY_LSE, PallasConfig, capability_major, compiler_params, padded_head_dim, resolve_config)
+    EMPTY_LSE, PallasConfig, compiler_params, large_shared_memory, padded_head_dim,
+    resolve_config)
 from jaxflash.pallas.host import (
     batch_offsets, block_sizes, check_static_args, clamped_lengths, dense_operands,
     extra_operands, output, output_delta, pad_to, same_varying_axes)
@@ -171,21 +172,11 @@ def _kernel(q_len_ref, kv_len_ref, off_ref, *refs, scores: Scores, alibi: bool,
 _TILES = {64: (128, 64, 4), 128: (128, 128, 8), 256: (128, 64, 8)}
 
 
-def _large_shared_memory() -> bool:
-  """Whether the GPU is of compute capability 9.x or 10.x (~227 KB of shared memory a
-  block; Hopper, datacenter Blackwell)."""
-  try:
-    device = jax.devices("gpu")[0]
-  except (RuntimeError, IndexError):
-    return False
-  return capability_major(device) in (9, 10)
-
-
 def _tile(config: PallasConfig | None, cfg: PallasConfig, dp: int, itemsize: int):
   """(rows, keys, warps) of the kernel: a config's dQ fields where it names them, else
-  _TILES where they apply, else the dQ kernel's."""
+  _TILES where they apply (head dims to 256), else the dQ kernel's."""
   own = (cfg.block_q_dq, cfg.block_k_dq, cfg.num_warps_bwd)
-  if itemsize == 2 and not cfg.interpret and _large_shared_memory():
+  if itemsize == 2 and dp <= max(_TILES) and not cfg.interpret and large_shared_memory():
     own = _TILES[min(width for width in _TILES if width >= dp)]
   named = config if config is not None else PallasConfig()
   return tuple(o if n is None else n
@@ -248,7 +239,7 @@ def pallas_bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, de
       out_shape=output(out_shape, jnp.float32 if summed_later else bias.dtype, operands[-1]),
       interpret=cfg.interpret,
       compiler_params=None if cfg.interpret else compiler_params(
-          warps, cfg.num_stages_bwd, bq, bk),
+          warps, cfg.num_stages_bwd, bq, bk, dp),
       name="jaxflash_pallas_bias_grad",
   )(*operands)
   if summed_later:

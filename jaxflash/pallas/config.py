@@ -33,7 +33,7 @@ LN2 = math.log(2.0)
 # jax.debug_infs stays quiet, and low enough to act as log 0.
 EMPTY_LSE = float(np.finfo(np.float32).min)
 _SUPPORTED_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
 
@@ -118,13 +118,26 @@ def padded_head_dim(head_dim: int) -> int:
 
 
 # Shared memory the estimates below may use per program: below the 163 KiB an
-# A100 grants one block, leaving room for Triton's own layout conversions.
+# A100 grants one block, leaving room for Triton's own layout conversions; and
+# below the ~227 KiB of GPUs of compute capability 9.x / 10.x (Hopper,
+# datacenter Blackwell), where head dims past 256 take it.
 _SMEM_BUDGET = 128 * 1024
+_LARGE_SMEM_BUDGET = 192 * 1024
+
+
+def large_shared_memory() -> bool:
+  """Whether the GPU is of compute capability 9.x or 10.x."""
+  try:
+    device = jax.devices("gpu")[0]
+  except (RuntimeError, IndexError):
+    return False
+  return capability_major(device) in (9, 10)
 
 
 def fit_smem(itemsize: int, dp: int, major: int, minor: int, stages: int,
-             resident: int, streamed: int = 2) -> tuple[int, int, int]:
-  """Shrinks (stages, minor block, major block) until the tiles fit.
+             resident: int, streamed: int = 2,
+             budget: int = _SMEM_BUDGET) -> tuple[int, int, int]:
+  """Shrinks (stages, minor block, major block) until the tiles fit `budget`.
 
   ``resident`` tiles of ``major x dp`` stay for the whole program and
   ``streamed`` tiles of ``minor x dp`` are buffered ``stages`` deep.
@@ -132,7 +145,7 @@ def fit_smem(itemsize: int, dp: int, major: int, minor: int, stages: int,
   def smem(major, minor, stages):
     return itemsize * dp * (resident * major + streamed * minor * stages)
 
-  while smem(major, minor, stages) > _SMEM_BUDGET:
+  while smem(major, minor, stages) > budget:
     if stages > 1:
       stages -= 1
     elif minor > MIN_BLOCK:
@@ -164,9 +177,12 @@ def default_config(head_dim: int, dtype=jnp.bfloat16, *,
     fwd, bwd, warps, warps_bwd = (128, 64, 3), (128, 32, 3), 4, 4
   elif dp <= 128:
     fwd, bwd, warps, warps_bwd = (128, 64, 3), (128, 32, 2), 8, 8
-  else:
+  elif dp <= 256:
     fwd, bwd, warps, warps_bwd = (64, 32, 2), (64, 32, 2), 8, 8
-  bq, bk, stages = fit_smem(itemsize, dp, *fwd, resident=1)
+  else:   # the fastest of a sweep at D 512 (H200, bf16; performance-log.md, Head dims past 256)
+    fwd, bwd, warps, warps_bwd = (64, 64, 1), (32, 32, 1), 8, 8
+  budget = _LARGE_SMEM_BUDGET if dp > 256 and large_shared_memory() else _SMEM_BUDGET
+  bq, bk, stages = fit_smem(itemsize, dp, *fwd, resident=1, budget=budget)
   major, minor, stages_bwd = fit_smem(itemsize, dp, *bwd, resident=2)
   return PallasConfig(
       block_q=bq, block_k=bk, block_q_dkv=minor, block_k_dkv=major,
@@ -199,15 +215,18 @@ def resolve_config(config: PallasConfig | None, head_dim: int,
   return PallasConfig(**fields)
 
 
-def compiler_params(num_warps, num_stages, tile_m: int, tile_n: int):
+def compiler_params(num_warps, num_stages, tile_m: int, tile_n: int, width: int = 0):
   """Triton compiler parameters, spelled as the installed jax spells them.
 
   ``tile_m x tile_n`` is the kernel's score tile: warps beyond one per 256
   elements of it would only replicate work, so small tiles (short sequences,
-  tiny test blocks) get fewer warps.
+  tiny test blocks) get fewer warps. Past 256 columns (``width``, the padded
+  head dim) the [tile_m, width] accumulator is the larger tile and is counted
+  instead: its registers need the warps.
   """
   if num_warps is not None:
-    num_warps = max(1, min(int(num_warps), (tile_m * tile_n) // 256))
+    elements = tile_m * (max(tile_n, width) if width > 256 else tile_n)
+    num_warps = max(1, min(int(num_warps), elements // 256))
   if _plgpu is None:
     return None
   cls = getattr(_plgpu, "CompilerParams", None)

@@ -273,7 +273,7 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
                  output((batch, hkv, splits, r_pad), jnp.float32, operands[-3])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
-                       compiler_params(cfg.num_warps, cfg.num_stages, br, bk)),
+                       compiler_params(cfg.num_warps, cfg.num_stages, br, bk, dp)),
       name="jaxflash_pallas_decode",
   )(*operands)
   o, lse = _merge_splits(o_part[..., :total, :d], lse_part[..., :total])
@@ -373,8 +373,7 @@ def pallas_forward(q, k, v, q_lengths, kv_lengths, *, scale: float,
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
-                       compiler_params(cfg.num_warps, cfg.num_stages, bq,
-                                       bk)),
+                       compiler_params(cfg.num_warps, cfg.num_stages, bq, bk, dp)),
       name="jaxflash_pallas_fwd",
   )(*operands)
   if t_pad != t or dp != d:

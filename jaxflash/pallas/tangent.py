@@ -193,7 +193,7 @@ def pallas_tangent(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv, *, scale:
                  output((batch, hq, t_pad), jnp.float32, operands[-1])],
       interpret=cfg.interpret,
       compiler_params=(None if cfg.interpret else
-                       compiler_params(cfg.num_warps, stages, bq, bk)),
+                       compiler_params(cfg.num_warps, stages, bq, bk, dp)),
       name="jaxflash_pallas_tangent",
   )(*operands)
   return t_o[:, :t, :, :d], t_lse[:, :, :t]
