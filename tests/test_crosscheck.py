@@ -64,6 +64,6 @@ def test_automatic_choice_never_picks_the_interpreter():
 
 
 def test_pallas_refuses_what_it_cannot_serve():
-  q = k = v = jnp.zeros((1, 8, 2, 264), jnp.float32)
+  q = k = v = jnp.zeros((1, 8, 2, 520), jnp.float32)
   with pytest.raises(ValueError, match="head_dim"):
     jaxflash.dot_product_attention(q, k, v, implementation="pallas")
