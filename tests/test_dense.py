@@ -351,7 +351,7 @@ def test_bias_of_one_key_gradient_in_closed_form(rng, implementation):
   kernels' delta (from the rounded output) would leave most of it rounding error."""
   B, T, S, N = 2, 40, 56, 4
   q, k, v = random_inputs(rng, B, T, S, N, 2, 32, jnp.bfloat16)
-  k = k.at[0, 3].set(jnp.nan)   # seen by every row of batch 0 past row 2 (causal)
+  k = k.at[0, 3, 0].set(jnp.nan)   # seen by heads 0-1 of batch 0 past row 2 (causal)
   do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
   dl = jnp.asarray(rng.standard_normal((B, T, N)), jnp.float32)   # the LSE's [B, T, N]
   lengths = jnp.asarray([T, T - 5])
@@ -367,11 +367,19 @@ def test_bias_of_one_key_gradient_in_closed_form(rng, implementation):
 
   rows = np.where(np.arange(T)[None, None, :] < np.asarray(lengths)[:, None, None],
                   np.asarray(dl.astype(jnp.bfloat16), np.float32).transpose(0, 2, 1), 0.0)
-  rows[0, :, 3:] = np.nan
+  rows[0, :2, 3:] = np.nan
   got = np.asarray(grad(jnp.zeros((B, N, T, 1), jnp.float32)))[..., 0]
   np.testing.assert_allclose(got, rows, rtol=1e-6, atol=1e-6)
   per_head = np.asarray(grad(jnp.zeros((1, N, 1, 1), jnp.float32)))
   np.testing.assert_allclose(per_head.ravel(), np.sum(rows, axis=(0, 2)), rtol=1e-5)
+  assert np.all(np.isfinite(per_head.ravel()[2:]))
+  # Rows that see no key: 0 whatever their cotangents (a NaN dO, a dlse).
+  o = jnp.zeros((1, 2, 1, 4))
+  do = jnp.asarray([[[[jnp.nan] * 4], [[1.0] * 4]]])
+  empty = jnp.finfo(jnp.float32).min
+  got = jaxflash.dense.gradient_over_keys(o, jnp.asarray([[[empty, 0.5]]]), do,
+                                          jnp.asarray([[[3.0, 2.0]]]), (1, 1, 2, 1))
+  np.testing.assert_array_equal(np.asarray(got).ravel(), [0.0, 2.0])
 
 
 def test_errors(rng):

@@ -749,6 +749,18 @@ def test_supported_names_the_reason(kwargs, fragment):
   assert reason is not None and fragment in reason, reason
 
 
+def test_head_dims_past_256_only_on_gpus_with_the_shared_memory(monkeypatch):
+  """Pallas's tiles past 256 need ~192 KiB of shared memory a block: a GPU of compute
+  capability 9.x / 10.x takes them, others refuse them (the default then runs xla)."""
+  device = type("Device", (), {"compute_capability": "8.6"})()
+  monkeypatch.setattr(jax, "devices", lambda *a: [device])
+  wide, narrow = (1, 4, 2, 320), (1, 4, 2, 256)
+  assert "9.x / 10.x" in pallas_supported(wide, wide, dtype=jnp.bfloat16, platform="gpu")
+  assert pallas_supported(narrow, narrow, dtype=jnp.bfloat16, platform="gpu") is None
+  device.compute_capability = "9.0"
+  assert pallas_supported(wide, wide, dtype=jnp.bfloat16, platform="gpu") is None
+
+
 def test_unsupported_call_raises():
   q = jnp.zeros((1, 4, 3, 16))
   k = jnp.zeros((1, 4, 2, 16))

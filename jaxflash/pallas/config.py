@@ -162,8 +162,9 @@ def default_config(head_dim: int, dtype=jnp.bfloat16, *,
   """The configuration used for the fields a caller leaves as ``None``.
 
   GPU choices: the program's resident tiles plus the pipelined K/V (or Q/dO)
-  tiles are kept within an A100's shared memory at every head dim and dtype;
-  the backward kernels use a long resident block and a short streamed one.
+  tiles are kept within an A100's shared memory at head dims to 256, past 256
+  within the larger budget of the GPUs that take them (pallas_supported); the
+  backward kernels use a long resident block and a short streamed one.
   """
   if interpret is None:
     interpret = _default_interpret()
@@ -338,4 +339,8 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     if major < 8:
       return ("the pallas implementation needs an NVIDIA GPU of compute "
               f"capability 8.0 or newer, got {cc}")
+    if d > 256 and major not in (9, 10):
+      return (f"the pallas implementation takes head dims past 256 on GPUs of compute "
+              f"capability 9.x / 10.x only (its tiles there need ~192 KiB of shared "
+              f"memory a block), got {cc}")
   return None

@@ -238,6 +238,8 @@ def _decode_forward(q, k, v, q_len, kv_len, cfg: PallasConfig, *, splits: int,
   dp = padded_head_dim(d)
   total = t * group
   br = max(MIN_BLOCK, min(_splits.decode_tile_rows(total), next_pow2(total)))
+  if dp > 256:   # rows beside a K/V block within the forward's shared-memory fit
+    br = min(br, cfg.block_q)
   r_pad = round_up(total, br)
   row_tiles = r_pad // br
   bk, s_pad, kp, vp = _padded_kv(k, v, cfg.block_k, dp)
