@@ -457,8 +457,8 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   (the CUDA kernels take them on their sm80 family only: 2.4x slower forward, 2.0x forward
   +backward on an H200). A decode step with segment ids or ALiBi slopes puts native first
   (Pallas's decode kernel takes no ids; with slopes it took 211.7 us against ~90, H200).
-  Head dims past the CUDA kernels' take Pallas (at D 512 3.4x xla's forward, 1.3x its
-  forward+backward, H200; docs/performance.md, Head dims past 256).
+  Head dims past the CUDA kernels' take Pallas (at D 512 3.4x the forward of the xla
+  implementation they fell to before, 1.3x its forward+backward; H200, performance-log.md).
   """
   if call.width > max_head_dim("native"):
     return ("pallas",)
