@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxflash import reference
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +111,7 @@ def gradient_over_keys(o, lse, do, dlse, shape: tuple[int, ...]):
   nan_carrier = 0.0 * jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32),
                                  o.astype(jnp.float32))
   rows = nan_carrier if dlse is None else dlse.astype(jnp.float32) + nan_carrier
-  empty = lse.astype(jnp.float32) == jnp.finfo(jnp.float32).min
+  empty = lse.astype(jnp.float32) == reference.empty_lse(jnp.float32)
   return reduce_to(jnp.where(empty, 0.0, rows)[..., None], shape)
 
 

@@ -125,12 +125,13 @@ _SMEM_BUDGET = 128 * 1024
 _LARGE_SMEM_BUDGET = 192 * 1024
 
 
-def large_shared_memory() -> bool:
-  """Whether the GPU is of compute capability 9.x or 10.x."""
-  try:
-    device = jax.devices("gpu")[0]
-  except (RuntimeError, IndexError):
-    return False
+def large_shared_memory(device=None) -> bool:
+  """Whether `device` (by default the first GPU) is of compute capability 9.x or 10.x."""
+  if device is None:
+    try:
+      device = jax.devices("gpu")[0]
+    except (RuntimeError, IndexError):
+      return False
   return capability_major(device) in (9, 10)
 
 
@@ -339,7 +340,7 @@ def pallas_supported(q_shape, k_shape, v_shape=None, dtype=jnp.float32,
     if major < 8:
       return ("the pallas implementation needs an NVIDIA GPU of compute "
               f"capability 8.0 or newer, got {cc}")
-    if d > 256 and major not in (9, 10):
+    if d > 256 and not large_shared_memory(device):
       return (f"the pallas implementation takes head dims past 256 on GPUs of compute "
               f"capability 9.x / 10.x only (its tiles there need ~192 KiB of shared "
               f"memory a block), got {cc}")
