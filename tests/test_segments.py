@@ -360,3 +360,24 @@ def test_gpu_table_kernel_equals_the_definition(rng):
                              spec=spec, same=False)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(np.asarray(g).reshape(w.shape), np.asarray(w))
+
+
+@pytest.mark.gpu
+def test_gpu_forward_claims_its_tiles(rng):
+  """Segment ids on more work tiles than the GPU has SMs: the warp-specialised forward's CTAs
+  claim their tiles (tile_scheduler.cuh's dynamic walk). Every tile is done once (the
+  reference; jaxflash's xla at 512 tiles), and each launch's claims start from zero (three
+  calls of one jitted function, the same bits)."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for kind in ("packed", "scattered"):
+    check_forward(rng, (2, 1536, 1536, 8, 2, 128), "causal", jnp.bfloat16, segments=KINDS[kind])
+  B, S, N, K, D = 2, 2048, 16, 4, 128
+  q, k, v = random_inputs(rng, B, S, S, N, K, D, jnp.bfloat16)
+  ids, _ = packed(rng, B, S, S, documents=8)
+  run = jax.jit(lambda q, k, v, impl: jaxflash.dot_product_attention(  # noqa: E731
+      q, k, v, is_causal=True, query_segment_ids=ids, implementation=impl), static_argnums=3)
+  first = np.asarray(run(q, k, v, "native"), np.float32)
+  np.testing.assert_allclose(first, np.asarray(run(q, k, v, "xla"), np.float32), atol=2e-2)
+  for _ in range(2):
+    assert np.array_equal(np.asarray(run(q, k, v, "native"), np.float32), first)

@@ -37,6 +37,7 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common/fwd_blocks.cuh"
@@ -94,6 +95,11 @@ struct WsFwdTile {
   // scale-folded exponent): not at D 256, nor at D 64 with three or four
   // consumers and O apart, whose consumers it spilled (28-264 bytes).
   static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
+  // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
+  // builds without spills (with three or four consumers, D 64's O apart and
+  // D 256's 80-key tiles it spilled 4-144 bytes).
+  static constexpr bool kDynamicWalk =
+      kTakesSegments && kConsumers == 2 && !(kD == 64 && kSeparateO) && !(kD == 256 && kN == 80);
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -104,12 +110,13 @@ struct WsFwdTile {
   // only).
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
-  // Barriers: per Q buffer full, then empty, the ragged-tail V copy, then per
-  // stage K full, K empty, V full, V empty.
-  static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages;
+  // Barriers: per Q buffer full, then empty, the ragged-tail V copy, per
+  // stage K full, K empty, V full, V empty, then the two work slots' full and
+  // empty (a dynamic walk's claimed positions, 4 bytes each after them).
+  static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages + 4;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
   static constexpr size_t kSmemBytes = size_t(QTile::kBytes) * (kQBuffers + (kSeparateO ? 1 : 0)) +
-                                       2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
+                                       2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
@@ -145,6 +152,9 @@ struct WsFwdSmem {
   __device__ __forceinline__ uint32_t KEmpty(int s) const { return KFull(Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VFull(int s) const { return KFull(2 * Tile::kStages + s); }
   __device__ __forceinline__ uint32_t VEmpty(int s) const { return KFull(3 * Tile::kStages + s); }
+  __device__ __forceinline__ uint32_t WorkFull(int s) const { return KFull(4 * Tile::kStages + s); }
+  __device__ __forceinline__ uint32_t WorkEmpty(int s) const { return WorkFull(2 + s); }
+  __device__ __forceinline__ uint32_t WorkSlot(int s) const { return WorkFull(4) + 4 * s; }
 
   __device__ __forceinline__ void InitBarriers() const {
     constexpr int kConsumerWarps = 4 * Tile::kConsumers;
@@ -160,6 +170,10 @@ struct WsFwdSmem {
       MBarrier::Init(VFull(s), 1);
       MBarrier::Init(KEmpty(s), kConsumerWarps);  // every consumer warp is done reading
       MBarrier::Init(VEmpty(s), kConsumerWarps);
+    }
+    for (int s = 0; s < 2; ++s) {
+      MBarrier::Init(WorkFull(s), 1);                       // the producer's lane 0 published a position
+      MBarrier::Init(WorkEmpty(s), 128 * Tile::kConsumers);  // every consumer thread has read it
     }
     MBarrier::FenceInit();
   }
@@ -187,26 +201,96 @@ struct WsWork {
   __device__ __forceinline__ bool Empty() const { return keys.begin >= keys.end; }
 };
 
-// The CTA's next work tile after position *index (TileScheduler::Next); the
-// producer and the consumers walk the same sequence through it.
-template <int kM, int kN, bool kSegments>
-__device__ __forceinline__ bool NextWork(const FwdParams& p, const TileScheduler& sched, int* index, WsWork* w) {
+// The work tile at a position of the walk (-1: the walk is over).
+template <typename Tile>
+__device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler& sched, int at, WsWork* w) {
+  if (at < 0) return false;
   WorkTile tile;
-  if (!sched.Next(index, &tile)) return false;
-  *w = WsWork::At<kM, kN, kSegments>(p, tile);
+  sched.Get(at, &tile);  // a position handed out holds a tile
+  *w = WsWork::At<Tile::kM, Tile::kN, Tile::kTakesSegments>(p, tile);
   return true;
 }
+
+// The CTA's walk over its work tiles, as the producer and the consumers each
+// keep it. A static walk takes every gridDim.x-th position
+// (TileScheduler::Next) on both sides without talk. A dynamic one
+// (TileScheduler::Dynamic: segment ids) is a kernel of its own: the
+// producer's lane 0 claims each next position (WorkClaims) and publishes it
+// in a ring of two shared-memory slots, where every consumer thread reads it.
+// (Its consumers' code beside the static walk's spilled at D 64 and 256;
+// with the slot read alone still at D 64's three and four consumers, so only
+// the tiles of WsFwdTile::kDynamicWalk build it.)
+template <typename Tile, bool kDynamic>
+struct WsWalk {
+  int index;           // static: the position last taken; dynamic: the producer's next one
+  uint32_t passed = 0;  // dynamic: positions published or read so far (the slot and its parity)
+
+  __device__ __forceinline__ WsWalk()
+      : index(static_cast<int>(blockIdx.x) - (kDynamic ? 0 : static_cast<int>(gridDim.x))) {}
+
+  __device__ __forceinline__ bool ProducerNext(const FwdParams& p, const TileScheduler& sched,
+                                               const WorkClaims& claims, const WsFwdSmem<Tile>& sm, int lane,
+                                               WsWork* w) {
+    if constexpr (!kDynamic) {
+      return StaticNext(p, sched, w);
+    } else {
+      int at = -1;
+      if (lane == 0) {
+        // Each claim is made a tile ahead, so the atomic's latency hides under
+        // that tile's copies.
+        if (index < sched.positions) {
+          at = index;
+          index = static_cast<int>(gridDim.x) + claims.Claim();
+        }
+        MBarrier::Wait(sm.WorkEmpty(passed & 1), ((passed >> 1) & 1) ^ 1);
+        StoreShared32(sm.WorkSlot(passed & 1), static_cast<uint32_t>(at));
+        MBarrier::Arrive(sm.WorkFull(passed & 1));
+        if (at < 0) claims.Finish();
+      }
+      ++passed;
+      return OpenWork<Tile>(p, sched, __shfl_sync(0xffffffffu, at, 0), w);
+    }
+  }
+
+  // A consumer's next position, read (dynamic) before the tile's last
+  // products are issued: no wait loop may sit among wgmma in flight.
+  __device__ __forceinline__ int ConsumerTake(const WsFwdSmem<Tile>& sm) {
+    if constexpr (!kDynamic) return 0;
+    MBarrier::Wait(sm.WorkFull(passed & 1), (passed >> 1) & 1);
+    int at;
+    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(at) : "r"(sm.WorkSlot(passed & 1)) : "memory");
+    // Every consumer thread arrives (a lane-0 branch here cost registers).
+    MBarrier::Arrive(sm.WorkEmpty(passed & 1));
+    ++passed;
+    return at;
+  }
+  // ... and its work tile, from what ConsumerTake read.
+  __device__ __forceinline__ bool ConsumerNext(const FwdParams& p, const TileScheduler& sched, int taken,
+                                               WsWork* w) {
+    if constexpr (!kDynamic) return StaticNext(p, sched, w);
+    return OpenWork<Tile>(p, sched, taken, w);
+  }
+
+ private:
+  __device__ __forceinline__ bool StaticNext(const FwdParams& p, const TileScheduler& sched, WsWork* w) {
+    WorkTile tile;
+    if (!sched.Next(&index, &tile)) return false;
+    *w = WsWork::At<Tile::kM, Tile::kN, Tile::kTakesSegments>(p, tile);
+    return true;
+  }
+};
 
 // ------------------------------------------------------------------ producer
 // One warp; lane 0 issues the copies. Keys at or past the batch element's
 // kv_valid but inside the tensor (padding of a ragged batch) are zeroed in the
 // V stage before the consumers see it: masked scores give P = 0 there, and
 // 0 · (NaN in padding) would be NaN. (Past the tensor the TMA fills zeros.)
-template <typename Tile>
+template <typename Tile, bool kDynamic>
 __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
-                                              const TileScheduler& sched, const CUtensorMap& q_map,
-                                              const CUtensorMap& k_map, const CUtensorMap& v_map) {
-  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+                                              const TileScheduler& sched, const WorkClaims& claims,
+                                              const CUtensorMap& q_map, const CUtensorMap& k_map,
+                                              const CUtensorMap& v_map) {
+  constexpr int kN = Tile::kN, kBlocks = Tile::kD / 64;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
   const int lane = threadIdx.x & 31;
@@ -220,9 +304,9 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
   RingPosition<Tile::kStages> ring;
   RingPosition<Tile::kQBuffers> q_ring;
   uint32_t tail_parity = 0;
-  int index = blockIdx.x - gridDim.x;
+  WsWalk<Tile, kDynamic> walk;
   WsWork w;
-  while (NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &w)) {
+  while (walk.ProducerNext(p, sched, claims, sm, lane, &w)) {
     if (w.Empty()) continue;
     const int head = w.tile.head, batch = w.tile.batch, kv_head = head / group;
     if (lane == 0) {
@@ -266,14 +350,14 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 }
 
 // ------------------------------------------------------------------ consumer
-template <typename T, typename Tile>
+template <typename T, typename Tile, bool kDynamic>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
   // Marked uniform, what follows from it (this warpgroup's key tiles, the
   // loops' bounds) stays in uniform registers instead of taking the
   // consumers' (it spilled without).
   consumer = WarpUniform(consumer);
-  constexpr int kM = Tile::kM, kN = Tile::kN, kD = Tile::kD;
+  constexpr int kN = Tile::kN, kD = Tile::kD;
   constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
@@ -304,9 +388,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   // (the walk's divisions, the mask policy, the key tiles) would otherwise
   // leave the tensor cores idle at every tile boundary, where both consumers
   // arrive together.
-  int index = blockIdx.x - gridDim.x;
+  WsWalk<Tile, kDynamic> walk;
   WsWork next;
-  bool more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
+  bool more = walk.ConsumerNext(p, sched, walk.ConsumerTake(sm), &next);
   while (more) {
     const WsWork w = next;
     const int r0 = w.r0;
@@ -317,7 +401,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
 
     if (w.Empty()) {
-      more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
+      more = walk.ConsumerNext(p, sched, walk.ConsumerTake(sm), &next);
       softmax.Totals(inv, lse);
     } else {
       const int qb = q_ring.stage;
@@ -451,14 +535,17 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         // the producer may load the next Q now, under the last P·V.
         if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
         // The last tile's P·V.
+        // (The next position is read before the products are issued: no wait
+        // loop may sit among wgmma in flight.)
         const RingPosition<Tile::kStages> prev = ring.Previous();
         MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
+        const int taken = walk.ConsumerTake(sm);
         await_turn();
         WgmmaFence();
         ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
         WgmmaCommit();
         pass_turn();
-        more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
+        more = walk.ConsumerNext(p, sched, taken, &next);
         softmax.Totals(inv, lse);
         WgmmaWait<0>();
         FenceAccumulator(o[0]);
@@ -469,7 +556,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         if constexpr (Tile::kSeparateO) release(sm.QEmpty(qb));
         await_turn();
         pass_turn();
-        more = NextWork<kM, kN, Tile::kTakesSegments>(p, sched, &index, &next);
+        more = walk.ConsumerNext(p, sched, walk.ConsumerTake(sm), &next);
         softmax.Totals(inv, lse);
       }
 #pragma unroll 1
@@ -545,30 +632,29 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (tid == 0) TmaStoreWait<0>();
 }
 
-template <typename T, typename Tile>
+template <typename T, typename Tile, bool kDynamic>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                const __grid_constant__ CUtensorMap o_map) {
+                const __grid_constant__ CUtensorMap o_map, int claim_slot) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x);
+  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic);
+  const WorkClaims claims{claim_slot};
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
-        if (warp == 0) WsFwdProducer<Tile>(p, sm, sched, q_map, k_map, v_map);
+        if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map);
       },
-      [&](int consumer) { WsFwdConsumer<T, Tile>(p, sm, sched, o_map, consumer); });
+      [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, sched, o_map, consumer); });
 #endif  // JAXFLASH_SM90A
 }
 
-// Encodes the four tensor maps and launches one CTA per SM (fewer when there
-// are fewer work tiles).
-template <typename T, typename Tile>
-Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile>>(Tile::kSmemBytes, device);
+template <typename T, typename Tile, bool kDynamic>
+Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
@@ -586,8 +672,20 @@ Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_
     return st;
   }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
-  WsFwdKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p, q_map, k_map, v_map, o_map);
+  WsFwdKernel<T, Tile, kDynamic><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+      p, q_map, k_map, v_map, o_map, kDynamic ? WorkClaims::NextSlot() : 0);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
+}
+
+// Encodes the four tensor maps and launches one CTA per SM (fewer when there
+// are fewer work tiles), the dynamic walk's kernel for segment ids where the
+// tile has one.
+template <typename T, typename Tile>
+Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if constexpr (Tile::kDynamicWalk) {
+    if (p.mask.q_segments != nullptr && getenv("JAXFLASH_TMP_STATIC_WALK") == nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
+  }
+  return LaunchWsForwardWalk<T, Tile, false>(p, device, stream);
 }
 
 }  // namespace sm90

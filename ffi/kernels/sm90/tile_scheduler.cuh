@@ -28,7 +28,18 @@
 //                 pairs that fill their rounds less than 90% (fewer pairs
 //                 than CTAs, a last round mostly empty: small problems, whose
 //                 tiles mostly run at once anyway).
+//   segment ids   a row block's work is its place in its document, which no
+//                 fixed assignment can know: packed rows of random documents
+//                 (bench_packed.py's) left the paired walk's busiest CTA with
+//                 1.40x the mean work (a model of the forward's key tiles,
+//                 docs/performance-log.md, forty-third session). So the CTAs
+//                 claim their tiles as they free up (WorkClaims), in chunks
+//                 of heads whose K/V fit in L2 together, each chunk's row
+//                 blocks last first with its heads inner: list scheduling,
+//                 1.03x the mean in the same model.
 #pragma once
+
+#include <atomic>
 
 #include "jaxflash/params.h"
 
@@ -41,6 +52,34 @@ struct WorkTile {
   int batch;
 };
 
+// The claim counters of dynamic walks: a launch takes a slot (the host picks
+// them in turn, so launches running side by side on other streams use other
+// counters), its CTAs claim positions from the slot's counter, and the last
+// CTA to finish sets the slot back to zero for the next launch (a captured
+// graph's replays included). Each translation unit has its own counters.
+static constexpr int kWorkClaimSlots = 64;
+static __device__ int g_work_claims[2 * kWorkClaimSlots];  // per slot: positions claimed, CTAs done
+
+struct WorkClaims {
+  int slot;  // (the counters' address is built at each use: the producer's registers are few)
+
+  // The slot of the next launch.
+  static int NextSlot() {
+    static std::atomic<unsigned> launches{0};
+    return static_cast<int>(launches.fetch_add(1, std::memory_order_relaxed) % kWorkClaimSlots);
+  }
+  // The next of the positions past the CTAs' first ones, 0-based.
+  __device__ __forceinline__ int Claim() const { return atomicAdd(g_work_claims + 2 * slot, 1); }
+  // Called once per CTA, after its last claim.
+  __device__ __forceinline__ void Finish() const {
+    __threadfence();
+    if (atomicAdd(g_work_claims + 2 * slot + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      g_work_claims[2 * slot] = 0;
+      g_work_claims[2 * slot + 1] = 0;
+    }
+  }
+};
+
 struct TileScheduler {
   int m_blocks;
   int heads;      // query heads; the heads of one GQA group are consecutive
@@ -49,19 +88,36 @@ struct TileScheduler {
   int positions;  // the walk's length: a position may hold no tile (paired order)
   bool heavy_first;  // a diagonal mask: row blocks differ in work
   bool paired;
+  int chunk_heads;  // > 0: the segment ids' walk, (batch, head)s per chunk
 
   // Work tiles of a launch (the host sizes the grid by them).
   __host__ __device__ static int64_t Tiles(const AttentionShape& sh, int rows) {
     return (sh.q_len + rows - 1) / rows * sh.q_heads * sh.batch;
   }
 
-  __host__ __device__ static TileScheduler For(const AttentionShape& sh, const MaskParams& mask, int rows, int ctas) {
+  // (Query) heads whose K/V take about kChunkBytes of L2 together.
+  static constexpr int64_t kChunkBytes = int64_t(32) << 20;
+  __host__ __device__ static int ChunkHeads(const AttentionShape& sh, int dtype_bytes) {
+    const int64_t per_kv_head = sh.kv_len * (sh.head_dim + sh.v_dim()) * dtype_bytes;
+    const int64_t heads = kChunkBytes * sh.group_size() / (per_kv_head > 0 ? per_kv_head : 1);
+    return static_cast<int>(heads < 1 ? 1 : heads < sh.q_heads * sh.batch ? heads : sh.q_heads * sh.batch);
+  }
+
+  // `dynamic`: the segment ids' walk, its positions claimed (WorkClaims).
+  __host__ __device__ static TileScheduler For(const AttentionShape& sh, const MaskParams& mask, int rows, int ctas,
+                                               int dtype_bytes, bool dynamic) {
     TileScheduler s;
     s.m_blocks = static_cast<int>((sh.q_len + rows - 1) / rows);
     s.heads = static_cast<int>(sh.q_heads);
     s.batches = static_cast<int>(sh.batch);
     s.ctas = ctas;
     s.heavy_first = mask.window_right >= 0;
+    s.chunk_heads = dynamic ? ChunkHeads(sh, dtype_bytes) : 0;
+    if (s.chunk_heads > 0) {
+      s.paired = false;
+      s.positions = static_cast<int>(Tiles(sh, rows));
+      return s;
+    }
     const int units = s.Pairs() * s.heads * s.batches;
     const int rounds = (units + ctas - 1) / ctas;
     s.paired = s.heavy_first && s.m_blocks % 2 == 0 && units >= ctas &&
@@ -77,7 +133,13 @@ struct TileScheduler {
   // The tile at a position of the walk; false where the position holds none.
   __device__ __forceinline__ bool Get(int index, WorkTile* w) const {
     int bh;
-    if (paired) {
+    if (chunk_heads > 0) {  // a chunk's row blocks last first, its (batch, head)s inner
+      const int per_chunk = chunk_heads * m_blocks;
+      const int first = index / per_chunk * chunk_heads, at = index % per_chunk;
+      const int in_chunk = heads * batches - first < chunk_heads ? heads * batches - first : chunk_heads;
+      w->m_block = m_blocks - 1 - at / in_chunk;
+      bh = first + at % in_chunk;
+    } else if (paired) {
       const int round = index / ctas;
       const int unit = (round / 2) * ctas + index % ctas;
       const int pairs = Pairs();
@@ -98,9 +160,13 @@ struct TileScheduler {
     return true;
   }
 
+  // Whether the CTAs claim their positions (WorkClaims) rather than take
+  // every gridDim.x-th.
+  __host__ __device__ bool Dynamic() const { return chunk_heads > 0; }
+
   // Moves *index on to this CTA's next position that holds a tile (a CTA's
   // positions are blockIdx.x, + gridDim.x, ...; start from blockIdx.x -
-  // gridDim.x) and reads it; false once past the walk.
+  // gridDim.x) and reads it; false once past the walk. (The static walks.)
   __device__ __forceinline__ bool Next(int* index, WorkTile* w) const {
     for (*index += gridDim.x; *index < positions; *index += gridDim.x) {
       if (Get(*index, w)) return true;
