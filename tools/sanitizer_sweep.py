@@ -29,7 +29,10 @@ SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (
           (1, 150, 333, 2, 1, 128),  # walks several K/V tiles through both pipeline stages
           # more work tiles than SMs (192 of the D 64 pick's 256 rows against an H100's 132):
           # persistent CTAs take several
-          (3, 300, 260, 32, 4, 64)]
+          (3, 300, 260, 32, 4, 64),
+          # 240 work tiles of the D 128 segment tile's 128 rows: with segment ids its
+          # CTAs claim them one by one (the dynamic walk, sm90/tile_scheduler.cuh)
+          (2, 640, 640, 24, 8, 128)]
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1]),
          dict(key_value_seq_lengths=None),  # ragged keys: padding inside the tensor

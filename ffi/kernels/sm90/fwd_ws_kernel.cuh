@@ -37,7 +37,6 @@
 #include <cuda_runtime.h>
 
 #include <climits>
-#include <cstdlib>
 #include <type_traits>
 
 #include "common/fwd_blocks.cuh"
@@ -683,7 +682,7 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
 template <typename T, typename Tile>
 Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if constexpr (Tile::kDynamicWalk) {
-    if (p.mask.q_segments != nullptr && getenv("JAXFLASH_TMP_STATIC_WALK") == nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
+    if (p.mask.q_segments != nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
   }
   return LaunchWsForwardWalk<T, Tile, false>(p, device, stream);
 }
