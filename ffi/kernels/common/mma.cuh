@@ -248,25 +248,6 @@ __device__ __forceinline__ float MaxNaN(float a, float b) {
   return y;
 }
 
-// exp2 on the FMA pipe, for kernels whose special-function unit is their
-// bound (a soft-capped forward takes a tanh beside every exponent: see
-// OnlineSoftmax::Scores's kFmaEvery). 2^x = 2^j * 2^f with j = round(x) (the
-// magic-number add) and f in [-1/2, 1/2]: 2^f from a cubic (relative error
-// 1.0e-4, a fortieth of a bf16 ulp; tanh.approx's own is 4.9e-4), 2^j a float
-// built from j's bits. x is clamped to -127, where 2^j is 0: -inf gives 0 as
-// on the special-function unit; a NaN stays NaN (the clamp keeps it, and it
-// reaches the product). Eight FMA-pipe instructions and one ALU where ex2 is
-// one special-function op at an eighth of the FMA pipe's rate.
-__device__ __forceinline__ float Exp2OnFma(float x) {
-  constexpr float kRound = 12582912.f;  // 1.5 * 2^23: x + kRound has round(x) in its low mantissa bits
-  x = MaxNaN(x, -127.f);
-  const float t = __fadd_rn(x, kRound);
-  const float f = __fadd_rn(x, -__fadd_rn(t, -kRound));
-  const float p = fmaf(fmaf(fmaf(0.05500871f, f, 0.24221068f), f, 0.69328292f), f, 1.f);
-  const float two_j = __uint_as_float(__float_as_uint(t) * (1u << 23) + (127u << 23));
-  return p * two_j;
-}
-
 // ------------------------------------------------------------ warp reductions
 // The four lanes of a quad (same g) own the same accumulator rows.
 __device__ __forceinline__ float QuadMax(float x) {

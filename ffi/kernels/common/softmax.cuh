@@ -51,13 +51,8 @@ struct OnlineSoftmax {
   // alone (its quad agrees through QuadMax), so no row's rounding depends on
   // another's values, padding rows' included; a warp runs the multiplies when
   // any of its lanes needs them. A NaN or +inf score always moves it.
-  //
-  // With kFmaEvery = k > 0 every k-th n8 column tile takes its exponents on
-  // the FMA pipe (Exp2OnFma) instead of the special-function unit, for
-  // kernels that unit bounds (a soft-capped forward: a tanh beside each
-  // exponent).
   static constexpr float kLazyMargin = 8.f;
-  template <bool kLazy = false, int kFmaEvery = 0, int kNT>
+  template <bool kLazy = false, int kNT>
   __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
     bool moved = false;
 #pragma unroll
@@ -83,11 +78,8 @@ struct OnlineSoftmax {
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const bool fma_pipe = kFmaEvery > 0 && nt % kFmaEvery == kFmaEvery - 1;
-          const float x0 = fmaf(s[mt][nt][2 * half], scale, -ref);
-          const float x1 = fmaf(s[mt][nt][2 * half + 1], scale, -ref);
-          const float p0 = fma_pipe ? Exp2OnFma(x0) : Exp2(x0);
-          const float p1 = fma_pipe ? Exp2OnFma(x1) : Exp2(x1);
+          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
+          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;

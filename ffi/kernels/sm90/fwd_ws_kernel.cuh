@@ -85,11 +85,6 @@ struct WsFwdTile {
   // docs/performance-log.md). At D 256 it spilled every tile (28-212 bytes):
   // capped calls run the cp.async kernel there.
   static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
-  // Under a cap every second n8 column tile takes its exponents on the FMA
-  // pipe (OnlineSoftmax::Scores): tanh and exp2 both ran on the special-
-  // function unit, which then bounded the capped forward (1.29x the plain one
-  // at D 128, 1.65x at D 64; docs/performance-log.md, thirty-ninth session).
-  static constexpr int kCappedFmaEvery = 2;
   // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
   // and at D 64 with three consumers of them, their code spilled the
   // consumers' registers (24-56 bytes), so such calls run another candidate
@@ -455,7 +450,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             if (p.softcap > 0.f) {
               tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
                              tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
-              return softmax.Scores<true, Tile::kCappedFmaEvery>(s, alpha, tc::SoftCap::Of(p).cap2);
+              return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
           if (scale_log2 > 0.f) {
