@@ -9,11 +9,24 @@ ideal (total work / slots) for the grid's order, for the chunked order of
 grid_order.cuh, and for all CTAs heaviest first. A model, not a measurement:
 docs/performance-log.md (sixteenth session) holds what the GPU did.
 
+`--packed` models the warp-specialised forward's persistent walks
+(sm90/tile_scheduler.cuh) on bench_packed.py's documents instead: a work tile's
+cost is the key tiles its busier consumer walks, and it prints the busiest CTA's
+work over the mean for the paired static walk (CTA c takes positions c, c +
+ctas, ...) and for the dynamic walk (CTAs claim the next position as they free
+up: chunks of heads, row blocks last first, heads inner), chunks of 4-16 heads
+(forty-third session in the log).
+
     python tools/grid_order_model.py [--slots 132] [--chunk-ctas 256]
+    python tools/grid_order_model.py --packed [--seq 8192 --docs 8 --heads 16 --seed 0]
 """
 
 import argparse
 import heapq
+import os
+import sys
+
+import numpy as np
 
 
 def makespan(work, slots):
@@ -32,11 +45,55 @@ def orders(tiles, groups, heads_per_group, seq, chunk_ctas, key_tile=128, query_
   return grid, chunked, sorted(grid, reverse=True)
 
 
+def packed_walks(seq, docs, heads, seed, ctas, rows=128, keys=64):
+  """Busiest CTA over the mean, the paired static walk and the dynamic walk by chunk size."""
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+  from bench_packed import documents
+  batch = max(1, 16384 // seq)
+  ids, _ = documents(np.random.default_rng(seed), batch, seq, docs)
+  blocks = seq // rows
+  cost = np.zeros((batch, blocks))
+  for b in range(batch):
+    first = np.r_[0, np.flatnonzero(np.diff(ids[b])) + 1]   # each document's first position
+    begin = first[np.searchsorted(first, np.arange(seq), side="right") - 1]   # causal, in-document
+    for m in range(blocks):   # each consumer's 64 rows walk from their first key tile to their diagonal's
+      cost[b, m] = max((r0 + 63) // keys + 1 - begin[r0:r0 + 64].min() // keys
+                       for r0 in range(m * rows, (m + 1) * rows, 64))
+  groups = batch * heads
+  # The paired walk (TileScheduler::Get): round r's unit (r / 2) * ctas + c, heavy then light.
+  pairs = blocks // 2
+  static = np.zeros(ctas)
+  for index in range(2 * -(-pairs * groups // ctas) * ctas):
+    rnd, c = divmod(index, ctas)
+    unit = rnd // 2 * ctas + c
+    if unit // pairs < groups:
+      j = unit % pairs
+      static[c] += cost[unit // pairs // heads, blocks - 1 - j if rnd % 2 == 0 else j]
+  mean = cost.sum() * heads / ctas
+  dynamic = {}
+  for chunk in (4, 8, 16):
+    walk = [cost[g // heads, m] for first in range(0, groups, chunk) for m in reversed(range(blocks))
+            for g in range(first, min(groups, first + chunk))]
+    dynamic[chunk] = makespan(walk, ctas)
+  return static.max() / mean, dynamic
+
+
 def main():
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--slots", type=int, default=132, help="CTAs running at once (SMs x CTAs per SM)")
   ap.add_argument("--chunk-ctas", type=int, default=256, help="grid_order.cuh's kChunkCtas")
+  ap.add_argument("--packed", action="store_true", help="the forward's walks on packed documents")
+  ap.add_argument("--seq", type=int, default=8192)
+  ap.add_argument("--docs", type=int, default=8)
+  ap.add_argument("--heads", type=int, default=16)
+  ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args()
+  if args.packed:
+    static, dynamic = packed_walks(args.seq, args.docs, args.heads, args.seed, args.slots)
+    print(f"forward, packed S {args.seq}, {args.docs} documents a row: busiest CTA / mean work: "
+          f"paired static walk {static:.3f}; dynamic walk " +
+          ", ".join(f"chunks of {c} heads {x:.3f}" for c, x in dynamic.items()))
+    return
   # The DESIGN.md §6 grid at D 128 (B·S = 16k tokens, 16 heads), then the GQA training shape.
   shapes = [(f"S {s}, B {16384 // s}, 16 heads", s, 16384 // s * 16, 1) for s in (1024, 2048, 4096, 8192, 16384)]
   shapes.append(("GQA: S 8192, B 2, 32 / 8 heads", 8192, 16, 4))
