@@ -365,19 +365,26 @@ def test_gpu_table_kernel_equals_the_definition(rng):
 @pytest.mark.gpu
 def test_gpu_forward_claims_its_tiles(rng):
   """Segment ids on more work tiles than the GPU has SMs: the warp-specialised forward's CTAs
-  claim their tiles (tile_scheduler.cuh's dynamic walk). Every tile is done once (the
-  reference; jaxflash's xla at 512 tiles), and each launch's claims start from zero (three
-  calls of one jitted function, the same bits)."""
+  claim their tiles where the tile has the dynamic walk (sm90/tile_scheduler.cuh). Every tile is
+  done (the reference), causal or not, with row counts that leave a consumer's 64 rows past the
+  last query (a consumer that sees no key passes over the whole work tile: the first version of
+  the walk deadlocked there, and where the other consumer saw many more key tiles); D 128 and
+  D 64's two-consumer tile. Then 66 launches of one jitted call on alternating inputs, each
+  against xla: the launches wrap the 64 claim slots, so a slot whose counters were not reset
+  would skip tiles (and leave the other input's rows in a reused buffer)."""
   if not HAS_GPU:
     pytest.skip("needs a GPU")
-  for kind in ("packed", "scattered"):
-    check_forward(rng, (2, 1536, 1536, 8, 2, 128), "causal", jnp.bfloat16, segments=KINDS[kind])
+  for shape, mask in [((2, 1536, 1536, 8, 2, 128), "causal"), ((2, 1540, 1540, 8, 2, 128), "none"),
+                      ((2, 1540, 1540, 8, 2, 128), "lengths_causal_bottom_right"),
+                      ((1, 1540, 1540, 16, 4, 64), "none")]:
+    for kind in ("packed", "scattered"):
+      check_forward(rng, shape, mask, jnp.bfloat16, segments=KINDS[kind])
   B, S, N, K, D = 2, 2048, 16, 4, 128
-  q, k, v = random_inputs(rng, B, S, S, N, K, D, jnp.bfloat16)
+  inputs = [random_inputs(rng, B, S, S, N, K, D, jnp.bfloat16) for _ in range(2)]
   ids, _ = packed(rng, B, S, S, documents=8)
   run = jax.jit(lambda q, k, v, impl: jaxflash.dot_product_attention(  # noqa: E731
       q, k, v, is_causal=True, query_segment_ids=ids, implementation=impl), static_argnums=3)
-  first = np.asarray(run(q, k, v, "native"), np.float32)
-  np.testing.assert_allclose(first, np.asarray(run(q, k, v, "xla"), np.float32), atol=2e-2)
-  for _ in range(2):
-    assert np.array_equal(np.asarray(run(q, k, v, "native"), np.float32), first)
+  truth = [np.asarray(run(*x, "xla"), np.float32) for x in inputs]
+  for i in range(66):
+    np.testing.assert_allclose(np.asarray(run(*inputs[i % 2], "native"), np.float32), truth[i % 2],
+                               atol=2e-2, err_msg=f"launch {i}")

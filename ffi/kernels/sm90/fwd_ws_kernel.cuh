@@ -96,9 +96,13 @@ struct WsFwdTile {
   static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
-  // D 256's 80-key tiles it spilled 4-144 bytes).
+  // D 256 it spilled 4-144 bytes). Off (kDynamicWalkOn) until the walk as
+  // corrected in review, each position published a tile ahead, has run on a
+  // GPU: the version measured there could deadlock (docs/performance-log.md,
+  // forty-third session).
+  static constexpr bool kDynamicWalkOn = false;
   static constexpr bool kDynamicWalk =
-      kTakesSegments && kConsumers == 2 && !(kD == 64 && kSeparateO) && !(kD == 256 && kN == 80);
+      kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -214,14 +218,24 @@ __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler
 // keep it. A static walk takes every gridDim.x-th position
 // (TileScheduler::Next) on both sides without talk. A dynamic one
 // (TileScheduler::Dynamic: segment ids) is a kernel of its own: the
-// producer's lane 0 claims each next position (WorkClaims) and publishes it
-// in a ring of two shared-memory slots, where every consumer thread reads it.
+// producer's lane 0 claims the positions (WorkClaims) and publishes them in a
+// ring of two shared-memory slots, where every consumer thread reads them.
 // (Its consumers' code beside the static walk's spilled at D 64 and 256;
 // with the slot read alone still at D 64's three and four consumers, so only
 // the tiles of WsFwdTile::kDynamicWalk build it.)
+//
+// The producer publishes position k + 1 as it starts tile k, before any of
+// tile k's copies. A consumer reads k + 1 near the end of tile k, before it
+// has released all of tile k's stages (its last V, and the key tiles past
+// its own rows' that it passes over): had k + 1 waited for the producer to
+// issue tile k's copies, which wait for those releases, both would wait
+// forever (the first version did, found in review: a tile whose other
+// consumer sees kStages key tiles more, or whose rows see none). Publishing
+// a tile ahead waits only for the consumers to have read k - 1, which they do
+// by the end of tile k - 2, whose copies are all issued by then.
 template <typename Tile, bool kDynamic>
 struct WsWalk {
-  int index;           // static: the position last taken; dynamic: the producer's next one
+  int index;            // static: the position last taken; dynamic: the producer's position published last
   uint32_t passed = 0;  // dynamic: positions published or read so far (the slot and its parity)
 
   __device__ __forceinline__ WsWalk()
@@ -235,18 +249,13 @@ struct WsWalk {
     } else {
       int at = -1;
       if (lane == 0) {
-        // Each claim is made a tile ahead, so the atomic's latency hides under
-        // that tile's copies.
-        if (index < sched.positions) {
-          at = index;
-          index = static_cast<int>(gridDim.x) + claims.Claim();
+        if (passed == 0) Publish(sm, claims, index = index < sched.positions ? index : -1);  // blockIdx.x
+        at = index;
+        if (at >= 0) {
+          const int next = static_cast<int>(gridDim.x) + claims.Claim();
+          Publish(sm, claims, index = next < sched.positions ? next : -1);
         }
-        MBarrier::Wait(sm.WorkEmpty(passed & 1), ((passed >> 1) & 1) ^ 1);
-        StoreShared32(sm.WorkSlot(passed & 1), static_cast<uint32_t>(at));
-        MBarrier::Arrive(sm.WorkFull(passed & 1));
-        if (at < 0) claims.Finish();
       }
-      ++passed;
       return OpenWork<Tile>(p, sched, __shfl_sync(0xffffffffu, at, 0), w);
     }
   }
@@ -271,6 +280,15 @@ struct WsWalk {
   }
 
  private:
+  // The producer's lane 0: position `at` (-1: the walk's end, after the CTA's
+  // last claim) into the next slot once the consumers have read its last.
+  __device__ __forceinline__ void Publish(const WsFwdSmem<Tile>& sm, const WorkClaims& claims, int at) {
+    MBarrier::Wait(sm.WorkEmpty(passed & 1), ((passed >> 1) & 1) ^ 1);
+    StoreShared32(sm.WorkSlot(passed & 1), static_cast<uint32_t>(at));
+    MBarrier::Arrive(sm.WorkFull(passed & 1));
+    ++passed;
+    if (at < 0) claims.Finish();
+  }
   __device__ __forceinline__ bool StaticNext(const FwdParams& p, const TileScheduler& sched, WsWork* w) {
     WorkTile tile;
     if (!sched.Next(&index, &tile)) return false;

@@ -36,7 +36,9 @@
 //                 claim their tiles as they free up (WorkClaims), in chunks
 //                 of heads whose K/V fit in L2 together, each chunk's row
 //                 blocks last first with its heads inner: list scheduling,
-//                 1.03x the mean in the same model.
+//                 1.03x the mean in the same model (tools/grid_order_model.py
+//                 --packed). Where a tile builds it (WsFwdTile::kDynamicWalk,
+//                 off until run on a GPU: fwd_ws_kernel.cuh).
 #pragma once
 
 #include <atomic>
@@ -54,11 +56,14 @@ struct WorkTile {
 
 // The claim counters of dynamic walks: a launch takes a slot (the host picks
 // them in turn, so launches running side by side on other streams use other
-// counters), its CTAs claim positions from the slot's counter, and the last
-// CTA to finish sets the slot back to zero for the next launch (a captured
-// graph's replays included). Each translation unit has its own counters.
-static constexpr int kWorkClaimSlots = 64;
-static __device__ int g_work_claims[2 * kWorkClaimSlots];  // per slot: positions claimed, CTAs done
+// counters unless 64 launches apart: a captured graph keeps the slot it was
+// captured with), its CTAs claim positions from the slot's counter, and the
+// last CTA to finish sets the slot back to zero for the next launch (a
+// graph's replays included). Each translation unit has its own counters (an
+// unnamed namespace: the kernels of one head-dim bucket share them).
+namespace {
+constexpr int kWorkClaimSlots = 64;
+__device__ int g_work_claims[2 * kWorkClaimSlots];  // per slot: positions claimed, CTAs done
 
 struct WorkClaims {
   int slot;  // (the counters' address is built at each use: the producer's registers are few)
@@ -70,15 +75,16 @@ struct WorkClaims {
   }
   // The next of the positions past the CTAs' first ones, 0-based.
   __device__ __forceinline__ int Claim() const { return atomicAdd(g_work_claims + 2 * slot, 1); }
-  // Called once per CTA, after its last claim.
+  // Called once per CTA, after its last claim (whose result it has used).
   __device__ __forceinline__ void Finish() const {
     __threadfence();
     if (atomicAdd(g_work_claims + 2 * slot + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-      g_work_claims[2 * slot] = 0;
-      g_work_claims[2 * slot + 1] = 0;
+      atomicExch(g_work_claims + 2 * slot, 0);
+      atomicExch(g_work_claims + 2 * slot + 1, 0);
     }
   }
 };
+}  // namespace
 
 struct TileScheduler {
   int m_blocks;
