@@ -232,7 +232,8 @@ __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler
 // forever (the first version did, found in review: a tile whose other
 // consumer sees kStages key tiles more, or whose rows see none). Publishing
 // a tile ahead waits only for the consumers to have read k - 1, which they do
-// by the end of tile k - 2, whose copies are all issued by then.
+// by the end of tile k - 2, whose copies are all issued by then
+// (tools/walk_protocol_model.py models both versions).
 template <typename Tile, bool kDynamic>
 struct WsWalk {
   int index;            // static: the position last taken; dynamic: the producer's position published last
