@@ -216,8 +216,8 @@ __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler
 
 // The CTA's walk over its work tiles, as the producer and the consumers each
 // keep it. A static walk takes every gridDim.x-th position
-// (TileScheduler::Next) on both sides without talk. A dynamic one
-// (TileScheduler::Dynamic: segment ids) is a kernel of its own: the
+// (TileScheduler::Next) on both sides without talk. A dynamic one (segment
+// ids; TileScheduler's chunked order) is a kernel of its own: the
 // producer's lane 0 claims the positions (WorkClaims) and publishes them in a
 // ring of two shared-memory slots, where every consumer thread reads them.
 // (Its consumers' code beside the static walk's spilled at D 64 and 256;

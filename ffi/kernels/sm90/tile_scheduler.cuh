@@ -166,10 +166,6 @@ struct TileScheduler {
     return true;
   }
 
-  // Whether the CTAs claim their positions (WorkClaims) rather than take
-  // every gridDim.x-th.
-  __host__ __device__ bool Dynamic() const { return chunk_heads > 0; }
-
   // Moves *index on to this CTA's next position that holds a tile (a CTA's
   // positions are blockIdx.x, + gridDim.x, ...; start from blockIdx.x -
   // gridDim.x) and reads it; false once past the walk. (The static walks.)
