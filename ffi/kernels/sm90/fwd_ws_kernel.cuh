@@ -96,11 +96,9 @@ struct WsFwdTile {
   static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
-  // D 256 it spilled 4-144 bytes). Off (kDynamicWalkOn) until the walk as
-  // corrected in review, each position published a tile ahead, has run on a
-  // GPU: the version measured there could deadlock (docs/performance-log.md,
-  // forty-third session).
-  static constexpr bool kDynamicWalkOn = false;
+  // D 256 it spilled 4-144 bytes). kDynamicWalkOn turns it off for every tile
+  // (then segment calls take the static walk), for A/B runs.
+  static constexpr bool kDynamicWalkOn = true;
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
   static constexpr int kThreads = 128 * (kConsumers + 1);
