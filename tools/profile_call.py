@@ -12,7 +12,8 @@ runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
 two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
-runs a decode step instead. `--softcap C` gives the call a logit soft-cap. `--peer cudnn` (or `pallas`) runs the same call (a decode step:
+runs a decode step instead. `--softcap C` gives the call a logit soft-cap. `--peer cudnn` (or `pallas`,
+or `fa3`: flash_attn3_jax.flash_mha, training calls only) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
 none --metrics gpu__time_duration.sum ...` lists every kernel of the call). `--time` then
 prints the call's time as the benchmarks measure it (`_measure.time_jitted`: back-to-back
@@ -51,7 +52,7 @@ def main():
   ap.add_argument("--q-len", type=int, default=1)
   ap.add_argument("--page", type=int, default=0)
   ap.add_argument("--splits", type=int, default=0)
-  ap.add_argument("--peer", choices=("native", "pallas", "cudnn"), default="native",
+  ap.add_argument("--peer", choices=("native", "pallas", "cudnn", "fa3"), default="native",
                   help="implementation of the call (a decode step's: contiguous)")
   ap.add_argument("--softcap", type=float, default=None, help="logits_soft_cap of the call")
   ap.add_argument("--time", action="store_true",
@@ -69,6 +70,9 @@ def main():
   cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
   attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
                                                             implementation=args.peer, **cap)
+  if args.peer == "fa3":
+    import flash_attn3_jax  # FlashAttention-3's Hopper kernels through XLA FFI
+    attention = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=args.causal)
   if args.backward:
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
