@@ -88,15 +88,16 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
   StartKeyGrads(sm, w, dk, dv);
 
   RingPosition<Tile::kStages> ring;
-  for (int it = 0; it < w.steps; ++it) {
-    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    const WsBwdStage in = WaitForStage(sm, step, stats_base, ring);
 
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
     KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
                                              in.r0 + q0, w.C0(), w.C0() + key_w, kN, in.lse + q0, lane, scale_log2,
-                                             {}, tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it)));
+                                             {}, tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head));
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
@@ -126,7 +127,7 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
       key_grads();
       WgmmaWait<1>();
       FenceAccumulator(dq);
-      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), w.Head(it), in.r0 + warp * 16, col0, lane);
+      tc::AddQueryGradSums(dq, p, w.pol.q_valid, w.Batch(), step.head, in.r0 + warp * 16, col0, lane);
     } else {
       key_grads();
     }

@@ -164,8 +164,9 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
   StartKeyGrads(sm, w, dk, dv);
 
   RingPosition<Tile::kStages> ring;
-  for (int it = 0; it < w.steps; ++it) {
-    const WsBwdStage in = WaitForStage(sm, w, stats_base, ring, it);
+  auto step = w.FirstStep();
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    const WsBwdStage in = WaitForStage(sm, step, stats_base, ring);
 
     // ---- Sᵀ, dPᵀ; Pᵀ while dPᵀ runs, then dSᵀ, dV += Pᵀ dO issued before
     // dSᵀ (kEarlyDv) or after its store. Without the early dV, Pᵀ is packed
@@ -178,7 +179,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // (twenty-fourth session); the three-consumer D 64 tile, at 160
     // registers a thread, was not measured.
     constexpr bool kLseFirst = Tile::kConsumers == 2;
-    const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), w.Head(it));
+    const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
                                                         w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,

@@ -120,10 +120,11 @@ struct WsBwdWork {
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(place + offset));
     return v;
   }
-  __device__ __forceinline__ int Head(int it) const { return KvHead() * group + it / q_tiles.count; }
-  __device__ __forceinline__ int Row0(int it) const { return (q_tiles.begin + it % q_tiles.count) * Tile::kM; }
-  // Head and Row0 of step after step, counted: the producer warpgroup's roles
-  // run in 24 registers, where the division and modulo per step spilled.
+  // Head and first row of step after step, counted: the producer warpgroup's
+  // roles run in 24 registers, where a division and modulo per step spilled,
+  // and in the consumers they were ~35 dependent instructions at the top of
+  // each step (with the ALiBi slope's load), between the last step's dK and
+  // the next Sᵀ.
   struct Steps {
     int head, q_tile, begin, end;
     __device__ __forceinline__ int Row0() const { return q_tile * Tile::kM; }
@@ -150,10 +151,11 @@ struct WsBwdStage {
   const float* delta;
 };
 template <typename Tile>
-__device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
-                                                   float* stats_base, const RingPosition<Tile::kStages>& ring, int it) {
+__device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm,
+                                                   const typename WsBwdWork<Tile>::Steps& step, float* stats_base,
+                                                   const RingPosition<Tile::kStages>& ring) {
   WsBwdStage st;
-  st.r0 = w.Row0(it);
+  st.r0 = step.Row0();
   st.q = WarpUniform(sm.Q(ring.stage));
   st.d_o = WarpUniform(sm.DO(ring.stage));
   st.lse = sm.StatsPointer(stats_base, ring.stage);
