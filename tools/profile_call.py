@@ -12,8 +12,9 @@ runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
 two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
-runs a decode step instead. `--softcap C` gives the call a logit soft-cap. `--peer cudnn` (or `pallas`,
-or `fa3`: flash_attn3_jax.flash_mha, training calls only) runs the same call (a decode step:
+runs a decode step instead. `--softcap C` gives the call a logit soft-cap, `--docs N` packed
+rows of N documents (segment ids as benchmarks/bench_packed.py draws them). `--peer cudnn` (or
+`pallas`, or `fa3`: flash_attn3_jax.flash_mha, training calls only) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
 none --metrics gpu__time_duration.sum ...` lists every kernel of the call). `--time` then
 prints the call's time as the benchmarks measure it (`_measure.time_jitted`: back-to-back
@@ -55,6 +56,9 @@ def main():
   ap.add_argument("--peer", choices=("native", "pallas", "cudnn", "fa3"), default="native",
                   help="implementation of the call (a decode step's: contiguous)")
   ap.add_argument("--softcap", type=float, default=None, help="logits_soft_cap of the call")
+  ap.add_argument("--docs", type=int, default=0,
+                  help="packed rows: N documents a row marked with segment ids, as benchmarks/bench_packed.py "
+                       "draws them (seed 0)")
   ap.add_argument("--time", action="store_true",
                   help="also print call_us=, the median µs a call as the benchmarks time it")
   args = ap.parse_args()
@@ -67,9 +71,13 @@ def main():
   q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
   k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
   library = jax.nn if args.peer == "cudnn" else jaxflash
-  cap = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
+  extras = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
+  if args.docs:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+    from bench_packed import documents  # the benchmark's documents
+    extras["query_segment_ids"] = jnp.asarray(documents(np.random.default_rng(0), B, S, args.docs)[0])
   attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                            implementation=args.peer, **cap)
+                                                            implementation=args.peer, **extras)
   if args.peer == "fa3":
     import flash_attn3_jax  # FlashAttention-3's Hopper kernels through XLA FFI
     attention = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=args.causal)

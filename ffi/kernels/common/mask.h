@@ -138,10 +138,22 @@ struct MaskPolicy {
   struct Keys {
     int begin, end;
   };
+  // kEager reads the five table fields at once (the rows are in range there):
+  // one round trip of loads instead of up to four in turn, for a caller that
+  // asks under products in flight (the sm90 backward's step); the others keep
+  // the lazy order, whose fewer live registers they need (eager, the sm80
+  // D 32 forward spilled 28 bytes).
+  template <bool kEager = false>
   JAXFLASH_HD Keys FullKeys(int r0, int r_end) const {
     if (r_end > q_valid) return {0, 0};
     if (q_seg != nullptr) {
       const int last = r_end - 1;
+      if constexpr (kEager) {
+        const int run_end = QuerySeg(r0, kSegRunEnd), first_gap_free = QuerySeg(r0, kSegGapFree);
+        const int last_gap_free = QuerySeg(last, kSegGapFree);
+        const Keys keys = {QuerySeg(last, kSegBegin), QuerySeg(r0, kSegEnd)};
+        return run_end >= r_end && first_gap_free != 0 && last_gap_free != 0 ? keys : Keys{0, 0};
+      }
       if (QuerySeg(r0, kSegRunEnd) < r_end || QuerySeg(r0, kSegGapFree) == 0 || QuerySeg(last, kSegGapFree) == 0) {
         return {0, 0};
       }
@@ -165,8 +177,9 @@ struct MaskPolicy {
   }
   // True when every (row, col) of the tile [r0, r1) x [c0, c1) is visible, so
   // the kernel can skip per-element masking. Assumes r0 < r1 and c0 < c1.
+  template <bool kEager = false>
   JAXFLASH_HD bool TileIsFull(int r0, int r1, int c0, int c1) const {
-    const Keys full = FullKeys(r0, r1);
+    const Keys full = FullKeys<kEager>(r0, r1);
     return c0 >= full.begin && c1 <= full.end;
   }
 };

@@ -169,7 +169,9 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
   // t.q holds q * scale * log2(e), so s - lse2 is the base-2 exponent of P.
   RowsTimesTransposed(t.q, rows, g.dim, t.kt, kKeysPerTile, cols, t.s, kKeysPerTile);
   RowsTimesTransposed(t.dout, rows, g.vdim, t.vt, kKeysPerTile, cols, t.ds, kKeysPerTile);
-  const bool full = mask.TileIsFull(r0, r0 + rows, c0, c0 + cols);
+  // (The eager reads, as the sm90 backward's step takes them: one test path
+  // here for each of mask.h's two orders, the forward's the lazy one.)
+  const bool full = mask.TileIsFull<true>(r0, r0 + rows, c0, c0 + cols);
   const bool mixed = view == DenseRows::View::kMixed;
   const bool capped = p.softcap > 0;
   const Alibi alibi = Alibi::Of(p.alibi, b, h, p.shape.q_heads);

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <type_traits>
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"
@@ -377,8 +378,9 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // warpgroup's registers, so two consumers share 64 keys and split the columns
 // (bwd_ws_columns.cuh).
 // `capped` is the fused tile for calls with a logit soft-cap, which `type`
-// has no registers for: at D = 64 two consumers (240 registers each) take it;
-// elsewhere it is `type`, which takes none (TileTakes turns such calls away).
+// has no registers for: at D = 64 two consumers (240 registers each) take it,
+// at D = 128 the tile without the early dV; at D = 256 it is `type`, which
+// takes none (TileTakes turns such calls away).
 // One pass recomputes each score's tanh and exponent once; the two passes
 // without dQ sums each do, and at D = 64 those special-function ops, not the
 // tensor cores, bound the backward.
@@ -392,7 +394,12 @@ struct FusedBwdTile<64> {
 template <>
 struct FusedBwdTile<128> {
   using type = WsBwdTile<128>;
-  using capped = type;
+  // Capped calls: the same tile without the early dV (kForCap), whose
+  // 240-register peak left no room for the cap (24 bytes of spills). Builds
+  // without spills; off (the two passes run capped calls) until it has run
+  // on a GPU.
+  static constexpr bool kCappedOn = false;
+  using capped = std::conditional_t<kCappedOn, WsBwdTile<128, 2, 64, 2, true, true>, type>;
 };
 template <>
 struct FusedBwdTile<256> {
@@ -440,8 +447,8 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
-  // consumers, at D 128 the dK/dV pass and the dQ pass, at D 256 the two
-  // cp.async kernels); the others have no registers to spare for them. With
+  // consumers, at D 128 the fused kForCap pass where kCappedOn, else the dK/dV
+  // pass and the dQ pass, at D 256 the two cp.async kernels); the others have no registers to spare for them. With
   // no sm90 tile that does, the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
   using DqPass = typename DqPassTile<kD>::type;

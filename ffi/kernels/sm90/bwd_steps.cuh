@@ -34,9 +34,12 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaCommit();
   ProductSS<T, KVTile, QTile, kD, kM>(dp, v_rows, d_o);
   WgmmaCommit();
+  // Whether the step needs its mask, while the products run: with segment
+  // ids it reads the rows' table (after the wait, its chain of loads sat
+  // between Sᵀ and Pᵀ).
+  const bool full = pol.TileIsFull<true>(r0, r0 + kM, c0, c0 + kN);
   WgmmaWait<1>();
   FenceAccumulator(st);
-  const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
   if constexpr (kLseFirst) {
     tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
                           scale_log2, cap, alibi, kept);

@@ -61,16 +61,18 @@ namespace jaxflash {
 namespace sm90 {
 
 // kWithDq = false: dK and dV only (the deterministic backward's first pass,
-// before the dQ kernel): no dS tile, no dQ staging, no writer.
-template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true>
+// before the dQ kernel): no dS tile, no dQ staging, no writer. kForCap: the
+// tile for calls with a logit soft-cap (no early dV, which frees registers).
+template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true, bool kForCap_ = false>
 struct WsBwdTile {
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
-  // 128 dK/dV passes without dQ, and the fused D 64 pass of two consumers
-  // (capped D 64 calls run it: FusedBwdTile<64>::capped). The other fused
-  // passes spilled with the cap's code (D 128: 12 bytes): capped D 128 calls
-  // take the pass without dQ, then the dQ pass (LaunchBackward).
-  static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2));
+  // 128 dK/dV passes without dQ, the fused D 64 pass of two consumers
+  // (capped D 64 calls run it: FusedBwdTile<64>::capped) and a kForCap tile,
+  // the fused D 128 pass without the early dV (with it the cap's code
+  // spilled 24 bytes). Capped calls without such a tile take the pass
+  // without dQ, then the dQ pass (LaunchBackward).
+  static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2) || kForCap_);
   // Whether a capped step keeps its tanh for the slope (score_mod.cuh's
   // KeptTanh: 16 registers more, one special-function op a score fewer).
   static constexpr bool kKeepsTanh = kTakesSoftCap && kD_ == 64;  // (the D 128 pass spilled 32 bytes with it)
@@ -117,8 +119,9 @@ struct WsBwdTile {
   // dV += Pᵀ·dO issued as soon as Pᵀ is packed, so it runs under dSᵀ and its
   // store: Pᵀ packed and in float32, dPᵀ, dK and dV are then live together,
   // which needs 240 registers (at 232 ptxas spilled 16 bytes and serialised
-  // the products; with three consumers' 160 it spills).
-  static constexpr bool kEarlyDv = kConsumers == 2;
+  // the products; with three consumers' 160 it spills). A kForCap tile gives
+  // it up for the cap's registers.
+  static constexpr bool kEarlyDv = kConsumers == 2 && !kForCap_;
   // The dQ staging stores take one wavefront per half-warp when lanes t = 2,
   // 3 write their blocks in flipped order; the flip's selects need registers
   // that three consumers (160 each) do not have, so they take two.
