@@ -73,6 +73,9 @@ def main():
   library = jax.nn if args.peer == "cudnn" else jaxflash
   extras = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
   if args.docs:
+    if args.peer not in ("native", "pallas"):
+      ap.error("--docs: only jaxflash's implementations take segment ids here (bench_packed.py times "
+               "FlashAttention-3's varlen entry on the same documents)")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     from bench_packed import documents  # the benchmark's documents
     extras["query_segment_ids"] = jnp.asarray(documents(np.random.default_rng(0), B, S, args.docs)[0])

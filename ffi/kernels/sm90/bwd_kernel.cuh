@@ -447,9 +447,10 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
-  // consumers, at D 128 the fused kForCap pass where kCappedOn, else the dK/dV
-  // pass and the dQ pass, at D 256 the two cp.async kernels); the others have no registers to spare for them. With
-  // no sm90 tile that does, the sm80 kernels run.
+  // consumers, at D 128 the fused kForCap pass where kCappedOn, else the
+  // dK/dV pass and the dQ pass, at D 256 the two cp.async kernels); the
+  // others have no registers to spare for them. With no sm90 tile that does,
+  // the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
   using DqPass = typename DqPassTile<kD>::type;
   using FusedCapped = typename FusedBwdTile<kD>::capped;
