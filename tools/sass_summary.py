@@ -81,7 +81,7 @@ def main():
     counts = [sum(s.values()) if opcode == "(all)" else s[opcode] for s, _ in steps]
     line = f"{opcode:32s}" + "".join(f"{c:>10d}" for c in counts)
     if scale:
-      line += "".join(f"{c * f:>13.0f}" for c, f in zip(counts, scale))
+      line += "".join(f"{c * f:>13.1f}" for c, f in zip(counts, scale))
     print(line)
 
   for path, table, (_, samples) in zip(args.tables, tables, steps):
