@@ -132,6 +132,31 @@ __device__ __forceinline__ void AddAlibi(float (&s)[kMT][kNT][4], const AlibiBia
     for (int half = 0; half < 2; ++half) alibi.Add<true>(s[mt], half, row0 + mt * 16 + g + half * 8, c0 + 2 * t);
 }
 
+// AddAlibi for a kernel whose softmax takes per-row offsets: on a tile whose
+// keys lie on one side of all of this warp's rows (AlibiBias::Side) only the
+// per-column part goes into s, one FFMA a score where Add takes two, and each
+// row's part into row_offset (OnlineSoftmax::Scores); a straddling tile gets
+// Add and zero offsets.
+template <int kMT, int kNT>
+__device__ __forceinline__ void AddAlibiSplit(float (&s)[kMT][kNT][4], const AlibiBias& alibi, int row0, int c0,
+                                              int lane, float (&row_offset)[2 * kMT]) {
+  const int g = lane >> 2, t = lane & 3;
+  const int side = alibi.Side(row0, row0 + 16 * kMT - 1, c0, c0 + 8 * kNT - 1);
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mt * 16 + g + half * 8;
+      if (side == 0) {
+        alibi.Add<true>(s[mt], half, row, c0 + 2 * t);
+        row_offset[2 * mt + half] = 0.f;
+      } else {
+        alibi.AddColumns(s[mt], half, side);
+        row_offset[2 * mt + half] = alibi.RowOffset(row, c0 + 2 * t, side);
+      }
+    }
+}
+
 // The same for tiles whose rows mix heads (the decode kernel: one slab of
 // 16 packed rows per warp, its slopes and diagonals in `alibi`).
 template <int kNT>

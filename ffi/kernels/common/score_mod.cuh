@@ -173,6 +173,33 @@ struct AlibiBias {
 #pragma unroll
       for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += neg_slope2 * fabsf(base - float(nt * 8 + j));
   }
+  // Which side of the rows' diagonal a tile's keys lie on: +1 when every key
+  // of [c0, c_last] is at or before every row of [row_first, row_last] (the
+  // causal tiles below the diagonal), -1 when at or after every row (the
+  // tiles wholly above it), 0 when the tile straddles it. On one side
+  // |base - k| is side * (base - k), so the bias splits into side * slope * k
+  // per column (one FFMA with an immediate a score, AddColumns) and
+  // -side * slope * base per row (RowOffset), which the softmax adds once a
+  // row (OnlineSoftmax::Scores' row_offset) instead of per score.
+  __device__ __forceinline__ int Side(int row_first, int row_last, int c0, int c_last) const {
+    if (static_cast<float>(row_first) + offset >= static_cast<float>(c_last)) return 1;
+    if (static_cast<float>(row_last) + offset <= static_cast<float>(c0)) return -1;
+    return 0;
+  }
+  // Add's per-column part on a one-sided tile (`side` from Side, not 0).
+  template <int kT>
+  __device__ __forceinline__ void AddColumns(float (&s)[kT][4], int half, int side) const {
+    const float per_key = side > 0 ? -neg_slope2 : neg_slope2;
+#pragma unroll
+    for (int nt = 0; nt < kT; ++nt)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) s[nt][2 * half + j] = fmaf(per_key, float(nt * 8 + j), s[nt][2 * half + j]);
+  }
+  // Add's per-row part on a one-sided tile: the bias of the row's first column.
+  __device__ __forceinline__ float RowOffset(int row, int col0, int side) const {
+    const float base = static_cast<float>(row - col0) + offset;
+    return side > 0 ? neg_slope2 * base : -neg_slope2 * base;
+  }
   // The bias of one pair (the soft-capped backward's slope, SlopeFromProb).
   __device__ __forceinline__ float At(int query, int key) const {
     return Alibi{neg_slope2}.Bias(static_cast<float>(query) + offset, static_cast<float>(key));

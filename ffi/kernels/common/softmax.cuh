@@ -51,9 +51,15 @@ struct OnlineSoftmax {
   // alone (its quad agrees through QuadMax), so no row's rounding depends on
   // another's values, padding rows' included; a warp runs the multiplies when
   // any of its lanes needs them. A NaN or +inf score always moves it.
+  //
+  // `row_offset` (raw units, one a row; null: none) is added to every score of
+  // its row as the max and the exponents are taken, not to the scores
+  // themselves: a bias whose per-row part rides in each row's FFMA addend
+  // (AddAlibiSplit in fwd_blocks.cuh).
   static constexpr float kLazyMargin = 8.f;
   template <bool kLazy = false, int kNT>
-  __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f) {
+  __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f,
+                                         const float* row_offset = nullptr) {
     bool moved = false;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
@@ -65,7 +71,8 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNT; ++nt) {
           mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         }
-        mx = MaxNaN(m[r], QuadMax(mx) * scale);
+        const float offset = row_offset != nullptr ? row_offset[r] * scale : 0.f;
+        mx = MaxNaN(m[r], row_offset != nullptr ? fmaf(QuadMax(mx), scale, offset) : QuadMax(mx) * scale);
         const bool move = !kLazy || !(mx <= m[r] + kLazyMargin);
         moved |= move;
         const float m_new = move ? mx : m[r];
@@ -75,11 +82,12 @@ struct OnlineSoftmax {
         const float ref = m_new == -INFINITY ? 0.f : m_new;
         alpha[r] = move ? Exp2(m[r] - ref) : 1.f;
         m[r] = m_new;
+        const float addend = row_offset != nullptr ? offset - ref : -ref;
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, -ref));
-          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, -ref));
+          const float p0 = Exp2(fmaf(s[mt][nt][2 * half], scale, addend));
+          const float p1 = Exp2(fmaf(s[mt][nt][2 * half + 1], scale, addend));
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;
