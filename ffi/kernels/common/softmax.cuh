@@ -52,10 +52,11 @@ struct OnlineSoftmax {
   // another's values, padding rows' included; a warp runs the multiplies when
   // any of its lanes needs them. A NaN or +inf score always moves it.
   //
-  // `row_offset` (raw units, one a row; null: none) is added to every score of
-  // its row as the max and the exponents are taken, not to the scores
-  // themselves: a bias whose per-row part rides in each row's FFMA addend
-  // (AddAlibiSplit in fwd_blocks.cuh).
+  // `row_offset` (raw units, one for each of this thread's rows, which may
+  // differ between the lanes of a quad; null: none) is added to every score of
+  // the thread's row as the max and the exponents are taken, not to the
+  // scores themselves: a bias whose per-row part rides in the exponent's FFMA
+  // addend (AddAlibiSplit in fwd_blocks.cuh).
   static constexpr float kLazyMargin = 8.f;
   template <bool kLazy = false, int kNT>
   __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f,
@@ -72,7 +73,9 @@ struct OnlineSoftmax {
           mx = MaxNaN(mx, MaxNaN(s[mt][nt][2 * half], s[mt][nt][2 * half + 1]));
         }
         const float offset = row_offset != nullptr ? row_offset[r] * scale : 0.f;
-        mx = MaxNaN(m[r], row_offset != nullptr ? fmaf(QuadMax(mx), scale, offset) : QuadMax(mx) * scale);
+        // (The offset may differ between the lanes of a row's quad, so it goes
+        // in before their max is taken.)
+        mx = MaxNaN(m[r], row_offset != nullptr ? QuadMax(fmaf(mx, scale, offset)) : QuadMax(mx) * scale);
         const bool move = !kLazy || !(mx <= m[r] + kLazyMargin);
         moved |= move;
         const float m_new = move ? mx : m[r];
