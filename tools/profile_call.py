@@ -63,6 +63,8 @@ def main():
                   help="also print call_us=, the median µs a call as the benchmarks time it")
   args = ap.parse_args()
   if args.decode:
+    if args.peer == "fa3":
+      ap.error("--peer fa3: training calls only (flash_mha)")
     return decode_step(args)
   S, D = args.seq, args.head_dim
   H, B = args.heads or 2048 // D, args.batch or max(1, 16384 // S)
