@@ -140,20 +140,20 @@ __device__ __forceinline__ void AddAlibi(float (&s)[kMT][kNT][4], const AlibiBia
 template <int kMT, int kNT>
 __device__ __forceinline__ void AddAlibiSplit(float (&s)[kMT][kNT][4], const AlibiBias& alibi, int row0, int c0,
                                               int lane, float (&row_offset)[2 * kMT]) {
-  const int g = lane >> 2, t = lane & 3;
   const int side = alibi.Side(row0, row0 + 16 * kMT - 1, c0, c0 + 8 * kNT - 1);
+  if (side == 0) {
+    AddAlibi(s, alibi, row0, c0, lane);
+#pragma unroll
+    for (int r = 0; r < 2 * kMT; ++r) row_offset[r] = 0.f;
+    return;
+  }
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = row0 + mt * 16 + g + half * 8;
-      if (side == 0) {
-        alibi.Add<true>(s[mt], half, row, c0 + 2 * t);
-        row_offset[2 * mt + half] = 0.f;
-      } else {
-        alibi.AddColumns(s[mt], half, side);
-        row_offset[2 * mt + half] = alibi.RowOffset(row, c0 + 2 * t, side);
-      }
+      alibi.AddColumns(s[mt], half, side);
+      row_offset[2 * mt + half] = alibi.RowOffset(row0 + mt * 16 + g + half * 8, c0 + 2 * t, side);
     }
 }
 

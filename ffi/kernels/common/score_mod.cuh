@@ -167,7 +167,7 @@ struct AlibiBias {
   // score one subtraction of a constant and one FFMA (with |.|).
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void Add(float (&s)[kT][4], int half, int row, int col0) const {
-    const float base = static_cast<float>(row - col0) + (kRowsAreQueries ? offset : -offset);
+    const float base = Base<kRowsAreQueries>(row, col0);
 #pragma unroll
     for (int nt = 0; nt < kT; ++nt)
 #pragma unroll
@@ -197,8 +197,13 @@ struct AlibiBias {
   }
   // Add's per-row part on a one-sided tile: the bias of the row's first column.
   __device__ __forceinline__ float RowOffset(int row, int col0, int side) const {
-    const float base = static_cast<float>(row - col0) + offset;
+    const float base = Base<true>(row, col0);
     return side > 0 ? neg_slope2 * base : -neg_slope2 * base;
+  }
+  // The signed distance of `row`'s diagonal from column col0 (Add's base).
+  template <bool kRowsAreQueries>
+  __device__ __forceinline__ float Base(int row, int col0) const {
+    return static_cast<float>(row - col0) + (kRowsAreQueries ? offset : -offset);
   }
   // The bias of one pair (the soft-capped backward's slope, SlopeFromProb).
   __device__ __forceinline__ float At(int query, int key) const {

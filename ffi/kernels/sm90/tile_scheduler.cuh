@@ -38,7 +38,7 @@
 //                 blocks last first with its heads inner: list scheduling,
 //                 1.03x the mean in the same model (tools/grid_order_model.py
 //                 --packed). Where a tile builds it (WsFwdTile::kDynamicWalk,
-//                 off until run on a GPU: fwd_ws_kernel.cuh).
+//                 fwd_ws_kernel.cuh).
 #pragma once
 
 #include <atomic>
