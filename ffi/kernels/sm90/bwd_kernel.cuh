@@ -395,11 +395,8 @@ template <>
 struct FusedBwdTile<128> {
   using type = WsBwdTile<128>;
   // Capped calls: the same tile without the early dV (kForCap), whose
-  // 240-register peak left no room for the cap (24 bytes of spills). Builds
-  // without spills; off (the two passes run capped calls) until it has run
-  // on a GPU.
-  static constexpr bool kCappedOn = false;
-  using capped = std::conditional_t<kCappedOn, WsBwdTile<128, 2, 64, 2, true, true>, type>;
+  // 240-register peak left no room for the cap (24 bytes of spills).
+  using capped = WsBwdTile<128, 2, 64, 2, true, true>;
 };
 template <>
 struct FusedBwdTile<256> {
@@ -447,7 +444,7 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
-  // consumers, at D 128 the fused kForCap pass where kCappedOn, else the
+  // consumers, at D 128 the fused kForCap pass, else the
   // dK/dV pass and the dQ pass, at D 256 the two cp.async kernels); the
   // others have no registers to spare for them. With no sm90 tile that does,
   // the sm80 kernels run.

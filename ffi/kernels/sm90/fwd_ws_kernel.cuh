@@ -94,10 +94,6 @@ struct WsFwdTile {
   // scale-folded exponent): not at D 256, nor at D 64 with three or four
   // consumers and O apart, whose consumers it spilled (28-264 bytes).
   static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
-  // Whether ALiBi's bias is split on tiles off the diagonal (AddAlibiSplit:
-  // one FFMA a score fewer). Builds without spills; off until it has run on a
-  // GPU.
-  static constexpr bool kSplitsAlibi = false;
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
   // D 256 it spilled 4-144 bytes). kDynamicWalkOn turns it off for every tile
@@ -478,9 +474,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             if constexpr (Tile::kTakesAlibi) {  // the bias in raw units: the scale stays in the exponent
               const tc::AlibiBias alibi = tc::AlibiBias::Of(p, w.pol, w.tile.batch, w.tile.head);
               // Split where the registers allow (AddAlibiSplit: one FFMA a
-              // score on tiles off the diagonal); the dynamic walk's D 64
-              // kernel spilled 12 bytes with it.
-              if constexpr (Tile::kSplitsAlibi && !kDynamic) {
+              // score fewer on tiles off the diagonal); the dynamic walk's
+              // D 64 kernel spilled 12 bytes with it.
+              if constexpr (!kDynamic) {
                 if (alibi.On()) {
                   float row_offset[2];
                   tc::AddAlibiSplit(s, alibi.InRawUnits(scale_log2), r0 + warp_row0, c0, lane, row_offset);
