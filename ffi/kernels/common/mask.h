@@ -140,7 +140,8 @@ struct MaskPolicy {
   };
   // kEager reads the five table fields at once (the rows are in range there):
   // one round trip of loads instead of up to four in turn, for a caller that
-  // asks under products in flight (the sm90 backward's step); the others keep
+  // waits on the answer (the sm90 backward's step, its flag writer, the CPU
+  // backward); the others keep
   // the lazy order, whose fewer live registers they need (eager, the sm80
   // D 32 forward spilled 28 bytes).
   template <bool kEager = false>

@@ -169,8 +169,10 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
     float s[kQT][4], dp[kQT][4];
     const tc::AlibiBias alibi =
         tc::AlibiBias::Of<Tile::kTakesAlibi>(p, pol, batch, kv_head * group + it / q_tiles.count);
-    KeyMajorScores<T, KVTile, QTile, kD, kM>(s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0, c0 + key_w, kN, lse,
-                                             lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
+    KeyMajorScores<T, KVTile, QTile, kD, kM>(
+        s, dp, sK_rows, sV_rows, sQ, sdO, pol, r0, c0 + key_w,
+        [&] { return pol.TileIsFull<true>(r0, r0 + kM, c0, c0 + kN); }, lse, lane, scale_log2,
+        tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi);
     uint32_t pa[kM / 16][4];
     tc::PackAFragments<T>(s, pa);
     WgmmaFence();

@@ -14,12 +14,14 @@ namespace sm90 {
 
 // kLseFirst: the LSE of the step's queries read into registers before the
 // products are issued (16 at kM = 64), else as the exponents need them.
-// `kept`: a tc::KeptTanh that receives a capped tile's tanh (score_mod.cuh).
-template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
+// `is_full()`: whether the step's tile needs no mask, asked while the products
+// run. `kept`: a tc::KeptTanh that receives a capped tile's tanh
+// (score_mod.cuh).
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false, typename Full,
           typename Kept = tc::NoKeptTanh>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
-                                               int r0, int c0, int key0, int kN, const float* lse, int lane,
+                                               int r0, int key0, Full&& is_full, const float* lse, int lane,
                                                float scale_log2, tc::SoftCap cap = {}, tc::AlibiBias alibi = {},
                                                Kept&& kept = {}) {
   float lse_log2[kLseFirst ? kM / 8 : 1][2];
@@ -34,10 +36,9 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaCommit();
   ProductSS<T, KVTile, QTile, kD, kM>(dp, v_rows, d_o);
   WgmmaCommit();
-  // Whether the step needs its mask, while the products run: with segment
-  // ids it reads the rows' table (after the wait, its chain of loads sat
-  // between Sᵀ and Pᵀ).
-  const bool full = pol.TileIsFull<true>(r0, r0 + kM, c0, c0 + kN);
+  // Whether the step needs its mask, while the products run (asked after
+  // the wait, the segment table's chain of loads sat between Sᵀ and Pᵀ).
+  const bool full = is_full();
   WgmmaWait<1>();
   FenceAccumulator(st);
   if constexpr (kLseFirst) {

@@ -80,6 +80,10 @@ struct WsBwdTile {
   static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
+  // Whether a warp asks each step's mask ahead (WsBwdFlagWriter), else each
+  // consumer asks it under its products: the D 128 dK/dV pass's consumers
+  // spilled 32 bytes beside the writer.
+  static constexpr bool kFlagWriter = kFlagWriterOn && !(kD_ == 128 && !kWithDq_);
   static constexpr int kD = kD_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = kM_;                // query rows per step
@@ -185,8 +189,9 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
-                                                        w.C0(), w.C0() + key_w, kN, in.lse, lane, scale_log2,
-                                                        tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept);
+                                                        w.C0() + key_w, [&] { return StepIsFull(w, in); }, in.lse, lane,
+                                                        scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi,
+                                                        kept);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -294,6 +299,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map);
         } else if (warp == 1) {
           if constexpr (Tile::kStagedDq) WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map);
+        } else if (warp == 2) {
+          if constexpr (Tile::kFlagWriter) WsBwdFlagWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), stats_base);
         }
       },
       [&](int consumer) {

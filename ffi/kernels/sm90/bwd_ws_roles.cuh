@@ -24,13 +24,19 @@
 namespace jaxflash {
 namespace sm90 {
 
+// Whether the tiles take a flag writer (WsBwdFlagWriter, below): builds
+// without spills; off until it has run on a GPU.
+inline constexpr bool kFlagWriterOn = false;
+
 template <typename Tile>
 struct WsBwdSmem {
   // Per stage Q and dO (whole swizzle periods), the dS buffers and the dQ
-  // staging (also swizzled), then per stage kM LSE and kM delta values: kept
-  // out of the stages, so that at D 256 none is rounded up to 1024 bytes.
+  // staging (also swizzled), then per stage kM LSE and kM delta values and
+  // the step's mask flag (StepIsFull; padded to 16 bytes): kept out of
+  // the stages, so that at D 256 none is rounded up to 1024 bytes.
   static constexpr size_t kStageBytes = 2 * size_t(Tile::QTile::kBytes);
-  static constexpr size_t kStatsBytes = Tile::kStages * 2 * Tile::kM * sizeof(float);
+  static constexpr int kStatsFloats = 2 * Tile::kM + (Tile::kFlagWriter ? 4 : 0);
+  static constexpr size_t kStatsBytes = Tile::kStages * kStatsFloats * sizeof(float);
   static constexpr size_t kBytes = 2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes +
                                    Tile::kDqBytes + kStatsBytes + 8 * Tile::kBarriers + sizeof(tc::GridTile);
   static_assert((2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes) % 1024 == 0,
@@ -54,9 +60,10 @@ struct WsBwdSmem {
   }
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(kStageBytes); }
   __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
-  // A stage's LSE (then delta) values as a pointer, from the first stage's.
+  // A stage's LSE (then delta, then the flag) values as a pointer, from the
+  // first stage's.
   __device__ __forceinline__ static float* StatsPointer(float* first, int stage) {
-    return first + stage * 2 * Tile::kM;
+    return first + stage * kStatsFloats;
   }
   // The dS buffer of step `it` (two, alternating).
   __device__ __forceinline__ uint32_t Ds(int it) const { return ds + (it & 1) * uint32_t(Tile::kDsBytes / 2); }
@@ -81,7 +88,8 @@ struct WsBwdSmem {
       MBarrier::Init(DqEmpty(), 1);                      // the writer's bulk reductions have read the tile
     }
     for (int s = 0; s < Tile::kStages; ++s) {
-      MBarrier::Init(Full(s), 32);                // the producer warp's lanes, the stats among them
+      // the producer warp's lanes (the stats among them), and the flag's
+      MBarrier::Init(Full(s), 32 + Tile::kFlagWriter);
       MBarrier::Init(Empty(s), kConsumerThreads);  // every consumer thread is done with the stage
     }
     MBarrier::FenceInit();
@@ -142,14 +150,28 @@ struct WsBwdWork {
 
 // ------------------------------------------------------------------ a consumer's step
 // What every consumer kind reads in step `it`: its first query row and the
-// stage's Q, dO, LSE and delta, returned once the producer has filled the
-// stage (the caller releases it on sm.Empty).
+// stage's Q, dO, LSE and delta, with (StepIsFull) whether the step's tile (the
+// stage's kM rows, the CTA's keys) is visible throughout, so its scores skip
+// the mask. Returned once the producer has filled the stage (the caller
+// releases it on sm.Empty).
 struct WsBwdStage {
   int r0;
   uint32_t q, d_o;
   const float* lse;
-  const float* delta;
+  const float* delta;  // kM values, then the flag (1 where the tile is full)
 };
+// Whether the step's tile is full (MaskPolicy::TileIsFull): the flag where a
+// warp writes it (WsBwdFlagWriter; with segment ids the question reads the
+// rows' table from global memory, an L2 round trip that outlasted the step's
+// first products when each consumer asked it: docs/performance-log.md,
+// forty-fifth session), else asked here. The flag is read where it is used,
+// under the products: read at the stage's wait and held, or through a pointer
+// of its own, it spilled the D 128 consumers.
+template <typename Tile>
+__device__ __forceinline__ bool StepIsFull(const WsBwdWork<Tile>& w, const WsBwdStage& in) {
+  if constexpr (Tile::kFlagWriter) return in.delta[Tile::kM] != 0.f;
+  return w.pol.template TileIsFull<true>(in.r0, in.r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+}
 template <typename Tile>
 __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm,
                                                    const typename WsBwdWork<Tile>::Steps& step, float* stats_base,
@@ -321,6 +343,28 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
       FenceSharedForAsyncProxy();
     }
     if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written
+    ring.Advance();
+  }
+}
+
+// ------------------------------------------------------------------ mask flags
+// One lane of another warp: per step, whether the step's tile needs its mask
+// (StepIsFull), into the stage after LSE and delta. Its own warp, as the
+// producer's 24 registers spilled with the segment table's reads; asked
+// before the stage is free, so the reads overlap the wait.
+template <typename Tile>
+__device__ __forceinline__ void WsBwdFlagWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
+                                                float* stats_base) {
+  if ((threadIdx.x & 31) != 0) return;
+  RingPosition<Tile::kStages> ring;
+  auto step = w.FirstStep();
+#pragma unroll 1  // unrolled by two, it spilled a register
+  for (int it = 0; it < w.steps; ++it, step.Next()) {
+    const int r0 = step.Row0();
+    const bool full = w.pol.template TileIsFull<true>(r0, r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+    MBarrier::Wait(sm.Empty(ring.stage), ring.parity ^ 1);
+    sm.StatsPointer(stats_base, ring.stage)[2 * Tile::kM] = full ? 1.f : 0.f;
+    MBarrier::Arrive(sm.Full(ring.stage));
     ring.Advance();
   }
 }
