@@ -8,7 +8,9 @@
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
 #             mask at least once; meant to stay under 5 minutes on an H100; on an H200 on
 #             2026-11-28 it had grown to ~2280 s of test time over 8 processes: 411 of 419 done
-#             in 330 s, none failed, so the limit is 400 s), then the API tests
+#             in 330 s, none failed, so the limit is 400 s; the test time is mostly compiling on
+#             the host, Pallas's Triton kernels above all (80-93 s a test), so the GPU tiers run
+#             one process a core up to 16: 51 such tests took 225 s over 16), then the API tests
 # newest-jax  the CPU suite's API, native, sharding and ring, Pallas and export files on this
 #             machine's JAX (newer than the one CI installs), JAX_PLATFORMS=cpu with 4 host
 #             devices: a JAX release that breaks the CPU path shows up whenever the GPU is tested
@@ -119,9 +121,10 @@ script_stage() {  # name, time limit in s, log, command...
 # Each test's time goes to <log>.times as it finishes (sort -rn it), so a tier
 # stopped at its limit still shows where the time went.
 gpu_tier() {  # name, marker expression, time limit in s, log, test paths and more pytest arguments...
-  local name=$1 marker=$2 limit=$3 log=$4
+  local name=$1 marker=$2 limit=$3 log=$4 procs
   shift 4
-  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n 8 --dist worksteal -rfE -m "$marker" \
+  procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
+  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n "$procs" --dist worksteal -rfE -m "$marker" \
       ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 "$@"
 }
 
