@@ -20,8 +20,10 @@
 // At the end each stages its columns of dK and dV in the K and V tiles and
 // stores them with the TMA (StoreKeyGradsByTma, bwd_ws_roles.cuh).
 //
-// The producer warp is the key-split kernel's (bwd_ws_roles.cuh); the writer
-// warp has nothing to do.
+// The producer and flag-writer warps are the key-split kernel's
+// (bwd_ws_roles.cuh); the dQ writer warp has nothing to do. The flag holds
+// for the stage's 64 rows, so for each consumer's 32 (more conservative than
+// asking for those 32: a boundary inside the 64 masks both halves).
 #pragma once
 
 #include "common/bwd_blocks.cuh"
@@ -96,7 +98,6 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
-    // (StepIsFull holds for the stage's kM rows, so for this consumer's kQ.)
     KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
                                              in.r0 + q0, w.C0() + key_w, [&] { return StepIsFull(w, in); }, in.lse + q0, lane,
                                              scale_log2, {},

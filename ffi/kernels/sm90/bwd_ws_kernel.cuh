@@ -29,6 +29,9 @@
 //              one bulk tensor reduction per 32-column block (the copy engine
 //              does the float32 adds; no atomic instruction on the consumers'
 //              path) and frees it for the next step.
+//   flag writer  lane 0 of warp 2 (where Tile::kFlagWriter) asks ahead
+//              whether each step's tile needs its mask and puts the answer in
+//              the stage beside LSE and delta (StepIsFull).
 //
 // The two-kernel backward (bwd_kernel.cuh) had every thread load with
 // cp.async and meet at two __syncthreads per step, and the consumers issue

@@ -88,7 +88,8 @@ struct WsBwdSmem {
       MBarrier::Init(DqEmpty(), 1);                      // the writer's bulk reductions have read the tile
     }
     for (int s = 0; s < Tile::kStages; ++s) {
-      // the producer warp's lanes (the stats among them), and the flag's
+      // the producer warp's lanes (the stats among them), and the flag
+      // writer's lane (kFlagWriter), each arriving after its own stores
       MBarrier::Init(Full(s), 32 + Tile::kFlagWriter);
       MBarrier::Init(Empty(s), kConsumerThreads);  // every consumer thread is done with the stage
     }
@@ -169,8 +170,11 @@ struct WsBwdStage {
 // of its own, it spilled the D 128 consumers.
 template <typename Tile>
 __device__ __forceinline__ bool StepIsFull(const WsBwdWork<Tile>& w, const WsBwdStage& in) {
-  if constexpr (Tile::kFlagWriter) return in.delta[Tile::kM] != 0.f;
-  return w.pol.template TileIsFull<true>(in.r0, in.r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+  if constexpr (Tile::kFlagWriter) {
+    return in.delta[Tile::kM] != 0.f;
+  } else {
+    return w.pol.template TileIsFull<true>(in.r0, in.r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+  }
 }
 template <typename Tile>
 __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm,
