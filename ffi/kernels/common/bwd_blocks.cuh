@@ -314,18 +314,23 @@ __device__ __forceinline__ void KeyMajorProbsFrom(float (&s)[kQT][4], const Mask
 }
 
 // This lane's LSE of query column nt * 8 + 2t + j in log2 units, from the
-// tile's natural-log values in `lse`.
+// tile's natural-log values in `lse` (kLog2: already in log2 units, as a
+// producer that loads them with ordinary instructions stores them, sparing
+// each consumer a multiply a value a step).
+template <bool kLog2 = false>
 __device__ __forceinline__ float KeyMajorLseLog2(const float* lse, int lane, int nt, int j) {
-  return lse[nt * 8 + 2 * (lane & 3) + j] * kLog2e;
+  const float x = lse[nt * 8 + 2 * (lane & 3) + j];
+  return kLog2 ? x : x * kLog2e;
 }
 
-template <int kQT, typename Kept = NoKeptTanh>
+template <bool kLseLog2 = false, int kQT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorProbs(float (&s)[kQT][4], const MaskPolicy& pol, bool full, int r0,
                                               int key0, const float* lse, int lane, float scale_log2,
                                               SoftCap cap = {}, AlibiBias alibi = {}, Kept&& kept = {},
                                               const DenseTile* dense = nullptr) {
-  KeyMajorProbsFrom(s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2(lse, lane, nt, j); }, lane,
-                    scale_log2, cap, alibi, kept, dense);
+  KeyMajorProbsFrom(
+      s, pol, full, r0, key0, [&](int nt, int j) { return KeyMajorLseLog2<kLseLog2>(lse, lane, nt, j); }, lane,
+      scale_log2, cap, alibi, kept, dense);
 }
 
 // Where a soft-capped backward's pairs lie, for ALiBi's bias in the cap's
@@ -337,9 +342,10 @@ struct PairOrigin {
 };
 
 // dPᵀ -> dSᵀ = Pᵀ ∘ (dPᵀ - delta) in place; delta (and lse, read only under a
-// soft-cap, whose slope multiplies dS) hold the tile's values. A KeptTanh
-// (`kept`, filled by KeyMajorProbsFrom) gives the cap's slope without lse.
-template <int kQT, typename Kept = NoKeptTanh>
+// soft-cap, whose slope multiplies dS; in log2 units where kLseLog2) hold the
+// tile's values. A KeptTanh (`kept`, filled by KeyMajorProbsFrom) gives the
+// cap's slope without lse.
+template <bool kLseLog2 = false, int kQT, typename Kept = NoKeptTanh>
 __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)[kQT][4], const float* delta,
                                            int lane, const float* lse = nullptr, SoftCap cap = {},
                                            AlibiBias alibi = {}, PairOrigin at = {}, const Kept& kept = {}) {
@@ -361,7 +367,8 @@ __device__ __forceinline__ void KeyMajorDs(const float (&p)[kQT][4], float (&dp)
       for (int i = 0; i < 4; ++i) {
         const int q = nt * 8 + 2 * t + (i & 1);
         const float bias = alibi.On() ? alibi.At(at.r0 + q, at.key0 + (lane >> 2) + (i >> 1) * 8) : 0.f;
-        dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[q]) * cap.SlopeFromProb(p[nt][i], lse[q] * kLog2e - bias);
+        const float lse2 = kLseLog2 ? lse[q] : lse[q] * kLog2e;
+        dp[nt][i] = p[nt][i] * (dp[nt][i] - delta[q]) * cap.SlopeFromProb(p[nt][i], lse2 - bias);
       }
     return;
   }

@@ -13,12 +13,13 @@ namespace jaxflash {
 namespace sm90 {
 
 // kLseFirst: the LSE of the step's queries read into registers before the
-// products are issued (16 at kM = 64), else as the exponents need them.
+// products are issued (16 at kM = 64), else as the exponents need them;
+// kLseLog2: `lse` holds them in log2 units (else natural-log).
 // `is_full()`: whether the step's tile needs no mask, asked while the products
 // run. `kept`: a tc::KeptTanh that receives a capped tile's tanh
 // (score_mod.cuh).
-template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false, typename Full,
-          typename Kept = tc::NoKeptTanh>
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
+          bool kLseLog2 = false, typename Full, typename Kept = tc::NoKeptTanh>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int key0, Full&& is_full, const float* lse, int lane,
@@ -29,7 +30,7 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
 #pragma unroll
     for (int nt = 0; nt < kM / 8; ++nt)
 #pragma unroll
-      for (int j = 0; j < 2; ++j) lse_log2[nt][j] = tc::KeyMajorLseLog2(lse, lane, nt, j);
+      for (int j = 0; j < 2; ++j) lse_log2[nt][j] = tc::KeyMajorLseLog2<kLseLog2>(lse, lane, nt, j);
   }
   WgmmaFence();
   ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
@@ -45,7 +46,7 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
     tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
                           scale_log2, cap, alibi, kept);
   } else {
-    tc::KeyMajorProbs(st, pol, full, r0, key0, lse, lane, scale_log2, cap, alibi, kept);
+    tc::KeyMajorProbs<kLseLog2>(st, pol, full, r0, key0, lse, lane, scale_log2, cap, alibi, kept);
   }
 }
 

@@ -45,6 +45,7 @@ struct WsBwdColumnTile {
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
   static constexpr bool kFlagWriter = kFlagWriterOn;  // as WsBwdTile's
+  static constexpr bool kLseLog2 = kLseLog2On;
   static constexpr int kD = kD_;
   static constexpr int kConsumers = 2;
   static constexpr int kM = 64;                 // query rows per step
@@ -98,10 +99,10 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
-    KeyMajorScores<T, KVTile, QTile, kD, kQ>(st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol,
-                                             in.r0 + q0, w.C0() + key_w, [&] { return StepIsFull(w, in); }, in.lse + q0, lane,
-                                             scale_log2, {},
-                                             tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head));
+    KeyMajorScores<T, KVTile, QTile, kD, kQ, false, Tile::kLseLog2>(
+        st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol, in.r0 + q0, w.C0() + key_w,
+        [&] { return StepIsFull(w, in); }, in.lse + q0, lane, scale_log2, {},
+        tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head));
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];

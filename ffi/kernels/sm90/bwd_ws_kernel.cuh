@@ -87,6 +87,9 @@ struct WsBwdTile {
   // consumer asks it under its products: the D 128 dK/dV pass's consumers
   // spilled 32 bytes beside the writer.
   static constexpr bool kFlagWriter = kFlagWriterOn && !(kD_ == 128 && !kWithDq_);
+  // Whether the producer stores the LSE in log2 units (kLseLog2On): D 64's
+  // producers spilled 4 bytes of their 24 registers with the multiply.
+  static constexpr bool kLseLog2 = kLseLog2On && kD_ != 64;
   static constexpr int kD = kD_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = kM_;                // query rows per step
@@ -191,10 +194,9 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
-    KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst>(st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0,
-                                                        w.C0() + key_w, [&] { return StepIsFull(w, in); }, in.lse, lane,
-                                                        scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi,
-                                                        kept);
+    KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst, Tile::kLseLog2>(
+        st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0() + key_w, [&] { return StepIsFull(w, in); },
+        in.lse, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -209,8 +211,8 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaWait<0>();
     }
     FenceAccumulator(dp);
-    tc::KeyMajorDs(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi,
-                   {in.r0, w.C0() + key_w}, kept);
+    tc::KeyMajorDs<Tile::kLseLog2>(st, dp, in.delta, lane, in.lse, tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
+                                   alibi, {in.r0, w.C0() + key_w}, kept);
     tc::PackAFragments<T>(dp, da);
 
     // ---- dSᵀ into the shared tile (for dQ)

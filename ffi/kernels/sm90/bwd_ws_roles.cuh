@@ -27,6 +27,11 @@ namespace sm90 {
 // Whether the tiles take a flag writer (WsBwdFlagWriter, below): builds
 // without spills; off until it has run on a GPU.
 inline constexpr bool kFlagWriterOn = false;
+// Whether the producers of the tiles that take it (Tile::kLseLog2) store each
+// stage's LSE in log2 units (WsBwdStage::lse), which spares each consumer
+// thread 16 multiplies a step at kM = 64 (the same products, made once);
+// builds without spills; off until it has run on a GPU.
+inline constexpr bool kLseLog2On = false;
 
 template <typename Tile>
 struct WsBwdSmem {
@@ -158,7 +163,7 @@ struct WsBwdWork {
 struct WsBwdStage {
   int r0;
   uint32_t q, d_o;
-  const float* lse;
+  const float* lse;    // kM values, in log2 units where Tile::kLseLog2
   const float* delta;  // kM values, then the flag (1 where the tile is full)
 };
 // Whether the step's tile is full (MaskPolicy::TileIsFull): the flag where a
@@ -325,7 +330,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     const int64_t row_off = (int64_t(w.Batch()) * sh.q_heads + head) * sh.q_len + r0;
     for (int i = lane; i < kM; i += 32) {
       const bool ok = r0 + i < q_len;
-      stats[i] = ok ? p.lse[row_off + i] : 0.f;
+      stats[i] = ok ? p.lse[row_off + i] * (Tile::kLseLog2 ? tc::kLog2e : 1.f) : 0.f;
       stats[kM + i] = ok ? p.delta[row_off + i] : 0.f;
     }
     const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
