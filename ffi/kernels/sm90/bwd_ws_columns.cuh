@@ -62,7 +62,8 @@ struct WsBwdColumnTile {
   // partner's products may still read step it's.
   static constexpr size_t kDsBytes = 2 * 2 * size_t(DsTile::kBytes);
   static constexpr size_t kDqBytes = 0;
-  static constexpr int kBarriers = 5 + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
+  static constexpr int kDqBuffers = 1;
+  static constexpr int kBarriers = 3 + 2 * kDqBuffers + 2 * kStages;  // as WsBwdTile (the dQ pair unused)
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);  // 232
   static_assert(kQueries == 32 && kCols % 64 == 0, "Sᵀ blocks of 32 queries; whole 64-column blocks of K");

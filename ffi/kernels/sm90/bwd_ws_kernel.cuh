@@ -113,11 +113,12 @@ struct WsBwdTile {
   // kept the consumers waiting for the copy engine 16% of the time
   // (docs/performance.md, eleventh session).
   using DqStage = SwizzledTile<kM, 2 * kD>;
-  static constexpr size_t kDqBytes = kWithDq ? DqStage::kBytes : 0;
+  static constexpr int kDqBuffers = kDqDoubleOn && kWithDq ? 2 : 1;
+  static constexpr size_t kDqBytes = kWithDq ? kDqBuffers * DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
-  // Barriers: K/V full, K/V tail, Q tail, dQ full, dQ empty, then per stage
-  // full and empty.
-  static constexpr int kBarriers = 5 + 2 * kStages;
+  // Barriers: K/V full, K/V tail, Q tail, dQ full and dQ empty per dQ
+  // buffer, then per stage full and empty.
+  static constexpr int kBarriers = 3 + 2 * kDqBuffers + 2 * kStages;
   static_assert(kM == 64, "dQ = dS·K is one wgmma row block");
   static_assert(kDqCols == 64, "a consumer's dQ columns are one 64-column block of K (32 registers)");
   // Registers once the producer warpgroup has handed its surplus over: all
@@ -240,7 +241,9 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaCommit();
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
-      MBarrier::Wait(sm.DqEmpty(), (it & 1) ^ 1);  // the last step's tile has been read
+      // The buffer's tile of kDqBuffers steps before has been read.
+      const int buf = it % Tile::kDqBuffers;
+      MBarrier::Wait(sm.DqEmpty(buf), ((it / Tile::kDqBuffers) & 1) ^ 1);
       // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
       // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
       // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
@@ -254,7 +257,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       // (k & 3) · 32 plus constants: one register and a logic op a block,
       // where ChunkOffset per store took ~100 instructions a step (or,
       // hoisted, 16 registers).
-      const uint32_t row_base = sm.dq + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
+      const uint32_t row_base = sm.Dq(buf) + (col0 / 32) * DqStage::kBlockBytes + (warp * 16 + g) * 128 + (t & 1) * 8 +
                                 ((((t >> 1) ^ g) << 4) ^ (flip << 5));
 #pragma unroll
       for (int k = 0; k < kDqCols / 8; ++k) {
@@ -267,7 +270,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
         }
       }
       FenceSharedForAsyncProxy();  // the staged dQ, for the copy engine
-      MBarrier::Arrive(sm.DqFull());
+      MBarrier::Arrive(sm.DqFull(buf));
     } else {
       if (Tile::kWithDq) NamedBarrierArrive(barrier, 128 * Tile::kConsumers);
       WgmmaFence();
