@@ -124,7 +124,8 @@ gpu_tier() {  # name, marker expression, time limit in s, log, test paths and mo
   local name=$1 marker=$2 limit=$3 log=$4 procs
   shift 4
   procs=$(nproc); [ "$procs" -gt 16 ] && procs=16
-  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n "$procs" --dist worksteal -rfE -m "$marker" \
+  JAXFLASH_TEST_TIMES="$OUT/$log.times" pytest_stage "$name" "$limit" "$log" -n "$procs" --dist worksteal -rfE \
+      -m "$marker" \
       ${PYTEST_K:+-k "$PYTEST_K"} --durations=15 "$@"
 }
 

@@ -141,9 +141,8 @@ struct MaskPolicy {
   // kEager reads the five table fields at once (the rows are in range there):
   // one round trip of loads instead of up to four in turn, for a caller that
   // waits on the answer (the sm90 backward's step, its flag writer, the CPU
-  // backward); the others keep
-  // the lazy order, whose fewer live registers they need (eager, the sm80
-  // D 32 forward spilled 28 bytes).
+  // backward); the others keep the lazy order, whose fewer live registers
+  // they need (eager, the sm80 D 32 forward spilled 28 bytes).
   template <bool kEager = false>
   JAXFLASH_HD Keys FullKeys(int r0, int r_end) const {
     if (r_end > q_valid) return {0, 0};

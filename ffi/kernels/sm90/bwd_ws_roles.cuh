@@ -176,7 +176,7 @@ struct WsBwdStage {
   int r0;
   uint32_t q, d_o;
   const float* lse;    // kM values, in log2 units where Tile::kLseLog2
-  const float* delta;  // kM values, then the flag (1 where the tile is full)
+  const float* delta;  // kM values (then, where Tile::kFlagWriter, 1 if the tile is full)
 };
 // Whether the step's tile is full (MaskPolicy::TileIsFull): the flag where a
 // warp writes it (WsBwdFlagWriter; with segment ids the question reads the
