@@ -53,6 +53,13 @@
 namespace jaxflash {
 namespace sm90 {
 
+// Whether the 128-key D 128 tile with O in Q's buffer takes segment ids, and
+// the walk's changes that leave its dynamic-walk kernel registers for them
+// (each said where it is made: WsWalk::kSegments, the epilogue's staging
+// row, the scheduler made in each role, TileScheduler::Get<kChunked>). 0
+// spills; off until it has run on a GPU.
+inline constexpr bool kWideSegmentsOn = false;
+
 template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
@@ -88,8 +95,10 @@ struct WsFwdTile {
   // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
   // and at D 64 with three consumers of them, their code spilled the
   // consumers' registers (24-56 bytes), so such calls run another candidate
-  // (at D 128 the one of 64-key tiles, whose scores take half the registers).
-  static constexpr bool kTakesSegments = !(kN == 128 && (kD == 128 || kConsumers == 3));
+  // (at D 128 the one of 64-key tiles, whose scores take half the registers);
+  // with kWideSegmentsOn the D 128 one with O in Q's buffer takes them.
+  static constexpr bool kTakesSegments =
+      !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kWideSegmentsOn)) || kConsumers == 3));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
   // scale-folded exponent): not at D 256, nor at D 64 with three or four
   // consumers and O apart, whose consumers it spilled (28-264 bytes).
@@ -207,7 +216,9 @@ template <typename Tile>
 __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler& sched, int at, WsWork* w) {
   if (at < 0) return false;
   WorkTile tile;
-  sched.Get(at, &tile);  // a position handed out holds a tile
+  // A position handed out holds a tile. (kWideSegmentsOn: the chunked order
+  // only, so the static orders' fields are not held into the roles.)
+  sched.Get<kWideSegmentsOn>(at, &tile);
   *w = WsWork::At<Tile::kM, Tile::kN, Tile::kTakesSegments>(p, tile);
   return true;
 }
@@ -234,6 +245,10 @@ __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler
 // (tools/walk_protocol_model.py models both versions).
 template <typename Tile, bool kDynamic>
 struct WsWalk {
+  // Whether this walk's kernel meets segment ids: a tile that has a dynamic
+  // walk runs id calls there only, so (kWideSegmentsOn) its static kernel
+  // leaves them out.
+  static constexpr bool kSegments = Tile::kTakesSegments && (kDynamic || !(kWideSegmentsOn && Tile::kDynamicWalk));
   int index;            // static: the position last taken; dynamic: the producer's position published last
   uint32_t passed = 0;  // dynamic: positions published or read so far (the slot and its parity)
 
@@ -291,7 +306,7 @@ struct WsWalk {
   __device__ __forceinline__ bool StaticNext(const FwdParams& p, const TileScheduler& sched, WsWork* w) {
     WorkTile tile;
     if (!sched.Next(&index, &tile)) return false;
-    *w = WsWork::At<Tile::kM, Tile::kN, Tile::kTakesSegments>(p, tile);
+    *w = WsWork::At<Tile::kM, Tile::kN, kSegments>(p, tile);
     return true;
   }
 };
@@ -622,7 +637,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
     }
     for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + g + half * 8;
+      // (kWideSegmentsOn: Unhoisted, else the compiler hoists the 32 pairs'
+      // addresses to the consumer's start and spills them across the walk.)
+      const int row = kWideSegmentsOn ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
@@ -635,9 +652,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     for (int half = 0; half < 2; ++half) {
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDT, Tile::kTakesSegments>(p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
-        StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
-      });
+      tc::ExactOutputLane<T, kDT, WsWalk<Tile, kDynamic>::kSegments>(
+          p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
+            StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
+          });
     }
     __syncwarp();
     FenceSharedForAsyncProxy();
@@ -669,13 +687,25 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  const TileScheduler sched = TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic);
+  auto scheduler = [&] { return TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic); };
   const WorkClaims claims{claim_slot};
-  RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
-      [&](int warp) {
-        if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map);
-      },
-      [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, sched, o_map, consumer); });
+  if constexpr (kWideSegmentsOn) {
+    // Made in each role, after the registers are handed over: made before,
+    // values it derives from the launch were carried into the producer's 40
+    // registers through local memory.
+    RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
+        [&](int warp) {
+          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map);
+        },
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, scheduler(), o_map, consumer); });
+  } else {
+    const TileScheduler sched = scheduler();
+    RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
+        [&](int warp) {
+          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map);
+        },
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, sched, o_map, consumer); });
+  }
 #endif  // JAXFLASH_SM90A
 }
 

@@ -137,9 +137,12 @@ struct TileScheduler {
   __host__ __device__ int Pairs() const { return m_blocks / 2; }
 
   // The tile at a position of the walk; false where the position holds none.
+  // kChunked: the walk is the dynamic one (chunk_heads > 0, as For makes it),
+  // whose kernel then holds none of the static orders' fields.
+  template <bool kChunked = false>
   __device__ __forceinline__ bool Get(int index, WorkTile* w) const {
     int bh;
-    if (chunk_heads > 0) {  // a chunk's row blocks last first, its (batch, head)s inner
+    if (kChunked || chunk_heads > 0) {  // a chunk's row blocks last first, its (batch, head)s inner
       const int per_chunk = chunk_heads * m_blocks;
       const int first = index / per_chunk * chunk_heads, at = index % per_chunk;
       const int in_chunk = heads * batches - first < chunk_heads ? heads * batches - first : chunk_heads;
