@@ -23,7 +23,6 @@
 #pragma once
 
 #include <cuda_runtime.h>
-#include <type_traits>
 
 #include "common/bwd_blocks.cuh"
 #include "common/fwd_blocks.cuh"

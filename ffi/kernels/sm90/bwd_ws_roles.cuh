@@ -185,12 +185,17 @@ struct WsBwdStage {
 // forty-fifth session), else asked here. The flag is read where it is used,
 // under the products: read at the stage's wait and held, or through a pointer
 // of its own, it spilled the D 128 consumers.
+// (AskStepIsFull is the question itself, of the step whose first row is r0.)
+template <typename Tile>
+__device__ __forceinline__ bool AskStepIsFull(const WsBwdWork<Tile>& w, int r0) {
+  return w.pol.template TileIsFull<true>(r0, r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+}
 template <typename Tile>
 __device__ __forceinline__ bool StepIsFull(const WsBwdWork<Tile>& w, const WsBwdStage& in) {
   if constexpr (Tile::kFlagWriter) {
     return in.delta[Tile::kM] != 0.f;
   } else {
-    return w.pol.template TileIsFull<true>(in.r0, in.r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+    return AskStepIsFull(w, in.r0);
   }
 }
 template <typename Tile>
@@ -381,8 +386,7 @@ __device__ __forceinline__ void WsBwdFlagWriter(const WsBwdSmem<Tile>& sm, const
   auto step = w.FirstStep();
 #pragma unroll 1  // unrolled by two, it spilled a register
   for (int it = 0; it < w.steps; ++it, step.Next()) {
-    const int r0 = step.Row0();
-    const bool full = w.pol.template TileIsFull<true>(r0, r0 + Tile::kM, w.C0(), w.C0() + Tile::kN);
+    const bool full = AskStepIsFull(w, step.Row0());
     MBarrier::Wait(sm.Empty(ring.stage), ring.parity ^ 1);
     sm.StatsPointer(stats_base, ring.stage)[2 * Tile::kM] = full ? 1.f : 0.f;
     MBarrier::Arrive(sm.Full(ring.stage));
