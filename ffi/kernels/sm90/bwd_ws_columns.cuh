@@ -44,8 +44,8 @@ struct WsBwdColumnTile {
   static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
-  static constexpr bool kFlagWriter = kFlagWriterOn;  // as WsBwdTile's
-  static constexpr bool kLseLog2 = kLseLog2On;
+  static constexpr bool kFlagWriter = true;  // as WsBwdTile's
+  static constexpr bool kLseLog2 = true;
   static constexpr int kD = kD_;
   static constexpr int kConsumers = 2;
   static constexpr int kM = 64;                 // query rows per step

@@ -86,10 +86,12 @@ struct WsBwdTile {
   // Whether a warp asks each step's mask ahead (WsBwdFlagWriter), else each
   // consumer asks it under its products: the D 128 dK/dV pass's consumers
   // spilled 32 bytes beside the writer.
-  static constexpr bool kFlagWriter = kFlagWriterOn && !(kD_ == 128 && !kWithDq_);
-  // Whether the producer stores the LSE in log2 units (kLseLog2On): D 64's
-  // producers spilled 4 bytes of their 24 registers with the multiply.
-  static constexpr bool kLseLog2 = kLseLog2On && kD_ != 64;
+  static constexpr bool kFlagWriter = !(kD_ == 128 && !kWithDq_);
+  // Whether the producer stores each stage's LSE in log2 units
+  // (WsBwdStage::lse), which spares each consumer thread 16 multiplies a step
+  // at kM = 64 (the same products, made once): D 64's producers spilled 4
+  // bytes of their 24 registers with the multiply.
+  static constexpr bool kLseLog2 = kD_ != 64;
   static constexpr int kD = kD_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = kM_;                // query rows per step
@@ -113,7 +115,11 @@ struct WsBwdTile {
   // kept the consumers waiting for the copy engine 16% of the time
   // (docs/performance.md, eleventh session).
   using DqStage = SwizzledTile<kM, 2 * kD>;
-  static constexpr int kDqBuffers = kDqDoubleOn && kWithDq ? 2 : 1;
+  // Two staging buffers, taken by turns: a step waits for the copy engine to
+  // have read the tile of two steps before, not of the step before (with one,
+  // the dQ writer's DqEmpty wait was 2.8% of the fused D 128 kernel's stall
+  // samples).
+  static constexpr int kDqBuffers = kWithDq ? 2 : 1;
   static constexpr size_t kDqBytes = kWithDq ? kDqBuffers * DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
   // Barriers: K/V full, K/V tail, Q tail, dQ full and dQ empty per dQ

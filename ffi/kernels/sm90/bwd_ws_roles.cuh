@@ -24,21 +24,6 @@
 namespace jaxflash {
 namespace sm90 {
 
-// Whether the tiles take a flag writer (WsBwdFlagWriter, below): builds
-// without spills; off until it has run on a GPU.
-inline constexpr bool kFlagWriterOn = false;
-// Whether the tiles with staged dQ stage it in two buffers (Tile::kDqBuffers),
-// taken by turns: a consumer's step then waits for the copy engine to have
-// read the tile of two steps before, not of the step before (the dQ writer's
-// DqEmpty wait was 2.8% of the fused D 128 kernel's stall samples). Off until
-// it has run on a GPU.
-inline constexpr bool kDqDoubleOn = false;
-// Whether the producers of the tiles that take it (Tile::kLseLog2) store each
-// stage's LSE in log2 units (WsBwdStage::lse), which spares each consumer
-// thread 16 multiplies a step at kM = 64 (the same products, made once);
-// builds without spills; off until it has run on a GPU.
-inline constexpr bool kLseLog2On = false;
-
 template <typename Tile>
 struct WsBwdSmem {
   // Per stage Q and dO (whole swizzle periods), the dS buffers and the dQ

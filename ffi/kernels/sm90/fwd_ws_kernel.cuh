@@ -53,13 +53,6 @@
 namespace jaxflash {
 namespace sm90 {
 
-// Whether the 128-key D 128 tile with O in Q's buffer takes segment ids, and
-// the walk's changes that leave its dynamic-walk kernel registers for them
-// (each said where it is made: WsWalk::kSegments, the epilogue's staging
-// row, the scheduler made in each role, TileScheduler::Get<kChunked>). 0
-// spills; off until it has run on a GPU.
-inline constexpr bool kWideSegmentsOn = false;
-
 template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
@@ -92,13 +85,15 @@ struct WsFwdTile {
   // docs/performance-log.md). At D 256 it spilled every tile (28-212 bytes):
   // capped calls run the cp.async kernel there.
   static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
-  // Whether it takes segment ids (mask.h's tables): with 128-key tiles at D 128,
-  // and at D 64 with three consumers of them, their code spilled the
-  // consumers' registers (24-56 bytes), so such calls run another candidate
-  // (at D 128 the one of 64-key tiles, whose scores take half the registers);
-  // with kWideSegmentsOn the D 128 one with O in Q's buffer takes them.
+  // Whether it takes segment ids (mask.h's tables): the 128-key D 128 tile
+  // with O in its own buffer, and D 64's with three consumers of 128 keys,
+  // spilled the consumers' registers with them (24-56 bytes), so such calls
+  // run another candidate. The 128-key D 128 tile with O in Q's buffer takes
+  // them in its dynamic walk's kernel, where four changes made room (WsWalk's
+  // kSegments, OpenWork's chunked-only Get, the epilogue's staging row, the
+  // scheduler made in each role).
   static constexpr bool kTakesSegments =
-      !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kWideSegmentsOn)) || kConsumers == 3));
+      !(kN == 128 && ((kD == 128 && kSeparateO_) || kConsumers == 3));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
   // scale-folded exponent): not at D 256, nor at D 64 with three or four
   // consumers and O apart, whose consumers it spilled (28-264 bytes).
@@ -216,9 +211,9 @@ template <typename Tile>
 __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler& sched, int at, WsWork* w) {
   if (at < 0) return false;
   WorkTile tile;
-  // A position handed out holds a tile. (kWideSegmentsOn: the chunked order
-  // only, so the static orders' fields are not held into the roles.)
-  sched.Get<kWideSegmentsOn>(at, &tile);
+  // A position handed out holds a tile. The dynamic walk runs the chunked
+  // order only, so the static orders' fields are not held into the roles.
+  sched.Get</*kChunked=*/true>(at, &tile);
   *w = WsWork::At<Tile::kM, Tile::kN, Tile::kTakesSegments>(p, tile);
   return true;
 }
@@ -246,9 +241,8 @@ __device__ __forceinline__ bool OpenWork(const FwdParams& p, const TileScheduler
 template <typename Tile, bool kDynamic>
 struct WsWalk {
   // Whether this walk's kernel meets segment ids: a tile that has a dynamic
-  // walk runs id calls there only, so (kWideSegmentsOn) its static kernel
-  // leaves them out.
-  static constexpr bool kSegments = Tile::kTakesSegments && (kDynamic || !(kWideSegmentsOn && Tile::kDynamicWalk));
+  // walk runs id calls there only, so its static kernel leaves them out.
+  static constexpr bool kSegments = Tile::kTakesSegments && (kDynamic || !Tile::kDynamicWalk);
   int index;            // static: the position last taken; dynamic: the producer's position published last
   uint32_t passed = 0;  // dynamic: positions published or read so far (the slot and its parity)
 
@@ -637,9 +631,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
     }
     for (int half = 0; half < 2; ++half) {
-      // (kWideSegmentsOn: Unhoisted, else the compiler hoists the 32 pairs'
-      // addresses to the consumer's start and spills them across the walk.)
-      const int row = kWideSegmentsOn ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
+      // (Unhoisted in the dynamic walk, else the compiler hoists the 32
+      // pairs' addresses to the consumer's start and spills them across the
+      // walk; the static walk keeps them hoisted, as WsFwdKernel says.)
+      const int row = kDynamic ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
@@ -689,10 +684,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   __syncthreads();
   auto scheduler = [&] { return TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic); };
   const WorkClaims claims{claim_slot};
-  if constexpr (kWideSegmentsOn) {
+  if constexpr (kDynamic) {
     // Made in each role, after the registers are handed over: made before,
     // values it derives from the launch were carried into the producer's 40
-    // registers through local memory.
+    // registers through local memory. The static walk's kernels keep the
+    // scheduler made before and the epilogue's staging row hoisted: with both
+    // changes, the D 128 forward at S 1k causal ran 1.1% slower (H200).
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map);
