@@ -29,7 +29,8 @@ struct MaskPolicy {
   // Sequence lengths are clamped to the padded sizes, so a bad length can
   // never send a kernel out of bounds. kSegments false builds a policy that
   // ignores segment tables (a kernel whose registers cannot hold their code:
-  // its launcher never gives it a call with segment ids, TileTakes).
+  // its launcher never gives it a call with segment ids: TileTakes, and
+  // LaunchWsForward for the static walk of a tile with a dynamic one).
   template <bool kSegments = true>
   JAXFLASH_HD static MaskPolicy For(const MaskParams& mask, int q_len, int kv_len,
                                     const int32_t* q_lengths, const int32_t* kv_lengths,

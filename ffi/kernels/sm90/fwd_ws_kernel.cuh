@@ -85,24 +85,27 @@ struct WsFwdTile {
   // docs/performance-log.md). At D 256 it spilled every tile (28-212 bytes):
   // capped calls run the cp.async kernel there.
   static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
+  // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
+  // for every tile, for A/B runs: segment calls then take the static walk.
+  static constexpr bool kDynamicWalkOn = true;
   // Whether it takes segment ids (mask.h's tables): the 128-key D 128 tile
   // with O in its own buffer, and D 64's with three consumers of 128 keys,
   // spilled the consumers' registers with them (24-56 bytes), so such calls
   // run another candidate. The 128-key D 128 tile with O in Q's buffer takes
-  // them in its dynamic walk's kernel, where four changes made room (WsWalk's
-  // kSegments, OpenWork's chunked-only Get, the epilogue's staging row, the
-  // scheduler made in each role).
+  // them in its dynamic walk's kernel only, where three changes made room
+  // (OpenWork's chunked-only Get, the epilogue's staging row Unhoisted, the
+  // scheduler made in each role); its static kernel, which spilled 108-168
+  // bytes with them, leaves them out (WsWalk::kSegments), so without the
+  // dynamic walk it takes none.
   static constexpr bool kTakesSegments =
-      !(kN == 128 && ((kD == 128 && kSeparateO_) || kConsumers == 3));
+      !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
   // scale-folded exponent): not at D 256, nor at D 64 with three or four
   // consumers and O apart, whose consumers it spilled (28-264 bytes).
   static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
-  // D 256 it spilled 4-144 bytes). kDynamicWalkOn turns it off for every tile
-  // (then segment calls take the static walk), for A/B runs.
-  static constexpr bool kDynamicWalkOn = true;
+  // D 256 it spilled 4-144 bytes).
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
   static constexpr int kThreads = 128 * (kConsumers + 1);
