@@ -389,23 +389,22 @@ template <typename Tile>
 __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
                                               const CUtensorMap& dq_map) {
   using DqStage = typename Tile::DqStage;
-  static_assert(Tile::kStagedDq, "a tile with a dQ staging tile");
+  static_assert(Tile::kStagedDq && Tile::kDqBuffers == 2, "a tile with two dQ staging buffers");
   if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
-  constexpr int kBuffers = Tile::kDqBuffers;
   auto step = w.FirstStep();
   for (int it = 0; it < w.steps; ++it, step.Next()) {
-    const int buf = it % kBuffers;
-    MBarrier::Wait(sm.DqFull(buf), (it / kBuffers) & 1);
+    const int buf = it & 1;
+    MBarrier::Wait(sm.DqFull(buf), (it >> 1) & 1);
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
       TmaReduceAdd4d(dq_map, sm.Dq(buf) + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
     }
     TmaStoreCommit();
-    // The tile of this step (one buffer) or of the step before (two: this
-    // step's reductions stay in flight) has been read: free its buffer.
-    TmaStoreWaitRead<kBuffers - 1>();
-    if (kBuffers == 1 || it > 0) MBarrier::Arrive(sm.DqEmpty((it + kBuffers - 1) % kBuffers));
+    // The step before's tile has been read (this step's reductions stay in
+    // flight): free its buffer.
+    TmaStoreWaitRead<1>();
+    if (it > 0) MBarrier::Arrive(sm.DqEmpty(buf ^ 1));
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires (no step waits for the last buffer)
 }
