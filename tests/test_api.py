@@ -144,11 +144,12 @@ def test_unsupported_calls_fall_back_only_when_not_named(rng):
 
 
 def test_a_dense_bias_or_mask_runs_fused_on_the_cpu(rng):
-  """The CPU kernels take them (the v5 targets); on a GPU native refuses them for now."""
+  """The CPU kernels take them (the v5 targets); on a GPU native's tensor-core kernels take
+  16-bit inputs only, and a float32 call is refused with a pointer to Pallas."""
   q, k, v = _inputs(rng)
   bias, mask = jnp.zeros((1, 1, 33, 29)), jnp.ones((33, 29), bool)
   if jax.default_backend() != "cpu":
-    with pytest.raises(ValueError, match="CPU only so far"):
+    with pytest.raises(ValueError, match="float16 and bfloat16 only.*use 'pallas'"):
       jaxflash.dot_product_attention(q, k, v, bias, mask, implementation="native")
     return
   f = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, bias, mask)

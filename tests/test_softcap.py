@@ -72,6 +72,21 @@ def test_gpu_warp_specialised_d64(rng, extra):
   check_gradients(rng, shape, "window", jnp.bfloat16, magnitude=2.0, softcap=CAP, deterministic=True, **kw)
 
 
+# D 256: capped calls run the warp-specialised forward (the 80-key pick; with ALiBi its
+# 64-key tile) and the backward's column-tile passes. Ragged lengths, GQA 4.
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", ["none", "alibi"])
+def test_gpu_warp_specialised_d256(rng, extra):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  from test_alibi import slopes
+  kw = dict(alibi=slopes(8)) if extra == "alibi" else {}
+  shape = (2, 333, 333, 8, 2, 256)
+  check_forward(rng, shape, "lengths_causal_bottom_right", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  check_gradients(rng, shape, "causal", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  check_forward(rng, shape, "none", jnp.float16, magnitude=2.0, softcap=CAP, **kw)
+
+
 @pytest.mark.gpu
 def test_gpu_sm80_kernels(rng):
   if not HAS_GPU:

@@ -41,7 +41,9 @@ MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(9, 4), segments="scattered"),
          # ALiBi slopes (per query head), alone and with a soft-cap and packed ids
          dict(is_causal=True, causal_alignment="bottom_right", alibi=True, key_value_seq_lengths=None),
-         dict(alibi=True, logits_soft_cap=5.0, segments="packed")]
+         dict(alibi=True, logits_soft_cap=5.0, segments="packed"),
+         # a soft-cap alone (D 256's pick takes it, not ALiBi)
+         dict(is_causal=True, logits_soft_cap=5.0, key_value_seq_lengths=None)]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 
@@ -53,13 +55,13 @@ def main():
   ap.add_argument("--segments-only", action="store_true",
                   help="the training sweep's calls with segment ids only")
   ap.add_argument("--alibi-only", action="store_true",
-                  help="the training sweep's calls with ALiBi slopes only")
+                  help="the training sweep's calls with ALiBi slopes or a soft-cap only")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   if not args.decode_only:
     dims = {int(d) for d in args.head_dims.split(",") if d}
     masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
-             [m for m in MASKS if "alibi" in m] if args.alibi_only else MASKS)
+             [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.alibi_only else MASKS)
     print(f"sanitizer sweep: {training_sweep(rng, dims, masks)} configurations, forward and backward")
     if args.training_only:
       return

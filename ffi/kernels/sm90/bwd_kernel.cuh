@@ -445,8 +445,8 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   using Fused = typename FusedBwdTile<kD>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
-  // consumers, at D 128 the fused kForCap pass, else the
-  // dK/dV pass and the dQ pass, at D 256 the two cp.async kernels); the
+  // consumers, at D 128 the fused kForCap pass, at D 256 the column tile's
+  // passes as every call there, else the dK/dV pass and the dQ pass); the
   // others have no registers to spare for them. With no sm90 tile that does,
   // the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;

@@ -39,7 +39,7 @@ namespace sm90 {
 template <int kD_, int kStages_ = 2, bool kWithDq_ = true>
 struct WsBwdColumnTile {
   static constexpr bool kSharedKeys = true;
-  static constexpr bool kTakesSoftCap = false;  // as WsBwdTile's: D 256 has no registers to spare
+  static constexpr bool kTakesSoftCap = true;  // (with 0 bytes of spills: D 256's consumers hold 64 x 32 tiles)
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
   static constexpr bool kWithDq = kWithDq_;
@@ -100,15 +100,19 @@ __device__ __forceinline__ void WsBwdColumnConsumer(const BwdParams& p, const Ws
     // ---- Sᵀ, dPᵀ of this consumer's queries (rows q0.. of the Q and dO
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
+    const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     KeyMajorScores<T, KVTile, QTile, kD, kQ, false, Tile::kLseLog2>(
         st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol, in.r0 + q0, w.C0() + key_w,
-        [&] { return StepIsFull(w, in); }, in.lse + q0, lane, scale_log2, {},
-        tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head));
+        [&] { return StepIsFull(w, in); }, in.lse + q0, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
+        alibi);
     WgmmaWait<0>();
     FenceAccumulator(dp);
     uint32_t pa[kQ / 16][4], da[kQ / 16][4];
     tc::PackAFragments<T>(st, pa);
-    tc::KeyMajorDs(st, dp, in.delta + q0, lane);
+    // A capped pair's slope comes from its probability (SoftCap::SlopeFromProb),
+    // whose LSE and ALiBi bias the pair's origin gives.
+    tc::KeyMajorDs<Tile::kLseLog2>(st, dp, in.delta + q0, lane, in.lse + q0, tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
+                                   alibi, {in.r0 + q0, w.C0() + key_w});
     tc::PackAFragments<T>(dp, da);
     const uint32_t sP = sm.Ds(it), sDs = sP + DsTile::kBytes;
 #pragma unroll

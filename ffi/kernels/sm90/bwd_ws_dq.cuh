@@ -58,7 +58,7 @@ struct WsDqTile {
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
   static constexpr int kM = 64 * kConsumers;  // query rows per CTA
-  static constexpr bool kTakesSoftCap = kD_ <= 128;  // as WsBwdTile's passes without dQ
+  static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
   static constexpr int kThreads = 128 * (kConsumers + 1);

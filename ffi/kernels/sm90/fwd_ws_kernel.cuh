@@ -77,14 +77,15 @@ struct WsFwdTile {
   // the per-warpgroup bounds cost D 128 causal S 1k 2%: those walk the work
   // tile's.
   static constexpr bool kOwnKeyTiles = kM > kN;
-  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 128, and
-  // at D 64 with two consumers. Capped D 64 calls run those: the pick's
-  // three and four consumers with O apart spilled with the cap's code
-  // (196-240 bytes), and three of 64-key tiles, which took it, ran the capped
+  // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 128 and
+  // 256, and at D 64 with two consumers. Capped D 64 calls run those: the
+  // pick's three and four consumers with O apart spilled with the cap's code
+  // (156-752 bytes), and three of 64-key tiles, which took it, ran the capped
   // forward 5% slower than two (H200, thirty-ninth session in
-  // docs/performance-log.md). At D 256 it spilled every tile (28-212 bytes):
-  // capped calls run the cp.async kernel there.
-  static constexpr bool kTakesSoftCap = kD == 128 || (kD == 64 && kConsumers == 2);
+  // docs/performance-log.md). D 256's tiles take it since their epilogue's
+  // staging row is unhoisted (kUnhoistedRow): hoisted, its addresses spilled
+  // 28-212 bytes beside the cap.
+  static constexpr bool kTakesSoftCap = kD >= 128 || (kD == 64 && kConsumers == 2);
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
   // for every tile, for A/B runs: segment calls then take the static walk.
   static constexpr bool kDynamicWalkOn = true;
@@ -100,14 +101,21 @@ struct WsFwdTile {
   static constexpr bool kTakesSegments =
       !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
-  // scale-folded exponent): not at D 256, nor at D 64 with three or four
-  // consumers and O apart, whose consumers it spilled (28-264 bytes).
-  static constexpr bool kTakesAlibi = !(kD == 256 || (kD == 64 && kConsumers >= 3 && kSeparateO_));
+  // scale-folded exponent): not on D 256's 80-key tile (148 bytes of spills
+  // with the staging row unhoisted; its 64-key tile takes them), nor at D 64
+  // with three or four consumers and O apart, whose consumers it spilled
+  // (28-264 bytes).
+  static constexpr bool kTakesAlibi = !((kD == 256 && kN > 64) || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
   // D 256 it spilled 4-144 bytes).
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
+  // Whether the static walk's epilogue takes its staging row Unhoisted, as
+  // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
+  // pair addresses at the consumer's start and holds them across the walk,
+  // which D 256's registers (128 of O a thread) hold only without a cap.
+  static constexpr bool kUnhoistedRow = kD == 256;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -634,10 +642,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
     }
     for (int half = 0; half < 2; ++half) {
-      // (Unhoisted in the dynamic walk, else the compiler hoists the 32
-      // pairs' addresses to the consumer's start and spills them across the
-      // walk; the static walk keeps them hoisted, as WsFwdKernel says.)
-      const int row = kDynamic ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
+      // (Unhoisted in the dynamic walk and at D 256, else the compiler
+      // hoists the pairs' addresses to the consumer's start and spills them
+      // across the walk; the other static walks keep them hoisted, as
+      // WsFwdKernel says.)
+      const int row = kDynamic || Tile::kUnhoistedRow ? tc::Unhoisted(warp_row0 + g + half * 8)
+                                                      : warp_row0 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
