@@ -73,18 +73,29 @@ def test_gpu_warp_specialised_d64(rng, extra):
 
 
 # D 256: capped calls run the warp-specialised forward (the 80-key pick; with ALiBi its
-# 64-key tile) and the backward's column-tile passes. Ragged lengths, GQA 4.
+# 64-key tile: both forced too, so a tile that stopped taking the cap fails rather than
+# falling back) and the backward's column-tile passes (default: without dQ sums, then the
+# dQ pass; `fused`: the tile with dQ sums). Ragged lengths, GQA 4, segment ids.
 @pytest.mark.gpu
-@pytest.mark.parametrize("extra", ["none", "alibi"])
-def test_gpu_warp_specialised_d256(rng, extra):
+@pytest.mark.parametrize("extra", ["none", "alibi", "segments", "fused"])
+def test_gpu_warp_specialised_d256(rng, extra, request):
   if not HAS_GPU:
     pytest.skip("needs a GPU")
+  from jaxflash import _native
   from test_alibi import slopes
-  kw = dict(alibi=slopes(8)) if extra == "alibi" else {}
+  from test_segments import packed
+  kw = (dict(alibi=slopes(8)) if extra == "alibi" else
+        dict(segments=packed) if extra == "segments" else {})
+  if extra == "fused":
+    request.getfixturevalue("fused_backward")
   shape = (2, 333, 333, 8, 2, 256)
-  check_forward(rng, shape, "lengths_causal_bottom_right", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
-  check_gradients(rng, shape, "causal", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  with _native.forced_tile(1 if extra == "alibi" else 3):   # 1-based: the 64- / 80-key tile
+    check_forward(rng, shape, "lengths_causal_bottom_right", jnp.bfloat16, magnitude=2.0,
+                  softcap=CAP, **kw)
   check_forward(rng, shape, "none", jnp.float16, magnitude=2.0, softcap=CAP, **kw)
+  check_gradients(rng, shape, "causal", jnp.bfloat16, magnitude=2.0, softcap=CAP, **kw)
+  check_gradients(rng, shape, "lengths_causal_bottom_right", jnp.float16, magnitude=2.0,
+                  softcap=CAP, **kw)
 
 
 @pytest.mark.gpu

@@ -353,7 +353,7 @@ struct BwdCandidates<256> {
 // list is never longer than the forward's for its bucket, so the tile tests
 // (which force one index on both) reach every backward candidate. Unforced,
 // the two kernels run only where the warp-specialised passes cannot
-// (q_len == 0: dK = dV = 0; a soft-cap at D 256, or with ALiBi at D 128).
+// (q_len == 0: dK = dV = 0; a soft-cap with ALiBi at D 128).
 inline int BwdTilePick(int head_dim_bucket, bool /*causal*/) {
   return head_dim_bucket == 64 ? 2 : head_dim_bucket == 128 ? 1 : 0;
 }
@@ -381,7 +381,7 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // `capped` is the fused tile for calls with a logit soft-cap, which `type`
 // has no registers for: at D = 64 two consumers (240 registers each) take it,
 // at D = 128 the tile without the early dV; at D = 256 it is `type`, which
-// takes none (TileTakes turns such calls away).
+// takes it (its consumers hold 64 x 32 score tiles).
 // One pass recomputes each score's tanh and exponent once; the two passes
 // without dQ sums each do, and at D = 64 those special-function ops, not the
 // tensor cores, bound the backward.

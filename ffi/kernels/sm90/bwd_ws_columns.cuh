@@ -41,7 +41,7 @@ struct WsBwdColumnTile {
   static constexpr bool kSharedKeys = true;
   static constexpr bool kTakesSoftCap = true;  // (with 0 bytes of spills: D 256's consumers hold 64 x 32 tiles)
   static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
+  static constexpr bool kTakesAlibi = true;
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
   static constexpr bool kFlagWriter = true;  // as WsBwdTile's

@@ -60,7 +60,7 @@ struct WsDqTile {
   static constexpr int kM = 64 * kConsumers;  // query rows per CTA
   static constexpr bool kTakesSoftCap = true;
   static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = true;  // (unlike the soft-cap: one FFMA a score)
+  static constexpr bool kTakesAlibi = true;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;

@@ -80,7 +80,8 @@ struct WsFwdTile {
   // Whether the tile applies a logit soft-cap (score_mod.cuh): at D 128 and
   // 256, and at D 64 with two consumers. Capped D 64 calls run those: the
   // pick's three and four consumers with O apart spilled with the cap's code
-  // (156-752 bytes), and three of 64-key tiles, which took it, ran the capped
+  // (196-240 bytes; 156-752 with ALiBi beside it and the staging row
+  // unhoisted), and three of 64-key tiles, which took it, ran the capped
   // forward 5% slower than two (H200, thirty-ninth session in
   // docs/performance-log.md). D 256's tiles take it since their epilogue's
   // staging row is unhoisted (kUnhoistedRow): hoisted, its addresses spilled
@@ -115,6 +116,8 @@ struct WsFwdTile {
   // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
   // pair addresses at the consumer's start and holds them across the walk,
   // which D 256's registers (128 of O a thread) hold only without a cap.
+  // Uncapped calls pay for it too: the D 256 forward at S 4k 0.4% slower,
+  // 1.0% causal (H200, forty-seventh session in docs/performance-log.md).
   static constexpr bool kUnhoistedRow = kD == 256;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -701,8 +704,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // Made in each role, after the registers are handed over: made before,
     // values it derives from the launch were carried into the producer's 40
     // registers through local memory. The static walk's kernels keep the
-    // scheduler made before and the epilogue's staging row hoisted: with both
-    // changes, the D 128 forward at S 1k causal ran 1.1% slower (H200).
+    // scheduler made before, and below D 256 the epilogue's staging row
+    // hoisted (kUnhoistedRow): with both changes, the D 128 forward at S 1k
+    // causal ran 1.1% slower (H200).
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map);
