@@ -98,6 +98,28 @@ def test_gpu_warp_specialised_d256(rng, extra, request):
                   softcap=CAP, **kw)
 
 
+# Non-finite inputs through the 16-bit warp-specialised forward with a cap (whose exponents
+# may take the FMA pipe: mma.cuh's Exp2OnFma): an infinite score is capped to a finite one, a
+# NaN reaches only the rows that see it.
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_nonfinite_capped(rng, D):
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  q, k, v = random_inputs(rng, 2, 600, 600, 8, 2, D, jnp.bfloat16)
+  big = q.at[0, 3, 0, 0].set(jnp.inf)
+  fused = jaxflash.dot_product_attention(big, k, v, logits_soft_cap=CAP, is_causal=True)
+  dense = jaxflash.dot_product_attention(*(x.astype(jnp.float32) for x in (big, k, v)),
+                                         logits_soft_cap=CAP, is_causal=True, implementation="xla")
+  np.testing.assert_allclose(np.asarray(fused, np.float32), np.asarray(dense), atol=3e-2)
+  nan = q.at[1, 5, 1, 0].set(jnp.nan)
+  got = np.asarray(jaxflash.dot_product_attention(nan, k, v, logits_soft_cap=CAP, is_causal=True),
+                   np.float32)
+  assert np.isnan(got[1, 5, 1]).all()
+  assert np.isfinite(np.delete(got[1], 5, axis=0)).all() and np.isfinite(got[0]).all()
+  assert np.isfinite(np.delete(got[1, 5], 1, axis=0)).all()
+
+
 @pytest.mark.gpu
 def test_gpu_sm80_kernels(rng):
   if not HAS_GPU:

@@ -87,6 +87,14 @@ struct WsFwdTile {
   // staging row is unhoisted (kUnhoistedRow): hoisted, its addresses spilled
   // 28-212 bytes beside the cap.
   static constexpr bool kTakesSoftCap = kD >= 128 || (kD == 64 && kConsumers == 2);
+  // Of every four n8 tiles of a score tile, how many take their exponents on
+  // the FMA pipe (mma.cuh's Exp2OnFma): in capped calls (kCapExpOnFma), whose
+  // tanh beside the exponent makes the special-function unit their bound at
+  // D 64 and 128 (two ops a score against the tensor cores' 16 or 8 scores a
+  // clock an SM), and in plain calls (kExpOnFma: one op a score is as many
+  // as the tensor cores' at D 64). Off until measured.
+  static constexpr int kCapExpOnFma = 0;
+  static constexpr int kExpOnFma = 0;
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
   // for every tile, for A/B runs: segment calls then take the static walk.
   static constexpr bool kDynamicWalkOn = true;
@@ -115,10 +123,17 @@ struct WsFwdTile {
   // Whether the static walk's epilogue takes its staging row Unhoisted, as
   // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
   // pair addresses at the consumer's start and holds them across the walk,
-  // which D 256's registers (128 of O a thread) hold only without a cap.
-  // Uncapped calls pay for it too: the D 256 forward at S 4k 0.4% slower,
-  // 1.0% causal (H200, forty-seventh session in docs/performance-log.md).
-  static constexpr bool kUnhoistedRow = kD == 256;
+  // which D 256's registers (128 of O a thread) hold only without a cap or
+  // ALiBi. kUnhoistedRow: in every kernel of the tile (D 256's 64-key tile,
+  // which runs calls with ALiBi); kCapKernel: capped calls run a static-walk
+  // kernel of their own (WsFwdKernel's kCapped), which alone carries the
+  // cap's code and unhoists the row, so the uncapped kernel stays as it was
+  // (D 256's 80-key pick: in one kernel with the row unhoisted, its uncapped
+  // forward ran 0.4% slower at S 4k, 1.0% causal; H200, forty-seventh
+  // session in docs/performance-log.md), as do tiles whose capped calls take
+  // exponents on the FMA pipe.
+  static constexpr bool kUnhoistedRow = kD == 256 && kN == 64;
+  static constexpr bool kCapKernel = kTakesSoftCap && ((kD == 256 && !kUnhoistedRow) || kCapExpOnFma > 0);
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -389,7 +404,7 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 }
 
 // ------------------------------------------------------------------ consumer
-template <typename T, typename Tile, bool kDynamic>
+template <typename T, typename Tile, bool kDynamic, bool kCapped>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
   // Marked uniform, what follows from it (this warpgroup's key tiles, the
@@ -405,6 +420,11 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
+  // Whether this kernel carries the cap's code (Tile::kCapKernel: the static
+  // walk's capped kernel does, its uncapped one not), and takes the
+  // epilogue's staging row Unhoisted.
+  constexpr bool kCapCode = Tile::kTakesSoftCap && (kCapped || kDynamic || !Tile::kCapKernel);
+  constexpr bool kUnhoistedRow = kDynamic || kCapped || Tile::kUnhoistedRow;
 
   // Ping-pong: consumer c issues its products after waiting for turn c and
   // then passes the turn to c + 1; the last consumer hands the first turn out.
@@ -484,13 +504,15 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
-          if constexpr (Tile::kTakesSoftCap) {
+          if constexpr (kCapCode) {
             // The cap is built from the parameters where each factor is used
             // (score_mod.cuh), so neither is held across the other's loop.
             if (p.softcap > 0.f) {
               tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
                              tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
-              return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
+              // (The dynamic walk's kernels keep theirs on the special-function
+              // unit: at D 128 they spilled 116 bytes with them on the FMA pipe.)
+              return softmax.Scores<true, kCapped ? Tile::kCapExpOnFma : 0>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
           if (scale_log2 > 0.f) {
@@ -510,7 +532,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
               if (alibi.On()) tc::AddAlibi(s, alibi.InRawUnits(scale_log2), r0 + warp_row0, c0, lane);
             }
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
-            return softmax.Scores<true>(s, alpha, scale_log2);
+            return softmax.Scores<true, Tile::kExpOnFma>(s, alpha, scale_log2);
           }
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
                            tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
@@ -645,12 +667,11 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       NamedBarrierSync(Tile::kEpilogueBarrier + consumer, 128);
     }
     for (int half = 0; half < 2; ++half) {
-      // (Unhoisted in the dynamic walk and at D 256, else the compiler
-      // hoists the pairs' addresses to the consumer's start and spills them
-      // across the walk; the other static walks keep them hoisted, as
-      // WsFwdKernel says.)
-      const int row = kDynamic || Tile::kUnhoistedRow ? tc::Unhoisted(warp_row0 + g + half * 8)
-                                                      : warp_row0 + g + half * 8;
+      // (Unhoisted in the dynamic walk and where kUnhoistedRow says, else the
+      // compiler hoists the pairs' addresses to the consumer's start and
+      // spills them across the walk; the other static walks keep them
+      // hoisted, as WsFwdKernel says.)
+      const int row = kUnhoistedRow ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
@@ -688,7 +709,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (tid == 0) TmaStoreWait<0>();
 }
 
-template <typename T, typename Tile, bool kDynamic>
+// kCapped: the static walk's kernel for capped calls of a tile with
+// kCapKernel (the dynamic walk's carries the cap's code anyway).
+template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
@@ -704,28 +727,28 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // Made in each role, after the registers are handed over: made before,
     // values it derives from the launch were carried into the producer's 40
     // registers through local memory. The static walk's kernels keep the
-    // scheduler made before, and below D 256 the epilogue's staging row
-    // hoisted (kUnhoistedRow): with both changes, the D 128 forward at S 1k
-    // causal ran 1.1% slower (H200).
+    // scheduler made before, and mostly the epilogue's staging row hoisted
+    // (WsFwdTile::kUnhoistedRow): with both changes, the D 128 forward at
+    // S 1k causal ran 1.1% slower (H200).
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, scheduler(), o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, scheduler(), o_map, consumer); });
   } else {
     const TileScheduler sched = scheduler();
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic>(p, sm, sched, o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, sched, o_map, consumer); });
   }
 #endif  // JAXFLASH_SM90A
 }
 
-template <typename T, typename Tile, bool kDynamic>
+template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
 Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic>>(Tile::kSmemBytes, device);
+  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic, kCapped>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
@@ -743,18 +766,21 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
     return st;
   }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
-  WsFwdKernel<T, Tile, kDynamic><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+  WsFwdKernel<T, Tile, kDynamic, kCapped><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
       p, q_map, k_map, v_map, o_map, kDynamic ? WorkClaims::NextSlot() : 0);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
 }
 
 // Encodes the four tensor maps and launches one CTA per SM (fewer when there
-// are fewer work tiles), the dynamic walk's kernel for segment ids where the
-// tile has one.
+// are fewer work tiles): the dynamic walk's kernel for segment ids where the
+// tile has one, the capped kernel for a soft-cap where it has one.
 template <typename T, typename Tile>
 Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if constexpr (Tile::kDynamicWalk) {
     if (p.mask.q_segments != nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
+  }
+  if constexpr (Tile::kCapKernel) {
+    if (p.softcap > 0.f) return LaunchWsForwardWalk<T, Tile, false, true>(p, device, stream);
   }
   return LaunchWsForwardWalk<T, Tile, false>(p, device, stream);
 }
