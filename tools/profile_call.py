@@ -12,7 +12,8 @@ runs forward+backward (a gradient); `--fused` traces it with the one-pass Hopper
 tile candidate K (1-based, as `python -m jaxflash.tune` numbers them; a forced tile runs the
 two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's training shape:
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
-runs a decode step instead. `--softcap C` gives the call a logit soft-cap, `--docs N` packed
+runs a decode step instead. `--softcap C` gives the call a logit soft-cap, `--alibi` ALiBi slopes
+(the paper's, for the query heads), `--docs N` packed
 rows of N documents (segment ids as benchmarks/bench_packed.py draws them). `--peer cudnn` (or
 `pallas`, or `fa3`: flash_attn3_jax.flash_mha, training calls only) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
@@ -56,6 +57,7 @@ def main():
   ap.add_argument("--peer", choices=("native", "pallas", "cudnn", "fa3"), default="native",
                   help="implementation of the call (a decode step's: contiguous)")
   ap.add_argument("--softcap", type=float, default=None, help="logits_soft_cap of the call")
+  ap.add_argument("--alibi", action="store_true", help="ALiBi slopes 2^(-8 (h + 1) / H) of the call")
   ap.add_argument("--docs", type=int, default=0,
                   help="packed rows: N documents a row marked with segment ids, as benchmarks/bench_packed.py "
                        "draws them (seed 0)")
@@ -74,6 +76,10 @@ def main():
   k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
   library = jax.nn if args.peer == "cudnn" else jaxflash
   extras = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
+  if args.alibi:
+    if args.peer not in ("native", "pallas"):
+      ap.error("--alibi: only jaxflash's implementations take ALiBi slopes")
+    extras["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * (np.arange(H) + 1) / H), jnp.float32)
   if args.docs:
     if args.peer not in ("native", "pallas"):
       ap.error("--docs: only jaxflash's implementations take segment ids here (bench_packed.py times "
