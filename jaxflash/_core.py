@@ -454,16 +454,17 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
   The orders are measured on plain calls. A dense bias or mask on a GPU puts Pallas first
-  (the CUDA kernels take them on their sm80 family only: 2.4x slower forward, 2.0x forward
-  +backward on an H200). A decode step with segment ids or ALiBi slopes puts native first
-  (Pallas's decode kernel takes no ids; with slopes it took 211.7 us against ~90, H200).
-  Head dims past the CUDA kernels' take Pallas (at D 512 3.4x the forward of the xla
-  implementation they fell to before, 1.3x its forward+backward; H200, performance-log.md).
+  (the CUDA kernels take them on their sm80 family only: 2.4x / 2.0x slower forward /
+  forward+backward, H200). A decode step with segment ids or ALiBi slopes puts native first
+  (Pallas's decode kernel takes no ids; with slopes 211.7 us against ~90, H200). Head dims
+  past the CUDA kernels' take Pallas (at D 512 3.4x xla's forward, 1.3x its forward+backward;
+  H200). A small CPU call (choice.SMALL_SCORES) has a class whose order may put xla first.
   """
   if call.width > max_head_dim("native"):
     return ("pallas",)
+  small = platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES
   order = choice.order(jax.devices()[0].device_kind, _native.build_id, call.q.dtype, call.width,
-                       call.spec.window_right >= 0, call.q.shape[-3])
+                       call.spec.window_right >= 0, call.q.shape[-3], small)
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))
   if call.dense is not None and platform() != "cpu":   # (docs/performance.md, Dense bias)
@@ -475,7 +476,6 @@ def choose(call: Call, implementation, cudnn_unsupported: str | None = None) -> 
   """The implementation that runs `call`: the one named (ValueError if it cannot serve
   the call), the first of a sequence that can (one ValueError with each one's reason if
   none can), or for None the first of the measured order (choice.py) that can, else xla.
-
   `cudnn_unsupported` is why "cudnn" cannot serve the call (the entry point knows).
   """
   if isinstance(implementation, (list, tuple)):

@@ -12,8 +12,9 @@ measurement of its class, looked up in turn in
 
 A call's class is (device kind, dtype width, head-dim bucket, causal or not,
 queries): "decode" for at most `DECODE_QUERIES` query rows, ordered by the
-forward's time (a decode step is not differentiated), else "train", ordered by
-forward+backward's time (nearly every training-length call is differentiated).
+forward's time (a decode step is not differentiated), "small" for a CPU call of
+at most `SMALL_SCORES` scores, else "train"; both ordered by forward+backward's
+time (nearly every training-length call is differentiated).
 The first implementation of the order that can serve the call runs
 (`_core.choose`); whichever runs, the semantics are the same (README).
 """
@@ -36,14 +37,25 @@ FALLBACK = ("native", "pallas")
 DECODE_QUERIES = 4
 
 
+# Scores (B·N·T·S) up to which a call on the CPU is "small": there the `xla`
+# implementation, which materialises them (at the bound 256 KiB of float32 in the
+# forward, about three times that in its backward), competes with the native kernels,
+# whose fixed costs a call it undercuts (tune.py --orders --queries small measures
+# the order; docs/performance.md, CPU).
+SMALL_SCORES = 1 << 16
+SMALL_CANDIDATES = ("native", "xla")
+
+
 def is_decode(q_len: int) -> bool:
   return q_len <= DECODE_QUERIES
 
 
-def call_class(dtype, head_dim: int, causal: bool, q_len: int) -> tuple[int, int | None, bool, str]:
-  """(dtype width in bits, head-dim bucket, causal, queries) of a call."""
-  return (np.dtype(dtype).itemsize * 8, tile_cache.bucket(head_dim), bool(causal),
-          "decode" if is_decode(q_len) else "train")
+def call_class(dtype, head_dim: int, causal: bool, q_len: int,
+               small: bool = False) -> tuple[int, int | None, bool, str]:
+  """(dtype width in bits, head-dim bucket, causal, queries) of a call; `small`: a CPU
+  call of at most SMALL_SCORES scores."""
+  queries = "decode" if is_decode(q_len) else "small" if small else "train"
+  return (np.dtype(dtype).itemsize * 8, tile_cache.bucket(head_dim), bool(causal), queries)
 
 
 @functools.lru_cache(maxsize=4)
@@ -62,8 +74,8 @@ def measured(device_kind: str, build) -> list[tile_cache.Order]:
 
 
 def order(device_kind: str, build, dtype, head_dim: int, causal: bool,
-          q_len: int) -> tuple[str, ...]:
+          q_len: int, small: bool = False) -> tuple[str, ...]:
   """The implementations to try for a call of this class on this device, fastest first
   (`build`: as for `measured`)."""
-  cell = (device_kind, *call_class(dtype, head_dim, causal, q_len))
+  cell = (device_kind, *call_class(dtype, head_dim, causal, q_len, small))
   return next((o.order for o in measured(device_kind, build) if o.cell() == cell), FALLBACK)

@@ -72,7 +72,7 @@ class Order:
   bits: int       # the inputs' dtype width
   head_dim: int   # the bucket
   causal: bool
-  queries: str    # "decode" or "train"
+  queries: str    # "decode", "small" or "train"
   order: tuple[str, ...]
   ms: tuple[float, ...] = ()
   measured: str = ""
@@ -81,7 +81,7 @@ class Order:
     return (self.device, self.bits, self.head_dim, self.causal, self.queries)
 
   def valid(self) -> bool:
-    return (self.bits in (16, 32) and self.queries in ("decode", "train") and len(self.order) > 0
+    return (self.bits in (16, 32) and self.queries in ("decode", "small", "train") and len(self.order) > 0
             and all(name in IMPLEMENTATIONS for name in self.order)
             and all(isinstance(t, (int, float)) for t in self.ms))
 

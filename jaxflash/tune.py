@@ -24,7 +24,9 @@ docs/performance-log.md.
 bucket of --head-dims, causal or not, training-length queries (forward+backward on the grid's
 shapes at each of --seqs, geometric mean; 32-bit inputs at the first only) and decode steps
 (one query row of 32 heads against an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
---shipped FILE to the package's table of shipped orders as well).
+--shipped FILE to the package's table of shipped orders as well). `--orders --queries small`
+runs on a CPU too: native against xla forward+backward on a small call (B 1, 4 heads, 64
+queries and keys: 16k scores), the class choice.SMALL_SCORES bounds.
 """
 
 from __future__ import annotations
@@ -94,10 +96,18 @@ def _order_inputs(bits: int, D: int, S: int, queries: str):
   rng = np.random.default_rng(0)
   if queries == "train":
     B, N, K, T = max(1, 16384 // S), max(1, 2048 // D), max(1, 2048 // D), S
+  elif queries == "small":
+    B, N, K, T, S = 1, 4, 4, 64, 64
   else:
     B, N, K, T, S = 8, 32, 8, 1, 8192
   shapes = [(B, T, N, D), (B, S, K, D), (B, S, K, D), (B, T, N, D)]
   return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def grad_of(attn):
+  """The jitted forward+backward of `attn` against a cotangent do."""
+  return jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do),
+                          argnums=(0, 1, 2)))
 
 
 def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, reps: int,
@@ -114,10 +124,9 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
     if queries == "decode":
       # A decode step takes ~0.1 ms: ten times the reps keep the host's share steady.
       t = _measure.time_jitted(jax.jit(attn), (q, k, v), 10 * reps, repeats)
-    else:
-      grad = jax.jit(jax.grad(lambda q, k, v, do: jnp.sum(attn(q, k, v).astype(jnp.float32) * do),
-                              argnums=(0, 1, 2)))
-      t = _measure.time_jitted(grad, (q, k, v, do.astype(jnp.float32)), reps, repeats)
+    else:  # (a small call as short as a decode step: ten times the reps)
+      t = _measure.time_jitted(grad_of(attn), (q, k, v, do.astype(jnp.float32)),
+                               (10 if queries == "small" else 1) * reps, repeats)
     logs.append(math.log(t))
   return math.exp(sum(logs) / len(logs))
 
@@ -167,21 +176,25 @@ def main(argv=None):
   ap.add_argument("--orders", action="store_true",
                   help="time the implementations per class of call instead of the tiles (see above)")
   ap.add_argument("--queries", default="train,decode",
-                  help="with --orders, the classes of queries to measure: train, decode")
+                  help="with --orders, the classes of queries to measure: train, decode, small "
+                       "(small alone on a CPU)")
   ap.add_argument("--shipped", default=None, metavar="FILE",
                   help="with --orders, also store the orders, build-independent, in FILE "
                        "(the package's jaxflash/orders.json)")
   args = ap.parse_args(argv)
 
   device = jax.devices()[0]
-  if device.platform != "gpu":
-    raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX")
-  _native.require("gpu")
+  queries = tuple(args.queries.split(","))
+  cpu_small = args.orders and queries == ("small",)
+  if device.platform != "gpu" and not cpu_small:
+    raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX "
+                     "(on a CPU: --orders --queries small)")
+  _native.require(device.platform)
   print(f"device: {device.device_kind}")
   if args.orders:
     seqs = [int(s) for s in args.seqs.split(",")]
     orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats,
-                            tuple(args.queries.split(",")))
+                            queries, choice.SMALL_CANDIDATES if "small" in queries else choice.FALLBACK)
     if args.write and orders:
       print(f"wrote {len(orders)} orders to {tile_cache.write(orders)}")
     if args.shipped and orders:
