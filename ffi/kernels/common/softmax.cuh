@@ -95,9 +95,9 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNT; ++nt) {
           const float x0 = fmaf(s[mt][nt][2 * half], scale, addend);
           const float x1 = fmaf(s[mt][nt][2 * half + 1], scale, addend);
-          const bool fma = nt % 4 < kFmaOf4;
-          const float p0 = fma ? Exp2OnFma(x0) : Exp2(x0);
-          const float p1 = fma ? Exp2OnFma(x1) : Exp2(x1);
+          const bool on_fma = nt % 4 < kFmaOf4;
+          const float p0 = on_fma ? Exp2OnFma(x0) : Exp2(x0);
+          const float p1 = on_fma ? Exp2OnFma(x1) : Exp2(x1);
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;
