@@ -426,14 +426,11 @@ def platform() -> str:
 
 
 def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | None:
-  """Why implementation `name` cannot serve `call` here, or None.
-
-  `explicit` is False when choosing automatically: Pallas on the CPU runs in
-  the (slow) interpreter, fine when asked for, never picked unasked.
+  """Why implementation `name` cannot serve `call` here, or None. `explicit` is False when
+  choosing automatically: Pallas on the CPU runs in the (slow) interpreter, never picked unasked.
   """
   if call.q.dtype not in FUSED_DTYPES:
-    return (f"implementation={name!r} supports float32, float16 and bfloat16, got "
-            f"{call.q.dtype}")
+    return f"implementation={name!r} supports float32, float16 and bfloat16, got {call.q.dtype}"
   if call.width > max_head_dim(name):
     return (f"implementation={name!r} supports head_dim <= {max_head_dim(name)} here, got "
             f"{call.width}")
@@ -453,16 +450,18 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
 def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
-  The orders are measured on plain calls. A dense bias or mask on a GPU puts Pallas first
-  (the CUDA kernels take them on their sm80 family only: 2.4x / 2.0x slower forward /
-  forward+backward, H200). A decode step with segment ids or ALiBi slopes puts native first
-  (Pallas's decode kernel takes no ids; with slopes 211.7 us against ~90, H200). Head dims
-  past the CUDA kernels' take Pallas (at D 512 3.4x xla's forward, 1.3x its forward+backward;
-  H200). A small CPU call (choice.SMALL_SCORES) has a class whose order may put xla first.
+  The orders are measured on plain calls. A dense bias or mask on a GPU puts Pallas first (the
+  CUDA kernels take them on sm80 kernels only: 2.4x / 2.0x slower, H200). A decode step with ids
+  or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes cost it 2.3x).
+  Past the CUDA kernels' head dims, Pallas (D 512: 3.4x / 1.3x xla's speed, H200). A small CPU
+  call that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax then keeps the
+  kernels' NaN rules, which it breaks where a masked pair meets a NaN).
   """
   if call.width > max_head_dim("native"):
     return ("pallas",)
-  small = platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES
+  hides = (call.spec.window_left >= 0 or call.spec.window_right >= 0 or call.dense is not None
+           or any(x is not None for x in (call.q_lengths, call.kv_lengths, call.segments)))
+  small = not hides and platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES
   order = choice.order(jax.devices()[0].device_kind, _native.build_id, call.q.dtype, call.width,
                        call.spec.window_right >= 0, call.q.shape[-3], small)
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):

@@ -25,8 +25,8 @@ bucket of --head-dims, causal or not, training-length queries (forward+backward 
 shapes at each of --seqs, geometric mean; 32-bit inputs at the first only) and decode steps
 (one query row of 32 heads against an 8k cache of 8, forward). It writes each class's order, fastest first, to the cache (and with
 --shipped FILE to the package's table of shipped orders as well). `--orders --queries small`
-runs on a CPU too: native against xla forward+backward on a small call (B 1, 4 heads, 64
-queries and keys: 16k scores), the class choice.SMALL_SCORES bounds.
+runs on a CPU only: native against xla forward+backward on a small call that hides no pair
+(B 1, 4 heads, 64 queries and keys: 16k scores), the class choice.SMALL_SCORES bounds.
 """
 
 from __future__ import annotations
@@ -131,18 +131,22 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
   return math.exp(sum(logs) / len(logs))
 
 
-def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("train", "decode"),
-                   candidates=choice.FALLBACK):
-  """The Order of every class, printed as a table row each."""
+def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("train", "decode")):
+  """The Order of every class, printed as a table row each (a small class's candidates:
+  choice.SMALL_CANDIDATES; the others' choice.FALLBACK)."""
   device = jax.devices()[0]
   today = datetime.date.today().isoformat()
-  print("| bits | D | causal | queries | " + " | ".join(f"{n} ms" for n in candidates) + " | order |")
-  print("|---|---|---|---|" + "---|" * (len(candidates) + 1))
+  names = choice.SMALL_CANDIDATES if queries_classes == ("small",) else choice.FALLBACK
+  print("| bits | D | causal | queries | " + " | ".join(f"{n} ms" for n in names) + " | order |")
+  print("|---|---|---|---|" + "---|" * (len(names) + 1))
   orders = []
   for bits in (16, 32):
     for D in head_dims:
       for causal in (False, True):
         for queries in queries_classes:
+          if queries == "small" and causal:  # a causal call hides pairs: never small
+            continue
+          candidates = choice.SMALL_CANDIDATES if queries == "small" else choice.FALLBACK
           times = {}
           for name in candidates:
             try:
@@ -152,7 +156,7 @@ def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("t
           if not times:
             continue
           ranked = tuple(sorted(times, key=times.get))
-          cells = " | ".join(f"{times[n] * 1e3:.3f}" if n in times else "—" for n in candidates)
+          cells = " | ".join(f"{times[n] * 1e3:.3f}" if n in times else "—" for n in names)
           print(f"| {bits} | {D} | {'yes' if causal else 'no'} | {queries} | {cells} | "
                 f"{' > '.join(ranked)} |", flush=True)
           orders.append(tile_cache.Order(device=device.device_kind, build=_native.build_id(),
@@ -185,16 +189,14 @@ def main(argv=None):
 
   device = jax.devices()[0]
   queries = tuple(args.queries.split(","))
-  cpu_small = args.orders and queries == ("small",)
-  if device.platform != "gpu" and not cpu_small:
-    raise SystemExit("python -m jaxflash.tune measures the CUDA kernels: no GPU is visible to JAX "
-                     "(on a CPU: --orders --queries small)")
+  if (device.platform == "cpu") != (args.orders and queries == ("small",)):
+    raise SystemExit("python -m jaxflash.tune measures the CUDA kernels on a GPU, and on a CPU the "
+                     "order of its small class only (--orders --queries small)")
   _native.require(device.platform)
   print(f"device: {device.device_kind}")
   if args.orders:
     seqs = [int(s) for s in args.seqs.split(",")]
-    orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats,
-                            queries, choice.SMALL_CANDIDATES if "small" in queries else choice.FALLBACK)
+    orders = measure_orders([int(d) for d in args.head_dims.split(",")], seqs, args.reps, args.repeats, queries)
     if args.write and orders:
       print(f"wrote {len(orders)} orders to {tile_cache.write(orders)}")
     if args.shipped and orders:

@@ -97,15 +97,17 @@ def test_the_shipped_table_is_well_formed():
     assert o.build == "" and len(o.ms) == len(o.order)
     # xla competes only in the CPU's small class (choice.SMALL_SCORES).
     allowed = choice.SMALL_CANDIDATES if o.queries == "small" else choice.FALLBACK
-    assert set(o.order) <= set(allowed) and (o.queries != "small" or o.device == "cpu"), o
+    assert set(o.order) <= set(allowed), o
+    assert o.queries != "small" or (o.device == "cpu" and not o.causal), o   # hides no pair
     assert list(o.ms) == sorted(o.ms), o   # fastest first
   cells = [o.cell() for o in shipped]
   assert len(cells) == len(set(cells))
 
 
 def test_a_small_cpu_call_has_a_class_of_its_own(tables, monkeypatch):
-  """On the CPU a call of at most SMALL_SCORES scores is "small", a class whose measured
-  order may put xla first; larger calls, decode steps and calls on a GPU keep theirs."""
+  """On the CPU a call of at most SMALL_SCORES scores that hides no pair is "small", a class
+  whose measured order may put xla first; larger calls, masked ones, decode steps and calls on
+  a GPU keep their classes."""
   _, shipped = tables
   tile_cache.write([order(device="cpu", bits=32, queries="small", order=("xla", "native"))], shipped)
   assert choice.order("cpu", lambda: "b", jnp.float32, 64, False, 64, True) == ("xla", "native")
@@ -113,34 +115,37 @@ def test_a_small_cpu_call_has_a_class_of_its_own(tables, monkeypatch):
   assert choice.order("cpu", lambda: "b", jnp.float32, 64, False, 1, True) == choice.FALLBACK  # decode
   seen = []
   monkeypatch.setattr(choice, "order", lambda *a: seen.append(a[-1]) or ("native",))
-  validate = lambda q: _core.validate(q, q, q, None, None, None, False, None, None, None, "top_left",
-                                      False)
+  validate = lambda q, causal=False, **kw: _core.validate(q, q, q, None, None, None, causal, None,
+                                                         None, None, "top_left", False, **kw)
   small = jnp.zeros((1, 64, 4, 16), jnp.float32)   # 4 x 64 x 64 = 16k scores
   big = jnp.zeros((2, 128, 4, 16), jnp.float32)    # 128k
+  ids = jnp.zeros((1, 64), jnp.int32)
   for platform in ("cpu", "gpu"):
     monkeypatch.setattr(_core, "platform", lambda: platform)
-    for q in (small, big):
-      _core.automatic_order(validate(q))
-  assert seen == [True, False, False, False]
+    for call in (validate(small), validate(big), validate(small, True),
+                 validate(small, query_segment_ids=ids)):
+      _core.automatic_order(call)
+  assert seen == [True, False, False, False] + [False] * 4
 
 
 @pytest.mark.skipif(_core.platform() != "cpu", reason="the CPU's small class")
-def test_a_small_cpu_call_keeps_the_native_semantics(rng):
-  """Whichever implementation the shipped order puts first for a small CPU call, the
-  default's results are native's: rows that see no key give 0, a NaN reaches only its row."""
+def test_a_small_cpu_call_on_xla_keeps_the_native_semantics(tables, rng):
+  """With nothing hidden every pair counts in both, so xla's results are native's: a NaN of a
+  key or value reaches every row, of a query its own row (the order is this test's own)."""
   from conftest import random_inputs
-  q, k, v = random_inputs(rng, 2, 24, 20, 4, 2, 16, jnp.float32)
-  q = q.at[1, 5, 0, 0].set(jnp.nan)
-  kw = dict(is_causal=True, query_seq_lengths=jnp.array([0, 24], jnp.int32),
-            key_value_seq_lengths=jnp.array([20, 13], jnp.int32))
-  call = _core.validate(q, k, v, None, None, None, True, None, None, None, "top_left", False)
-  first = _core.choose(call, None)
-  assert first == choice.order("cpu", lambda: "", jnp.float32, 16, True, 24, True)[0]
   import jaxflash
-  got = jaxflash.dot_product_attention(q, k, v, **kw)
-  want = jaxflash.dot_product_attention(q, k, v, implementation="native", **kw)
-  assert np.array_equal(np.isnan(got), np.isnan(want)) and np.all(np.asarray(got)[0] == 0)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, equal_nan=True)
+  _, shipped = tables
+  tile_cache.write([order(device="cpu", bits=32, head_dim=64, queries="small", order=("xla", "native"))],
+                   shipped)
+  q, k, v = random_inputs(rng, 2, 24, 20, 4, 2, 48, jnp.float32)
+  for x, at in ((q, (1, 5, 0, 0)), (k, (1, 7, 1, 3)), (v, (0, 2, 0, 1))):
+    args = [y.at[at].set(jnp.nan) if y is x else y for y in (q, k, v)]
+    call = _core.validate(*args, None, None, None, False, None, None, None, "top_left", False)
+    assert _core.choose(call, None) == "xla"
+    got = jaxflash.dot_product_attention(*args)
+    want = jaxflash.dot_product_attention(*args, implementation="native")
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, equal_nan=True)
 
 
 def test_head_dims_past_the_cuda_kernels_run_on_pallas(monkeypatch):
