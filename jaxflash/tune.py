@@ -189,7 +189,7 @@ def main(argv=None):
 
   device = jax.devices()[0]
   queries = tuple(args.queries.split(","))
-  if (device.platform == "cpu") != (args.orders and queries == ("small",)):
+  if device.platform not in ("gpu", "cpu") or (device.platform == "cpu") != (args.orders and queries == ("small",)):
     raise SystemExit("python -m jaxflash.tune measures the CUDA kernels on a GPU, and on a CPU the "
                      "order of its small class only (--orders --queries small)")
   _native.require(device.platform)
