@@ -13,8 +13,9 @@ measurement of its class, looked up in turn in
 A call's class is (device kind, dtype width, head-dim bucket, causal or not,
 queries): "decode" for at most `DECODE_QUERIES` query rows, ordered by the
 forward's time (a decode step is not differentiated), "small" for a CPU call of
-at most `SMALL_SCORES` scores, else "train"; both ordered by forward+backward's
-time (nearly every training-length call is differentiated).
+at most `SMALL_SCORES` scores that hides no pair (`_core.automatic_order`), else
+"train"; both ordered by forward+backward's time (nearly every training-length
+call is differentiated).
 The first implementation of the order that can serve the call runs
 (`_core.choose`); whichever runs, the semantics are the same (README).
 """
@@ -37,11 +38,11 @@ FALLBACK = ("native", "pallas")
 DECODE_QUERIES = 4
 
 
-# Scores (B·N·T·S) up to which a call on the CPU is "small": there the `xla`
-# implementation, which materialises them (at the bound 256 KiB of float32 in the
-# forward, about three times that in its backward), competes with the native kernels,
-# whose fixed costs a call it undercuts (tune.py --orders --queries small measures
-# the order; docs/performance.md, CPU).
+# Scores (B·N·T·S) up to which a CPU call that hides no pair is "small": there the
+# `xla` implementation, which materialises them (at the bound 256 KiB of float32),
+# competes with the native kernels, whose fixed costs a call it undercuts (tune.py
+# --orders --queries small measures the order; docs/performance.md, CPU). Only
+# where nothing is hidden does its dense softmax keep the kernels' NaN rules.
 SMALL_SCORES = 1 << 16
 SMALL_CANDIDATES = ("native", "xla")
 
@@ -53,7 +54,7 @@ def is_decode(q_len: int) -> bool:
 def call_class(dtype, head_dim: int, causal: bool, q_len: int,
                small: bool = False) -> tuple[int, int | None, bool, str]:
   """(dtype width in bits, head-dim bucket, causal, queries) of a call; `small`: a CPU
-  call of at most SMALL_SCORES scores."""
+  call of at most SMALL_SCORES scores that hides no pair."""
   queries = "decode" if is_decode(q_len) else "small" if small else "train"
   return (np.dtype(dtype).itemsize * 8, tile_cache.bucket(head_dim), bool(causal), queries)
 
