@@ -83,9 +83,9 @@ struct WsFwdTile {
   // (196-240 bytes; 156-752 with ALiBi beside it and the staging row
   // unhoisted), and three of 64-key tiles, which took it, ran the capped
   // forward 5% slower than two (H200, thirty-ninth session in
-  // docs/performance-log.md). D 256's tiles take it since their epilogue's
-  // staging row is unhoisted (kUnhoistedRow): hoisted, its addresses spilled
-  // 28-212 bytes beside the cap.
+  // docs/performance-log.md). D 256's tiles take it where their epilogue's
+  // staging row is unhoisted (kUnhoistedRow, kCapKernel below): hoisted, its
+  // addresses spilled 28-212 bytes beside the cap.
   static constexpr bool kTakesSoftCap = kD >= 128 || (kD == 64 && kConsumers == 2);
   // Of every four n8 tiles of a score tile, how many take their exponents on
   // the FMA pipe (mma.cuh's Exp2OnFma): in capped calls (kCapExpOnFma), whose
