@@ -47,6 +47,11 @@ SMALL_SCORES = 1 << 16
 SMALL_CANDIDATES = ("native", "xla")
 
 
+def candidates(queries: str) -> tuple[str, ...]:
+  """The implementations a class of these queries orders (xla in the small class only)."""
+  return SMALL_CANDIDATES if queries == "small" else FALLBACK
+
+
 def is_decode(q_len: int) -> bool:
   return q_len <= DECODE_QUERIES
 

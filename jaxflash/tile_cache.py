@@ -83,7 +83,7 @@ class Order:
   def valid(self) -> bool:
     return (self.bits in (16, 32) and self.queries in ("decode", "small", "train") and len(self.order) > 0
             and all(name in IMPLEMENTATIONS for name in self.order)
-            and ("xla" not in self.order or self.queries == "small")
+            and ("xla" not in self.order or self.queries == "small")   # (choice.candidates)
             and all(isinstance(t, (int, float)) for t in self.ms))
 
 

@@ -132,11 +132,10 @@ def time_class(name: str, bits: int, D: int, causal: bool, queries: str, seqs, r
 
 
 def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("train", "decode")):
-  """The Order of every class, printed as a table row each (a small class's candidates:
-  choice.SMALL_CANDIDATES; the others' choice.FALLBACK)."""
+  """The Order of every class (of its choice.candidates), printed as a table row each."""
   device = jax.devices()[0]
   today = datetime.date.today().isoformat()
-  names = choice.SMALL_CANDIDATES if queries_classes == ("small",) else choice.FALLBACK
+  names = tuple(dict.fromkeys(n for queries in queries_classes for n in choice.candidates(queries)))
   print("| bits | D | causal | queries | " + " | ".join(f"{n} ms" for n in names) + " | order |")
   print("|---|---|---|---|" + "---|" * (len(names) + 1))
   orders = []
@@ -146,9 +145,8 @@ def measure_orders(head_dims, seqs, reps: int, repeats: int, queries_classes=("t
         for queries in queries_classes:
           if queries == "small" and causal:  # a causal call hides pairs: never small
             continue
-          candidates = choice.SMALL_CANDIDATES if queries == "small" else choice.FALLBACK
           times = {}
-          for name in candidates:
+          for name in choice.candidates(queries):
             try:
               times[name] = time_class(name, bits, D, causal, queries, seqs, reps, repeats)
             except Exception as e:  # cannot serve this class here: not ordered

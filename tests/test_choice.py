@@ -96,8 +96,7 @@ def test_the_shipped_table_is_well_formed():
   for o in shipped:
     assert o.build == "" and len(o.ms) == len(o.order)
     # xla competes only in the CPU's small class (choice.SMALL_SCORES).
-    allowed = choice.SMALL_CANDIDATES if o.queries == "small" else choice.FALLBACK
-    assert set(o.order) <= set(allowed), o
+    assert set(o.order) <= set(choice.candidates(o.queries)), o
     assert o.queries != "small" or (o.device == "cpu" and not o.causal), o   # hides no pair
     assert list(o.ms) == sorted(o.ms), o   # fastest first
   cells = [o.cell() for o in shipped]

@@ -54,14 +54,14 @@ def main():
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   ap.add_argument("--segments-only", action="store_true",
                   help="the training sweep's calls with segment ids only")
-  ap.add_argument("--alibi-only", action="store_true",
+  ap.add_argument("--score-mods-only", "--alibi-only", dest="score_mods_only", action="store_true",
                   help="the training sweep's calls with ALiBi slopes or a soft-cap only")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   if not args.decode_only:
     dims = {int(d) for d in args.head_dims.split(",") if d}
     masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
-             [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.alibi_only else MASKS)
+             [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.score_mods_only else MASKS)
     print(f"sanitizer sweep: {training_sweep(rng, dims, masks)} configurations, forward and backward")
     if args.training_only:
       return

@@ -710,7 +710,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 }
 
 // kCapped: the static walk's kernel for capped calls of a tile with
-// kCapKernel (the dynamic walk's carries the cap's code anyway).
+// kCapKernel (the dynamic walk's carries the cap's code anyway). It keeps the
+// uncapped branch its calls never take: so built, its SASS is the one timed.
 template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
