@@ -210,8 +210,11 @@ def test_full_tiles_hide_nothing(rng):
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the
 # SIMT kernels (float32) and a decode step, forward and backward.
-GPU_CASES = ([(jnp.bfloat16, kind, mask) for kind in KINDS
-              for mask in ("causal", "lengths_causal_bottom_right", "window")] +
+# The fast tier runs each id layout and mask once in bfloat16 (the diagonal) and the float16 and
+# float32 cases; the slow tier the rest of the bfloat16 grid.
+GPU_CASES = ([pytest.param(jnp.bfloat16, kind, mask, marks=() if i == j else pytest.mark.slow)
+              for i, kind in enumerate(KINDS)
+              for j, mask in enumerate(("causal", "lengths_causal_bottom_right", "window"))] +
              [(jnp.float16, "packed", "causal"), (jnp.float16, "scattered", "window"),
               (jnp.float32, "packed", "causal"), (jnp.float32, "scattered", "lengths_causal_bottom_right")])
 

@@ -40,10 +40,17 @@ def test_native_gradients(rng, mask, dtype):
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too), the SIMT
 # kernels (float32) and the Pallas kernels, forward and backward.
+# The fast tier runs each implementation and dtype with one mask, each mask at least once; the
+# slow tier the rest.
+GPU_MASKS = ["causal", "window", "lengths_causal_bottom_right"]
+GPU_CASES = [pytest.param(impl, dtype, mask, marks=() if i % 3 == j else pytest.mark.slow)
+             for i, (impl, dtype) in enumerate([("native", jnp.bfloat16), ("native", jnp.float16),
+                                                ("native", jnp.float32), ("pallas", jnp.bfloat16)])
+             for j, mask in enumerate(GPU_MASKS)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl, dtype", [("native", jnp.bfloat16), ("native", jnp.float16),
-                                         ("native", jnp.float32), ("pallas", jnp.bfloat16)])
-@pytest.mark.parametrize("mask", ["causal", "lengths_causal_bottom_right", "window"])
+@pytest.mark.parametrize("impl, dtype, mask", GPU_CASES)
 def test_gpu_kernels(rng, impl, dtype, mask):
   if not HAS_GPU:
     pytest.skip("needs a GPU")
@@ -98,9 +105,8 @@ def test_gpu_warp_specialised_d256(rng, extra, request):
                   softcap=CAP, **kw)
 
 
-# Non-finite inputs through the 16-bit warp-specialised forward with a cap (whose exponents
-# may take the FMA pipe: mma.cuh's Exp2OnFma): an infinite score is capped to a finite one, a
-# NaN reaches only the rows that see it.
+# Non-finite inputs through the 16-bit warp-specialised forward with a cap: an infinite score
+# is capped to a finite one, a NaN reaches only the rows that see it.
 @pytest.mark.gpu
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_nonfinite_capped(rng, D):

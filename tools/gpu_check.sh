@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
-#   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [fuzz] [long] [sanitize] [bench]
+#   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [tests-slow-mods] [fuzz] [long] [sanitize] [bench]
 #                      [decode] [main] [fused] [sharding] [ab] [newest-jax]
 #                      (default: build tests newest-jax sanitize bench decode main)
 #
@@ -19,7 +19,11 @@
 #             32k sequences)
 # tests-slow-rest  the rest of -m "gpu and slow": decode, non-finite, Pallas, forward mode, debug
 #             flags (the two slow stages together ran past one call's 10 minutes; tenth session)
-#             tests + tests-slow + tests-slow-rest + fuzz = the whole GPU suite
+# tests-slow-mods  the rest of -m "gpu and slow" for the score modifiers and dense terms (ALiBi,
+#             segment ids, soft-cap, bias/mask): the fast tier keeps each dtype, mask and family
+#             of theirs once (it had grown past its 400 s: 428 of 429 done on an H200,
+#             2026-11-30, at 5170 s of test time over 16 processes)
+#             tests + tests-slow + tests-slow-rest + tests-slow-mods + fuzz = the whole GPU suite
 # fuzz        the contract fuzzing alone (tests/test_contract.py on the GPU: 2000 native calls in
 #             8 shards and 200 Pallas ones; JAXFLASH_FUZZ_GPU_EXAMPLES sets the native count)
 # long        tools/long_sequences.py: S = 128k, 256k forward+backward and 1M forward (causal
@@ -148,6 +152,7 @@ fi
 # The slow tier in two stages, each one call's worth; the contract fuzz is the
 # fuzz stage's (its shards alone fill most of a call).
 slow_training=(test_cuda_kernels.py test_diagonal_offsets.py)
+slow_mods=(test_alibi.py test_segments.py test_softcap.py test_dense.py)
 if has tests-slow; then
   gpu_tier "gpu tests (slow tier, training kernels)" "gpu and slow" 500 tests_slow.log \
       "${slow_training[@]/#/$repo/tests/}"
@@ -155,7 +160,13 @@ fi
 
 if has tests-slow-rest; then
   gpu_tier "gpu tests (slow tier, the rest)" "gpu and slow" 500 tests_slow_rest.log \
-      "$repo/tests" --ignore "$repo/tests/test_contract.py" "${slow_training[@]/#/--ignore=$repo/tests/}"
+      "$repo/tests" --ignore "$repo/tests/test_contract.py" "${slow_training[@]/#/--ignore=$repo/tests/}" \
+      "${slow_mods[@]/#/--ignore=$repo/tests/}"
+fi
+
+if has tests-slow-mods; then
+  gpu_tier "gpu tests (slow tier, score modifiers and dense terms)" "gpu and slow" 500 tests_slow_mods.log \
+      "${slow_mods[@]/#/$repo/tests/}"
 fi
 
 if has fuzz; then
