@@ -228,24 +228,6 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
-// exp2 on the FMA pipe, for kernels whose special-function unit is their
-// bound (the softmax's exponents beside a soft-cap's tanh: 16 such ops a
-// clock an SM, as many scores as the tensor cores finish at D 64): x = i + f,
-// 2^f by a cubic (minimax for the relative error: 7.5e-5, ~2^-13.7, below
-// the 8 and 11 bits P keeps), times 2^i built in the exponent field. Nine
-// FMA-pipe ops for one special-function op. x is clamped at -127, whose
-// scale 2^-127 is built as 0, so -inf (a masked score) gives 0; max.NaN keeps
-// a NaN, which the cubic carries through the product. x < 2^22.
-__device__ __forceinline__ float Exp2OnFma(float x) {
-  asm("max.NaN.f32 %0, %0, 0fC2FE0000;\n" : "+f"(x));  // -127
-  float t;  // 1.5 * 2^23 + floor(x): the rounding down leaves floor(x) in the low bits
-  asm("add.rm.f32 %0, %1, 0f4B400000;\n" : "=f"(t) : "f"(x));
-  const float f = x - (t - 12582912.f);  // [0, 1); the subtraction is exact
-  const float p = fmaf(fmaf(fmaf(0.07802403f, f, 0.22606707f), f, 0.69583398f), f, 0.99992514f);
-  // (floor(x) + 127) << 23: 1.5 * 2^23's own bits shift out of the word.
-  return p * __uint_as_float(__float_as_uint(t) * (1u << 23) + 0x3F800000u);
-}
-
 // x, with its origin hidden from the compiler (an empty asm), so what is
 // derived from it is computed where it is used instead of hoisted out of a
 // loop and held, or spilled, across it: for values cheap to rebuild in a

@@ -57,12 +57,8 @@ struct OnlineSoftmax {
   // the thread's row as the max and the exponents are taken, not to the
   // scores themselves: a bias whose per-row part rides in the exponent's FFMA
   // addend (AddAlibiSplit in fwd_blocks.cuh).
-  //
-  // kFmaOf4: of every four n8 column tiles, how many take their exponents on
-  // the FMA pipe (Exp2OnFma) rather than the special-function unit, for
-  // kernels that unit bounds.
   static constexpr float kLazyMargin = 8.f;
-  template <bool kLazy = false, int kFmaOf4 = 0, int kNT>
+  template <bool kLazy = false, int kNT>
   __device__ __forceinline__ bool Scores(float (&s)[kMT][kNT][4], float (&alpha)[kRows], float scale = 1.f,
                                          const float* row_offset = nullptr) {
     bool moved = false;
@@ -95,9 +91,8 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNT; ++nt) {
           const float x0 = fmaf(s[mt][nt][2 * half], scale, addend);
           const float x1 = fmaf(s[mt][nt][2 * half + 1], scale, addend);
-          const bool on_fma = nt % 4 < kFmaOf4;
-          const float p0 = on_fma ? Exp2OnFma(x0) : Exp2(x0);
-          const float p1 = on_fma ? Exp2OnFma(x1) : Exp2(x1);
+          const float p0 = Exp2(x0);
+          const float p1 = Exp2(x1);
           s[mt][nt][2 * half] = p0;
           s[mt][nt][2 * half + 1] = p1;
           sum += p0 + p1;

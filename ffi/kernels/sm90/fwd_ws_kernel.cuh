@@ -87,14 +87,6 @@ struct WsFwdTile {
   // staging row is unhoisted (kUnhoistedRow, kCapKernel below): hoisted, its
   // addresses spilled 28-212 bytes beside the cap.
   static constexpr bool kTakesSoftCap = kD >= 128 || (kD == 64 && kConsumers == 2);
-  // Of every four n8 tiles of a score tile, how many take their exponents on
-  // the FMA pipe (mma.cuh's Exp2OnFma): in capped calls (kCapExpOnFma), whose
-  // tanh beside the exponent makes the special-function unit their bound at
-  // D 64 and 128 (two ops a score against the tensor cores' 16 or 8 scores a
-  // clock an SM), and in plain calls (kExpOnFma: one op a score is as many
-  // as the tensor cores' at D 64). Off until measured.
-  static constexpr int kCapExpOnFma = 0;
-  static constexpr int kExpOnFma = 0;
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
   // for every tile, for A/B runs: segment calls then take the static walk.
   static constexpr bool kDynamicWalkOn = true;
@@ -130,10 +122,9 @@ struct WsFwdTile {
   // cap's code and unhoists the row, so the uncapped kernel stays as it was
   // (D 256's 80-key pick: in one kernel with the row unhoisted, its uncapped
   // forward ran 0.4% slower at S 4k, 1.0% causal; H200, forty-seventh
-  // session in docs/performance-log.md), as do tiles whose capped calls take
-  // exponents on the FMA pipe.
+  // session in docs/performance-log.md).
   static constexpr bool kUnhoistedRow = kD == 256 && kN == 64;
-  static constexpr bool kCapKernel = kTakesSoftCap && ((kD == 256 && !kUnhoistedRow) || kCapExpOnFma > 0);
+  static constexpr bool kCapKernel = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -512,7 +503,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
                              tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
               // (The dynamic walk's kernels keep theirs on the special-function
               // unit: at D 128 they spilled 116 bytes with them on the FMA pipe.)
-              return softmax.Scores<true, kCapped ? Tile::kCapExpOnFma : 0>(s, alpha, tc::SoftCap::Of(p).cap2);
+              return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
           if (scale_log2 > 0.f) {
@@ -532,7 +523,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
               if (alibi.On()) tc::AddAlibi(s, alibi.InRawUnits(scale_log2), r0 + warp_row0, c0, lane);
             }
             if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
-            return softmax.Scores<true, Tile::kExpOnFma>(s, alpha, scale_log2);
+            return softmax.Scores<true>(s, alpha, scale_log2);
           }
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
                            tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
