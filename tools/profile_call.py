@@ -15,7 +15,8 @@ two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's trai
 runs a decode step instead. `--softcap C` gives the call a logit soft-cap, `--alibi` ALiBi slopes
 (the paper's, for the query heads), `--docs N` packed
 rows of N documents (segment ids as benchmarks/bench_packed.py draws them). `--peer cudnn` (or
-`pallas`, or `fa3`: flash_attn3_jax.flash_mha, training calls only) runs the same call (a decode step:
+`pallas`, or `fa3`: flash_attn3_jax.flash_mha, or with `--docs` its varlen entry on the same
+documents; training calls only) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
 none --metrics gpu__time_duration.sum ...` lists every kernel of the call). `--time` then
 prints the call's time as the benchmarks measure it (`_measure.time_jitted`: back-to-back
@@ -81,17 +82,23 @@ def main():
       ap.error("--alibi: only jaxflash's implementations take ALiBi slopes")
     extras["alibi_slopes"] = jnp.asarray(2.0 ** (-8.0 * (np.arange(H) + 1) / H), jnp.float32)
   if args.docs:
-    if args.peer not in ("native", "pallas"):
-      ap.error("--docs: only jaxflash's implementations take segment ids here (bench_packed.py times "
-               "FlashAttention-3's varlen entry on the same documents)")
+    if args.peer not in ("native", "pallas", "fa3"):
+      ap.error("--docs: jaxflash's implementations (segment ids) and fa3 (its varlen entry) only")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     from bench_packed import documents  # the benchmark's documents
-    extras["query_segment_ids"] = jnp.asarray(documents(np.random.default_rng(0), B, S, args.docs)[0])
+    ids, lengths = documents(np.random.default_rng(0), B, S, args.docs)
+    extras["query_segment_ids"] = jnp.asarray(ids)
   attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
                                                             implementation=args.peer, **extras)
   if args.peer == "fa3":
     import flash_attn3_jax  # FlashAttention-3's Hopper kernels through XLA FFI
     attention = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=args.causal)
+    if args.docs:  # the same documents through its varlen entry, as bench_packed.py calls it
+      cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths.reshape(-1))]), jnp.int32)
+      flat = lambda x: x.reshape((B * S,) + x.shape[2:])
+      attention = lambda q, k, v: flash_attn3_jax.flash_mha_varlen(
+          flat(q), flat(k), flat(v), cu, max_seqlen_q=int(lengths.max()),
+          max_seqlen_k=int(lengths.max()), is_causal=args.causal).reshape(q.shape)
   if args.backward:
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
