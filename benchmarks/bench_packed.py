@@ -41,6 +41,18 @@ def documents(rng, rows: int, S: int, docs: int):
   return ids, np.diff(edges, axis=1)
 
 
+def fa3_varlen(lengths, causal: bool):
+  """attention(q, k, v) through FlashAttention-3's varlen entry on rows packed with documents of
+  `lengths` ([rows, docs]): each row's documents laid end to end, as one flat sequence."""
+  import flash_attn3_jax
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths.reshape(-1))]), jnp.int32)
+  longest = int(lengths.max())
+  flat = lambda x: x.reshape((-1,) + x.shape[2:])
+  return lambda q, k, v: flash_attn3_jax.flash_mha_varlen(
+      flat(q), flat(k), flat(v), cu, max_seqlen_q=longest, max_seqlen_k=longest,
+      is_causal=causal).reshape(q.shape)
+
+
 def in_document_flops(lengths, H: int, D: int, causal: bool, backward: bool) -> float:
   pairs = float(np.sum(lengths.astype(np.float64) ** 2)) * (0.5 if causal else 1.0)
   return 4.0 * H * D * pairs * (3.5 if backward else 1.0)
@@ -86,12 +98,7 @@ def main():
                                                                     query_segment_ids=ids)
   if "fa3_varlen" in peers:
     try:
-      import flash_attn3_jax
-      cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths.reshape(-1))]), jnp.int32)
-      flat = lambda x: x.reshape((B * S,) + x.shape[2:])
-      calls["fa3_varlen"] = lambda q, k, v: flash_attn3_jax.flash_mha_varlen(
-          flat(q), flat(k), flat(v), cu, max_seqlen_q=int(lengths.max()),
-          max_seqlen_k=int(lengths.max()), is_causal=causal).reshape(q.shape)
+      calls["fa3_varlen"] = fa3_varlen(lengths, causal)
     except Exception as e:  # not installed, or not for this jax
       print(f"fa3_varlen: skipped ({type(e).__name__}: {str(e)[:100]})")
   if "xla_mask" in peers:

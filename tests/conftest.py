@@ -86,6 +86,16 @@ def tiered(values, fast):
           for v in values]
 
 
+def diagonal(rows, columns):
+  """Parametrize arguments for each pair of `rows` x `columns` (each a tuple, or a single
+  value), the pair (row i, column i mod len(columns)) of the fast tier and the rest `slow`:
+  every row and, with at least as many rows as columns, every column once in the fast tier."""
+  as_tuple = lambda x: x if isinstance(x, tuple) else (x,)
+  return [pytest.param(*as_tuple(row), *as_tuple(column),
+                       marks=() if i % len(columns) == j else pytest.mark.slow)
+          for i, row in enumerate(rows) for j, column in enumerate(columns)]
+
+
 def max_abs(a, b) -> float:
   return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)), initial=0.0))
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from conftest import HAS_GPU, random_inputs
+from conftest import HAS_GPU, diagonal, random_inputs
 from test_native import check_forward, check_gradients
 
 
@@ -150,15 +150,10 @@ def test_pallas(rng, mask):
 
 # On a GPU: the tensor-core kernels (16-bit; the sm80 family forced too) and the SIMT
 # kernels (float32), forward and backward, with a soft-cap and segment ids as well.
-# The fast tier runs each dtype and each mask once (the diagonal); the slow tier the rest.
-GPU_MASKS = ["causal", "window", "lengths_causal_bottom_right"]
-GPU_CASES = [pytest.param(dtype, mask, marks=() if i == j else pytest.mark.slow)
-             for i, dtype in enumerate([jnp.bfloat16, jnp.float16, jnp.float32])
-             for j, mask in enumerate(GPU_MASKS)]
-
-
+# The fast tier runs each dtype and each mask once; the slow tier the rest.
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, mask", GPU_CASES)
+@pytest.mark.parametrize("dtype, mask", diagonal([jnp.bfloat16, jnp.float16, jnp.float32],
+                                                 ["causal", "window", "lengths_causal_bottom_right"]))
 def test_gpu_kernels(rng, dtype, mask):
   if not HAS_GPU:
     pytest.skip("needs a GPU")

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from conftest import HAS_GPU, random_inputs
+from conftest import HAS_GPU, diagonal, random_inputs
 from jaxflash import segments as seg_lib
 from jaxflash._core import MaskSpec
 from test_native import check_forward, check_gradients
@@ -212,9 +212,8 @@ def test_full_tiles_hide_nothing(rng):
 # SIMT kernels (float32) and a decode step, forward and backward.
 # The fast tier runs each id layout and mask once in bfloat16 (the diagonal) and the float16 and
 # float32 cases; the slow tier the rest of the bfloat16 grid.
-GPU_CASES = ([pytest.param(jnp.bfloat16, kind, mask, marks=() if i == j else pytest.mark.slow)
-              for i, kind in enumerate(KINDS)
-              for j, mask in enumerate(("causal", "lengths_causal_bottom_right", "window"))] +
+GPU_CASES = (diagonal([(jnp.bfloat16, kind) for kind in KINDS],
+                      ["causal", "lengths_causal_bottom_right", "window"]) +
              [(jnp.float16, "packed", "causal"), (jnp.float16, "scattered", "window"),
               (jnp.float32, "packed", "causal"), (jnp.float32, "scattered", "lengths_causal_bottom_right")])
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from conftest import HAS_GPU, random_inputs
+from conftest import HAS_GPU, diagonal, random_inputs
 from test_native import check_forward, check_gradients
 
 CAP = 5.0
@@ -42,15 +42,10 @@ def test_native_gradients(rng, mask, dtype):
 # kernels (float32) and the Pallas kernels, forward and backward.
 # The fast tier runs each implementation and dtype with one mask, each mask at least once; the
 # slow tier the rest.
-GPU_MASKS = ["causal", "window", "lengths_causal_bottom_right"]
-GPU_CASES = [pytest.param(impl, dtype, mask, marks=() if i % 3 == j else pytest.mark.slow)
-             for i, (impl, dtype) in enumerate([("native", jnp.bfloat16), ("native", jnp.float16),
-                                                ("native", jnp.float32), ("pallas", jnp.bfloat16)])
-             for j, mask in enumerate(GPU_MASKS)]
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl, dtype, mask", GPU_CASES)
+@pytest.mark.parametrize("impl, dtype, mask", diagonal(
+    [("native", jnp.bfloat16), ("native", jnp.float16), ("native", jnp.float32), ("pallas", jnp.bfloat16)],
+    ["causal", "window", "lengths_causal_bottom_right"]))
 def test_gpu_kernels(rng, impl, dtype, mask):
   if not HAS_GPU:
     pytest.skip("needs a GPU")

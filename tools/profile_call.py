@@ -85,7 +85,7 @@ def main():
     if args.peer not in ("native", "pallas", "fa3"):
       ap.error("--docs: jaxflash's implementations (segment ids) and fa3 (its varlen entry) only")
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-    from bench_packed import documents  # the benchmark's documents
+    from bench_packed import documents, fa3_varlen  # the benchmark's documents and peer
     ids, lengths = documents(np.random.default_rng(0), B, S, args.docs)
     extras["query_segment_ids"] = jnp.asarray(ids)
   attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
@@ -93,12 +93,8 @@ def main():
   if args.peer == "fa3":
     import flash_attn3_jax  # FlashAttention-3's Hopper kernels through XLA FFI
     attention = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=args.causal)
-    if args.docs:  # the same documents through its varlen entry, as bench_packed.py calls it
-      cu = jnp.asarray(np.concatenate([[0], np.cumsum(lengths.reshape(-1))]), jnp.int32)
-      flat = lambda x: x.reshape((B * S,) + x.shape[2:])
-      attention = lambda q, k, v: flash_attn3_jax.flash_mha_varlen(
-          flat(q), flat(k), flat(v), cu, max_seqlen_q=int(lengths.max()),
-          max_seqlen_k=int(lengths.max()), is_causal=args.causal).reshape(q.shape)
+    if args.docs:  # the same documents through its varlen entry
+      attention = fa3_varlen(lengths, args.causal)
   if args.backward:
     f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
                          argnums=(0, 1, 2)))
