@@ -23,10 +23,12 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 
 def attention(q, k, v, implementation="native", **kw):
-  """(out, lse) with a differentiable fp32 LSE, so the gradient checks cover dLSE too."""
-  return jaxflash.dot_product_attention(q, k, v, implementation=implementation,
-                                        return_residual=True, residual_dtype=jnp.float32,
-                                        differentiable_residual=True, **kw)
+  """(out, lse) with a differentiable fp32 LSE, so the gradient checks cover dLSE too.
+  Jitted, as users call it (eager, the Pallas interpreter dispatches its kernels' every
+  operation on its own: twice the time on the CPU)."""
+  return jax.jit(functools.partial(jaxflash.dot_product_attention, implementation=implementation,
+                                   return_residual=True, residual_dtype=jnp.float32,
+                                   differentiable_residual=True, **kw))(q, k, v)
 
 
 def baseline(q, k, v, compute_dtype=None, **kw):
@@ -117,7 +119,7 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", magni
             jnp.sum(lse.astype(jnp.float32) * dlse))
 
   native = functools.partial(attention, implementation=implementation, **kw, **extra)
-  grads = jax.grad(functools.partial(loss, native), argnums=(0, 1, 2))(q, k, v)
+  grads = jax.jit(jax.grad(functools.partial(loss, native), argnums=(0, 1, 2)))(q, k, v)
 
   def base_grads(compute_dtype):
     def base_fn(q, k, v):
