@@ -24,8 +24,8 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 
 def attention(q, k, v, implementation="native", **kw):
   """(out, lse) with a differentiable fp32 LSE, so the gradient checks cover dLSE too.
-  Jitted, as users call it (eager, the Pallas interpreter dispatches its kernels' every
-  operation on its own: twice the time on the CPU)."""
+  Jitted, as users call it (eager, the Pallas interpreter dispatches each operation of its
+  kernels on its own: a small forward 9.6 s against 4.3 s jitted on a 2-core CPU)."""
   return jax.jit(functools.partial(jaxflash.dot_product_attention, implementation=implementation,
                                    return_residual=True, residual_dtype=jnp.float32,
                                    differentiable_residual=True, **kw))(q, k, v)

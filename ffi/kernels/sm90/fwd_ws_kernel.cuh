@@ -501,8 +501,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             if (p.softcap > 0.f) {
               tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
                              tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
-              // (The dynamic walk's kernels keep theirs on the special-function
-              // unit: at D 128 they spilled 116 bytes with them on the FMA pipe.)
               return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
