@@ -36,20 +36,28 @@ namespace tc {
 // each warp with a single row's loads in flight: 2.0-2.45 TB/s
 // (docs/performance.md, twelfth session).
 constexpr int kRowPassThreads = 256;
+// Rows a thread streams at once: the loads of all of them are issued before
+// any is used. With one row a thread (a 16-byte chunk of each operand in
+// flight) the passes ran at the H100's copy rate but at ~2.9 of an H200's ~4
+// TB/s (forty-ninth session, docs/performance-log.md).
+constexpr int kRowPassRows = 4;
 __host__ __device__ __forceinline__ int RowLanes(int64_t head_dim) {
   int lanes = 1;
   while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
   return lanes;
 }
-// A thread's row and its chunk within the row; rows past the batch
-// element's q_len · q_heads are not real.
+// One of a thread's rows and its chunk within the row; rows past the batch
+// element's q_len · q_heads are not real. A CTA's j-th rows are one
+// contiguous range, so each round of loads is coalesced.
 struct RowPassThread {
   int batch, t, h, lane_in_row, lanes;
   bool real;
-  __device__ __forceinline__ static RowPassThread At(const AttentionShape& sh, int batch) {
+  int64_t off;  // of the row in q-shaped tensors
+  __device__ __forceinline__ static RowPassThread At(const AttentionShape& sh, int batch, int j) {
     RowPassThread r;
     r.lanes = RowLanes(sh.head_dim);
-    const int64_t row = int64_t(blockIdx.x) * (kRowPassThreads / r.lanes) + threadIdx.x / r.lanes;
+    const int64_t rows_per_cta = kRowPassThreads / r.lanes;
+    const int64_t row = (int64_t(blockIdx.x) * kRowPassRows + j) * rows_per_cta + threadIdx.x / r.lanes;
     r.batch = batch;
     r.lane_in_row = threadIdx.x % r.lanes;
     r.real = row < sh.q_len * sh.q_heads;
@@ -61,6 +69,7 @@ struct RowPassThread {
       r.t = static_cast<int>(row / sh.q_heads);
       r.h = static_cast<int>(row % sh.q_heads);
     }
+    r.off = batch * sh.q_batch_stride() + r.t * sh.q_row_stride() + r.h * sh.head_dim;
     return r;
   }
   // The lanes of this thread's row (a real row's lanes are all real).
@@ -68,26 +77,25 @@ struct RowPassThread {
     const int first = (threadIdx.x & 31) - lane_in_row;
     return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1u) << first;
   }
-  __device__ __forceinline__ int64_t Offset(const AttentionShape& sh) const {  // of the row in q-shaped tensors
-    return batch * sh.q_batch_stride() + t * sh.q_row_stride() + h * sh.head_dim;
-  }
   __device__ __forceinline__ int64_t Stat(const AttentionShape& sh) const {  // in [b][h][t] statistics
     return (int64_t(batch) * sh.q_heads + h) * sh.q_len + t;
   }
-  // Calls f(r, offset) for this thread's real row of each batch element the
-  // CTA walks.
+  // Calls f(rows), this thread's kRowPassRows rows (real or not), for each
+  // batch element the CTA walks.
   template <typename F>
   __device__ __forceinline__ static void ForEach(const AttentionShape& sh, F&& f) {
     for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
-      const RowPassThread r = At(sh, batch);
-      if (r.real) f(r, r.Offset(sh));
+      RowPassThread rows[kRowPassRows];
+#pragma unroll
+      for (int j = 0; j < kRowPassRows; ++j) rows[j] = At(sh, batch, j);
+      f(rows);
     }
   }
 };
 // The grid of a row-wise pass: row blocks by batch elements (a batch beyond
 // the grid's y limit is walked by the CTAs).
 inline dim3 RowPassGrid(const AttentionShape& sh) {
-  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim);
+  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim) * kRowPassRows;
   return dim3(static_cast<unsigned>(CeilDiv(sh.q_len * sh.q_heads, rows_per_cta)),
               static_cast<unsigned>(sh.batch < 65535 ? sh.batch : 65535));
 }
@@ -100,28 +108,44 @@ inline dim3 RowPassGrid(const AttentionShape& sh) {
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  RowPassThread::ForEach(sh, [&](const RowPassThread& r, int64_t off) {
-    if (p.dq_accum) {
-      float* acc = p.dq_accum + off;
-      for (int c = r.lane_in_row * 4; c < sh.head_dim; c += r.lanes * 4) *reinterpret_cast<float4*>(acc + c) = float4{};
-    }
-    const T* o = static_cast<const T*>(p.o) + off;
-    const T* d_o = static_cast<const T*>(p.dout) + off;
-    float acc = 0.f;
-    for (int c = r.lane_in_row * 8; c < sh.head_dim; c += r.lanes * 8) {
-      const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-      const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-      const T* oe = reinterpret_cast<const T*>(&ov);
-      const T* de = reinterpret_cast<const T*>(&dv);
+  RowPassThread::ForEach(sh, [&](const RowPassThread (&rows)[kRowPassRows]) {
+    const int lane = rows[0].lane_in_row, lanes = rows[0].lanes;
+    float acc[kRowPassRows], dlse[kRowPassRows];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+    for (int j = 0; j < kRowPassRows; ++j) {
+      acc[j] = 0.f;
+      dlse[j] = p.dlse && rows[j].real && lane == 0 ? p.dlse[rows[j].Stat(sh)] : 0.f;
     }
-    // The row's lanes are an aligned group of a power of two: xor stays inside.
-    for (int off_lane = r.lanes / 2; off_lane > 0; off_lane >>= 1) acc += __shfl_xor_sync(r.RowMask(), acc, off_lane);
-    if (r.lane_in_row == 0) {
-      const int64_t idx = r.Stat(sh);
-      const bool keys = MaskPolicy::ForBatch(p, r.batch).HasKeys(r.t);
-      p.delta[idx] = keys ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
+    for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
+      uint4 ov[kRowPassRows], dv[kRowPassRows];
+#pragma unroll
+      for (int j = 0; j < kRowPassRows; ++j) {
+        ov[j] = dv[j] = make_uint4(0, 0, 0, 0);
+        if (!rows[j].real) continue;
+        ov[j] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + rows[j].off + c);
+        dv[j] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + rows[j].off + c);
+      }
+#pragma unroll
+      for (int j = 0; j < kRowPassRows; ++j) {
+        const T* oe = reinterpret_cast<const T*>(&ov[j]);
+        const T* de = reinterpret_cast<const T*>(&dv[j]);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[j] += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+      }
+    }
+    const MaskPolicy mask = MaskPolicy::ForBatch(p, rows[0].batch);
+#pragma unroll
+    for (int j = 0; j < kRowPassRows; ++j) {
+      const RowPassThread& r = rows[j];
+      if (!r.real) continue;
+      if (p.dq_accum) {
+        float* sums = p.dq_accum + r.off;
+        for (int c = lane * 4; c < sh.head_dim; c += lanes * 4) *reinterpret_cast<float4*>(sums + c) = float4{};
+      }
+      // The row's lanes are an aligned group of a power of two: xor stays inside.
+      float sum = acc[j];
+      for (int off_lane = lanes / 2; off_lane > 0; off_lane >>= 1) sum += __shfl_xor_sync(r.RowMask(), sum, off_lane);
+      if (lane == 0) p.delta[r.Stat(sh)] = mask.HasKeys(r.t) ? sum - dlse[j] : 0.f;
     }
   });
 }
@@ -581,30 +605,68 @@ __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], cons
   }
 }
 
+// Columns [c, c + 8) of a dQ row from their sums: scaled, or zeros for a
+// padding row.
+template <typename T>
+__device__ __forceinline__ void StoreQueryGradChunk(const BwdParams& p, const RowPassThread& r, int c,
+                                                    const float (&v)[8], bool padding) {
+  uint4 out = make_uint4(0, 0, 0, 0);
+  if (!padding) {
+    out.x = ElemTraits<T>::Pack(v[0] * p.scale, v[1] * p.scale);
+    out.y = ElemTraits<T>::Pack(v[2] * p.scale, v[3] * p.scale);
+    out.z = ElemTraits<T>::Pack(v[4] * p.scale, v[5] * p.scale);
+    out.w = ElemTraits<T>::Pack(v[6] * p.scale, v[7] * p.scale);
+  }
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + r.off + c) = out;
+}
+
 // dQ from the sums, a row-wise pass: the scale, zeros for padding rows, and
 // the exact recomputation of entries that a masked pair's 0 * NaN reached.
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  RowPassThread::ForEach(sh, [&](const RowPassThread& r, int64_t off) {
-    const bool padding = r.t >= MaskPolicy::ForBatch(p, r.batch).q_valid;
-    for (int c = r.lane_in_row * 8; c < sh.head_dim; c += r.lanes * 8) {
-      float v[8];
-      const float4 lo = *reinterpret_cast<const float4*>(p.dq_accum + off + c);
-      const float4 hi = *reinterpret_cast<const float4*>(p.dq_accum + off + c + 4);
-      v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
-      bool nan = false;
+  RowPassThread::ForEach(sh, [&](const RowPassThread (&rows)[kRowPassRows]) {
+    const int lane = rows[0].lane_in_row, lanes = rows[0].lanes;
+    const int q_valid = MaskPolicy::ForBatch(p, rows[0].batch).q_valid;
+    unsigned nan_rows = 0;  // bit j: row j is real, not padding, and a sum of its is NaN
+    for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
+      float v[kRowPassRows][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) nan |= isnan(v[i]);
-      if (nan && !padding) ExactQueryGradColumns<T>(p, r.batch, r.h, r.t, c, v);
-      uint4 out = make_uint4(0, 0, 0, 0);
-      if (!padding) {
-        out.x = ElemTraits<T>::Pack(v[0] * p.scale, v[1] * p.scale);
-        out.y = ElemTraits<T>::Pack(v[2] * p.scale, v[3] * p.scale);
-        out.z = ElemTraits<T>::Pack(v[4] * p.scale, v[5] * p.scale);
-        out.w = ElemTraits<T>::Pack(v[6] * p.scale, v[7] * p.scale);
+      for (int j = 0; j < kRowPassRows; ++j) {
+        if (!rows[j].real) continue;
+        *reinterpret_cast<float4*>(&v[j][0]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c);
+        *reinterpret_cast<float4*>(&v[j][4]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c + 4);
       }
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + off + c) = out;
+#pragma unroll
+      for (int j = 0; j < kRowPassRows; ++j) {
+        if (!rows[j].real) continue;
+        const bool padding = rows[j].t >= q_valid;
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) nan |= isnan(v[j][i]);
+        if (nan && !padding) nan_rows |= 1u << j;
+        StoreQueryGradChunk<T>(p, rows[j], c, v[j], padding);
+      }
+    }
+    // Rare: those rows' chunks again, one row at a time after the common
+    // path. (Inlined into it, four copies of the recomputation took 206
+    // registers; here, 128 and two CTAs an SM, each thread with 128 bytes of
+    // loads in flight where the one-row pass had three CTAs of 32.)
+#pragma unroll 1
+    for (int j = 0; nan_rows != 0 && j < kRowPassRows; ++j) {
+      if (!(nan_rows >> j & 1u)) continue;
+      const RowPassThread r = RowPassThread::At(sh, rows[0].batch, j);
+      for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
+        float w[8];
+        *reinterpret_cast<float4*>(&w[0]) = *reinterpret_cast<const float4*>(p.dq_accum + r.off + c);
+        *reinterpret_cast<float4*>(&w[4]) = *reinterpret_cast<const float4*>(p.dq_accum + r.off + c + 4);
+        bool nan = false;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) nan |= isnan(w[i]);
+        if (!nan) continue;
+        ExactQueryGradColumns<T>(p, r.batch, r.h, r.t, c, w);
+        StoreQueryGradChunk<T>(p, r, c, w, false);
+      }
     }
   });
 }

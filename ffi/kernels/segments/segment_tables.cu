@@ -56,32 +56,29 @@ struct Min {
   __device__ int operator()(int a, int b) const { return a < b ? a : b; }
 };
 
-// The scan of the values of the threads before this one, in thread order
-// (`identity` for thread 0). `warp_totals` is kWarps (the block's warps, at
-// most 32) ints of shared memory.
-template <int kWarps, typename Op>
-__device__ int BlockExclusiveScan(int x, int identity, int* warp_totals, Op op) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Inclusive scans across a warp's lanes: from lane 0 up (lane l combines
+// lanes 0..l) and from lane 31 down (lanes l..31).
+template <typename Op>
+__device__ __forceinline__ int WarpScanUp(int x, int lane, Op op) {
   for (int d = 1; d < 32; d <<= 1) {
     const int y = __shfl_up_sync(0xffffffffu, x, d);
     if (lane >= d) x = op(x, y);
   }
-  if (lane == 31) warp_totals[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int t = lane < kWarps ? warp_totals[lane] : identity;
-    for (int d = 1; d < 32; d <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, t, d);
-      if (lane >= d) t = op(t, y);
-    }
-    if (lane < kWarps) warp_totals[lane] = t;
+  return x;
+}
+template <typename Op>
+__device__ __forceinline__ int WarpScanDown(int x, int lane, Op op) {
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_down_sync(0xffffffffu, x, d);
+    if (lane + d < 32) x = op(x, y);
   }
-  __syncthreads();
-  int before = __shfl_up_sync(0xffffffffu, x, 1);
-  if (lane == 0) before = identity;
-  if (warp > 0) before = op(before, warp_totals[warp - 1]);
-  __syncthreads();  // every thread has read warp_totals before the next scan writes them
-  return before;
+  return x;
+}
+// The combination of x over the warp's lanes.
+template <typename Op>
+__device__ __forceinline__ int WarpReduce(int x, Op op) {
+  for (int d = 16; d > 0; d >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, d));
+  return x;
 }
 
 // The other side's (id, position) pairs of one batch element, sorted by id
@@ -180,62 +177,80 @@ __global__ void __launch_bounds__(kThreads, 1) SpanKernel(const SegmentTablePara
   // A position that sees nothing gets [other_len, 0) (mask.h, FullKeys).
   const int span_begin = seen ? sorted_pos[lo] : side.other_len;
   const int span_end = seen ? sorted_pos[hi - 1] + 1 : 0;
-  int32_t* f = side.table + int64_t(i) * kSegmentFields;
-  f[kSegId] = id;
-  f[kSegBegin] = span_begin;
-  f[kSegEnd] = span_end;
-  f[kSegGapFree] = !seen || count == span_end - span_begin;
-  f[kSegmentFields - 1] = 0;
+  // Fields 0-3 in one 16-byte store (the envelope kernel writes 4-7).
+  static_assert(kSegId == 0 && kSegBegin == 1 && kSegEnd == 2 && kSegGapFree == 3, "fields 0-3");
+  *reinterpret_cast<int4*>(side.table + int64_t(i) * kSegmentFields) =
+      make_int4(id, span_begin, span_end, !seen || count == span_end - span_begin);
 }
 
 constexpr int kScanThreads = 1024;
-constexpr int kScanItems = kMaxSortedSegmentIds / kScanThreads;
+constexpr int kScanWarps = kScanThreads / 32;
+constexpr int kScanRounds = kMaxSortedSegmentIds / kScanThreads;
+static_assert(kScanWarps == 32, "a warp's lanes join the warps' totals");
 
 // Fields env-begin, env-end and run-end of one table, from its spans and ids.
-// Each thread scans kScanItems consecutive positions in registers (their loads
-// in flight together), then one block scan joins the threads: a first version
-// that walked 1024 positions at a time, a block scan each, took 42 us at S 8k.
+// Warp w owns the kScanRounds * 32 positions from w * kScanRounds * 32; in
+// round k its lanes hold 32 consecutive ones, so a round's load and store are
+// each one contiguous kilobyte of the table. (A thread of 8 consecutive
+// positions made every warp access touch 32 lines: 39 us at B 2 x S 8k on an
+// H200, forty-ninth session.) A warp scans its rounds with shuffles, carrying
+// the running values from round to round; shared memory joins the warps.
 __global__ void __launch_bounds__(kScanThreads, 1) EnvelopeKernel(const SegmentTableParams p) {
-  constexpr int kWarps = kScanThreads / 32;
-  __shared__ int warp_totals[kWarps];
+  __shared__ int totals[3][kScanWarps];
   const Side side(p, blockIdx.x, blockIdx.y == 0);
-  const int len = side.len;
-  const auto field = [&](int i, int f) -> int32_t& { return side.table[int64_t(i) * kSegmentFields + f]; };
+  const int len = side.len, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int first = warp * kScanRounds * 32 + lane;  // this lane's position in round 0
 
-  // Forward, thread t over the kScanItems positions from t * kScanItems: the
-  // running maximum of the span ends.
-  int run[kScanItems];
-  int first = threadIdx.x * kScanItems;
-  for (int k = 0; k < kScanItems; ++k) run[k] = first + k < len ? field(first + k, kSegEnd) : 0;
-  for (int k = 1; k < kScanItems; ++k) run[k] = max(run[k], run[k - 1]);
-  int before = BlockExclusiveScan<kWarps>(run[kScanItems - 1], 0, warp_totals, Max{});  // span ends are >= 0
-  for (int k = 0; k < kScanItems; ++k) {
-    if (first + k < len) field(first + k, kSegEnvEnd) = max(run[k], before);
+  // Fields id, begin, end of each round's position, and where the run after
+  // it starts (i + 1 when the id changes there, else len); positions past the
+  // table take each scan's identity.
+  int4 head[kScanRounds];
+  int starts[kScanRounds];
+#pragma unroll
+  for (int k = 0; k < kScanRounds; ++k) {
+    const int i = first + 32 * k;
+    head[k] = make_int4(0, side.other_len, 0, 0);
+    starts[k] = len;
+    if (i < len) {
+      head[k] = *reinterpret_cast<const int4*>(side.table + int64_t(i) * kSegmentFields);
+      if (i + 1 < len && side.ids[i + 1] != head[k].x) starts[k] = i + 1;
+    }
   }
-
-  // Backward: thread t over the t-th group of positions from the end, so that a
-  // scan in thread order runs from the last position to the first. The running
-  // minimum of the span begins, and of where the run after a position's starts
-  // (the first j > i whose id differs from the one before it).
-  int starts[kScanItems];
-  first = len - (threadIdx.x + 1) * kScanItems;
-  for (int k = kScanItems - 1; k >= 0; --k) {
-    const int i = first + k;
-    const bool real = i >= 0;
-    run[k] = real ? field(i, kSegBegin) : side.other_len;
-    starts[k] = real && i + 1 < len && side.ids[i + 1] != side.ids[i] ? i + 1 : len;
+  // The running maximum of the span ends, first to last; from the last to the
+  // first, the running minima of the span begins and of the starts.
+  int env_end[kScanRounds], env_begin[kScanRounds], run_end[kScanRounds];
+  int end_carry = 0, begin_carry = side.other_len, start_carry = len;
+#pragma unroll
+  for (int k = 0; k < kScanRounds; ++k) {
+    env_end[k] = max(WarpScanUp(head[k].z, lane, Max{}), end_carry);
+    end_carry = __shfl_sync(0xffffffffu, env_end[k], 31);
   }
-  for (int k = kScanItems - 2; k >= 0; --k) {
-    run[k] = min(run[k], run[k + 1]);
-    starts[k] = min(starts[k], starts[k + 1]);
+#pragma unroll
+  for (int k = kScanRounds - 1; k >= 0; --k) {
+    env_begin[k] = min(WarpScanDown(head[k].y, lane, Min{}), begin_carry);
+    run_end[k] = min(WarpScanDown(starts[k], lane, Min{}), start_carry);
+    begin_carry = __shfl_sync(0xffffffffu, env_begin[k], 0);
+    start_carry = __shfl_sync(0xffffffffu, run_end[k], 0);
   }
-  const int begin_after = BlockExclusiveScan<kWarps>(run[0], side.other_len, warp_totals, Min{});
-  const int start_after = BlockExclusiveScan<kWarps>(starts[0], len, warp_totals, Min{});
-  for (int k = 0; k < kScanItems; ++k) {
-    const int i = first + k;
-    if (i < 0) continue;
-    field(i, kSegEnvBegin) = min(run[k], begin_after);
-    field(i, kSegRunEnd) = min(starts[k], start_after);
+  if (lane == 0) {
+    totals[0][warp] = end_carry;
+    totals[1][warp] = begin_carry;
+    totals[2][warp] = start_carry;
+  }
+  __syncthreads();
+  // Lane l reads warp l's totals: the warps before this one raise its ends,
+  // the ones after it lower its begins and starts.
+  const int ends_before = WarpReduce(lane < warp ? totals[0][lane] : 0, Max{});
+  const int begins_after = WarpReduce(lane > warp ? totals[1][lane] : side.other_len, Min{});
+  const int starts_after = WarpReduce(lane > warp ? totals[2][lane] : len, Min{});
+  // Fields 4-7 in one 16-byte store (the pad field zero).
+  static_assert(kSegEnvBegin == 4 && kSegEnvEnd == 5 && kSegRunEnd == 6 && kSegmentFields == 8, "fields 4-7");
+#pragma unroll
+  for (int k = 0; k < kScanRounds; ++k) {
+    const int i = first + 32 * k;
+    if (i >= len) continue;
+    *reinterpret_cast<int4*>(side.table + int64_t(i) * kSegmentFields + kSegEnvBegin) =
+        make_int4(min(env_begin[k], begins_after), max(env_end[k], ends_before), min(run_end[k], starts_after), 0);
   }
 }
 
