@@ -36,11 +36,14 @@ namespace tc {
 // each warp with a single row's loads in flight: 2.0-2.45 TB/s
 // (docs/performance.md, twelfth session).
 constexpr int kRowPassThreads = 256;
-// Rows a thread streams at once: the loads of all of them are issued before
-// any is used. With one row a thread (a 16-byte chunk of each operand in
-// flight) the passes ran at the H100's copy rate but at ~2.9 of an H200's ~4
-// TB/s (forty-ninth session, docs/performance-log.md).
-constexpr int kRowPassRows = 4;
+// Rows a thread of the dQ conversion streams at once: the loads of all of
+// them are issued before any is used. With one row a thread (72 registers,
+// three CTAs an SM, 32 bytes of loads in flight a thread) it ran at the H100's
+// copy rate but at 2.9 of an H200's ~4 TB/s; four: 69 -> 58 us at B·S 16k,
+// H·D 2048. The delta pass keeps one row a thread: four made it 91 -> 96 us
+// (H200, forty-ninth session, docs/performance-log.md).
+constexpr int kQueryGradRows = 4;
+constexpr int kDeltaRows = 1;
 __host__ __device__ __forceinline__ int RowLanes(int64_t head_dim) {
   int lanes = 1;
   while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
@@ -53,11 +56,12 @@ struct RowPassThread {
   int batch, t, h, lane_in_row, lanes;
   bool real;
   int64_t off;  // of the row in q-shaped tensors
+  template <int kRows>
   __device__ __forceinline__ static RowPassThread At(const AttentionShape& sh, int batch, int j) {
     RowPassThread r;
     r.lanes = RowLanes(sh.head_dim);
     const int64_t rows_per_cta = kRowPassThreads / r.lanes;
-    const int64_t row = (int64_t(blockIdx.x) * kRowPassRows + j) * rows_per_cta + threadIdx.x / r.lanes;
+    const int64_t row = (int64_t(blockIdx.x) * kRows + j) * rows_per_cta + threadIdx.x / r.lanes;
     r.batch = batch;
     r.lane_in_row = threadIdx.x % r.lanes;
     r.real = row < sh.q_len * sh.q_heads;
@@ -80,22 +84,23 @@ struct RowPassThread {
   __device__ __forceinline__ int64_t Stat(const AttentionShape& sh) const {  // in [b][h][t] statistics
     return (int64_t(batch) * sh.q_heads + h) * sh.q_len + t;
   }
-  // Calls f(rows), this thread's kRowPassRows rows (real or not), for each
-  // batch element the CTA walks.
-  template <typename F>
+  // Calls f(rows), this thread's kRows rows (real or not), for each batch
+  // element the CTA walks.
+  template <int kRows, typename F>
   __device__ __forceinline__ static void ForEach(const AttentionShape& sh, F&& f) {
     for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
-      RowPassThread rows[kRowPassRows];
+      RowPassThread rows[kRows];
 #pragma unroll
-      for (int j = 0; j < kRowPassRows; ++j) rows[j] = At(sh, batch, j);
+      for (int j = 0; j < kRows; ++j) rows[j] = At<kRows>(sh, batch, j);
       f(rows);
     }
   }
 };
-// The grid of a row-wise pass: row blocks by batch elements (a batch beyond
-// the grid's y limit is walked by the CTAs).
+// The grid of a row-wise pass of kRows rows a thread: row blocks by batch
+// elements (a batch beyond the grid's y limit is walked by the CTAs).
+template <int kRows>
 inline dim3 RowPassGrid(const AttentionShape& sh) {
-  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim) * kRowPassRows;
+  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim) * kRows;
   return dim3(static_cast<unsigned>(CeilDiv(sh.q_len * sh.q_heads, rows_per_cta)),
               static_cast<unsigned>(sh.batch < 65535 ? sh.batch : 65535));
 }
@@ -108,44 +113,34 @@ inline dim3 RowPassGrid(const AttentionShape& sh) {
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  RowPassThread::ForEach(sh, [&](const RowPassThread (&rows)[kRowPassRows]) {
+  RowPassThread::ForEach<kDeltaRows>(sh, [&](const RowPassThread (&rows)[kDeltaRows]) {
     const int lane = rows[0].lane_in_row, lanes = rows[0].lanes;
-    float acc[kRowPassRows], dlse[kRowPassRows];
-#pragma unroll
-    for (int j = 0; j < kRowPassRows; ++j) {
-      acc[j] = 0.f;
-      dlse[j] = p.dlse && rows[j].real && lane == 0 ? p.dlse[rows[j].Stat(sh)] : 0.f;
-    }
-    for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
-      uint4 ov[kRowPassRows], dv[kRowPassRows];
-#pragma unroll
-      for (int j = 0; j < kRowPassRows; ++j) {
-        ov[j] = dv[j] = make_uint4(0, 0, 0, 0);
-        if (!rows[j].real) continue;
-        ov[j] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.o) + rows[j].off + c);
-        dv[j] = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + rows[j].off + c);
-      }
-#pragma unroll
-      for (int j = 0; j < kRowPassRows; ++j) {
-        const T* oe = reinterpret_cast<const T*>(&ov[j]);
-        const T* de = reinterpret_cast<const T*>(&dv[j]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[j] += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
-      }
-    }
     const MaskPolicy mask = MaskPolicy::ForBatch(p, rows[0].batch);
 #pragma unroll
-    for (int j = 0; j < kRowPassRows; ++j) {
+    for (int j = 0; j < kDeltaRows; ++j) {
       const RowPassThread& r = rows[j];
       if (!r.real) continue;
       if (p.dq_accum) {
         float* sums = p.dq_accum + r.off;
         for (int c = lane * 4; c < sh.head_dim; c += lanes * 4) *reinterpret_cast<float4*>(sums + c) = float4{};
       }
+      const T* o = static_cast<const T*>(p.o) + r.off;
+      const T* d_o = static_cast<const T*>(p.dout) + r.off;
+      float acc = 0.f;
+      for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
+        const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
+        const T* oe = reinterpret_cast<const T*>(&ov);
+        const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+      }
       // The row's lanes are an aligned group of a power of two: xor stays inside.
-      float sum = acc[j];
-      for (int off_lane = lanes / 2; off_lane > 0; off_lane >>= 1) sum += __shfl_xor_sync(r.RowMask(), sum, off_lane);
-      if (lane == 0) p.delta[r.Stat(sh)] = mask.HasKeys(r.t) ? sum - dlse[j] : 0.f;
+      for (int off_lane = lanes / 2; off_lane > 0; off_lane >>= 1) acc += __shfl_xor_sync(r.RowMask(), acc, off_lane);
+      if (lane == 0) {
+        const int64_t idx = r.Stat(sh);
+        p.delta[idx] = mask.HasKeys(r.t) ? acc - (p.dlse ? p.dlse[idx] : 0.f) : 0.f;
+      }
     }
   });
 }
@@ -155,7 +150,7 @@ template <typename T>
 Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.q_len * sh.q_heads == 0) return Status::Ok();
-  DeltaKernel<T><<<RowPassGrid(sh), kRowPassThreads, 0, stream>>>(p);
+  DeltaKernel<T><<<RowPassGrid<kDeltaRows>(sh), kRowPassThreads, 0, stream>>>(p);
   return CheckLaunch("attention backward (delta)");
 }
 
@@ -625,20 +620,20 @@ __device__ __forceinline__ void StoreQueryGradChunk(const BwdParams& p, const Ro
 template <typename T>
 __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  RowPassThread::ForEach(sh, [&](const RowPassThread (&rows)[kRowPassRows]) {
+  RowPassThread::ForEach<kQueryGradRows>(sh, [&](const RowPassThread (&rows)[kQueryGradRows]) {
     const int lane = rows[0].lane_in_row, lanes = rows[0].lanes;
     const int q_valid = MaskPolicy::ForBatch(p, rows[0].batch).q_valid;
     unsigned nan_rows = 0;  // bit j: row j is real, not padding, and a sum of its is NaN
     for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
-      float v[kRowPassRows][8];
+      float v[kQueryGradRows][8];
 #pragma unroll
-      for (int j = 0; j < kRowPassRows; ++j) {
+      for (int j = 0; j < kQueryGradRows; ++j) {
         if (!rows[j].real) continue;
         *reinterpret_cast<float4*>(&v[j][0]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c);
         *reinterpret_cast<float4*>(&v[j][4]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c + 4);
       }
 #pragma unroll
-      for (int j = 0; j < kRowPassRows; ++j) {
+      for (int j = 0; j < kQueryGradRows; ++j) {
         if (!rows[j].real) continue;
         const bool padding = rows[j].t >= q_valid;
         bool nan = false;
@@ -653,9 +648,9 @@ __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdPar
     // registers; here, 128 and two CTAs an SM, each thread with 128 bytes of
     // loads in flight where the one-row pass had three CTAs of 32.)
 #pragma unroll 1
-    for (int j = 0; nan_rows != 0 && j < kRowPassRows; ++j) {
+    for (int j = 0; nan_rows != 0 && j < kQueryGradRows; ++j) {
       if (!(nan_rows >> j & 1u)) continue;
-      const RowPassThread r = RowPassThread::At(sh, rows[0].batch, j);
+      const RowPassThread r = RowPassThread::At<kQueryGradRows>(sh, rows[0].batch, j);
       for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
         float w[8];
         *reinterpret_cast<float4*>(&w[0]) = *reinterpret_cast<const float4*>(p.dq_accum + r.off + c);
@@ -682,7 +677,7 @@ Status RunFusedBackward(const BwdParams& p, cudaStream_t stream, Pass&& pass) {
   Status st = LaunchDelta<T>(p, stream);
   if (!st.ok()) return st;
   if (sh.kv_len > 0 && !(st = pass()).ok()) return st;
-  DqFromSumsKernel<T><<<RowPassGrid(sh), kRowPassThreads, 0, stream>>>(p);
+  DqFromSumsKernel<T><<<RowPassGrid<kQueryGradRows>(sh), kRowPassThreads, 0, stream>>>(p);
   return CheckLaunch("attention backward (dQ from its sums)");
 }
 
