@@ -86,7 +86,8 @@ def check_forward(rng, shape, mask_name, dtype, magnitude=1.0, implementation="n
   scale = 1.0 / np.sqrt(D)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, softcap=softcap,
                                                   alibi=alibi, **numpy_mask(kw))
-  base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, compute_dtype=c, **kw), dtype)
+  base_o, base_lse = finite_baseline(
+      lambda c: jax.jit(functools.partial(baseline, compute_dtype=c, **kw))(q, k, v), dtype)
   budget = dict(max_logit=max_logit(q, k, scale)) if magnitude > 1 or inputs else {}
   assert out.dtype == q.dtype and out.shape == q.shape
   assert np.all(np.isfinite(np.asarray(lse, np.float64)))
@@ -125,7 +126,7 @@ def check_gradients(rng, shape, mask_name, dtype, implementation="native", magni
     def base_fn(q, k, v):
       o, lse = baseline(q, k, v, compute_dtype=compute_dtype, **kw)
       return o, jnp.transpose(lse, (0, 2, 1))
-    return jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(jax.grad(functools.partial(loss, base_fn), argnums=(0, 1, 2)))(q, k, v)
   base = finite_baseline(base_grads, dtype)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1),
                                    scale=1.0 / np.sqrt(D), softcap=softcap, alibi=alibi,
