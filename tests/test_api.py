@@ -13,6 +13,8 @@ The FFI handlers re-validate: a malformed direct ffi_call returns an error.
 
 from __future__ import annotations
 
+import functools
+
 
 import jax
 import jax.numpy as jnp
@@ -465,12 +467,16 @@ def test_value_head_dim_may_differ_from_the_query_key_one(rng, impl, dqk, dv):
             key_value_seq_lengths=jnp.array([19, 7], jnp.int32),
             query_seq_lengths=jnp.array([21, 21], jnp.int32))
 
+  # Jitted, as users call it (eager, each operation compiles on its own, the
+  # Pallas interpreter's above all).
+  @functools.partial(jax.jit, static_argnames="implementation")
   def run(q, k, v, implementation):
     out, lse = jaxflash.dot_product_attention(q, k, v, implementation=implementation,
                                               return_residual=True, residual_dtype=jnp.float32,
                                               **kw)
     return out, lse
 
+  @functools.partial(jax.jit, static_argnames="implementation")
   def grads(q, k, v, implementation):
     loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0] * do.astype(q.dtype))
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -489,8 +495,9 @@ def test_value_head_dim_may_differ_from_the_query_key_one(rng, impl, dqk, dv):
     assert_within_budget(g, t, b, f"d{name}")
   # Forward mode: the tangent of the output equals the reverse-mode product.
   tq, tk, tv = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
-  _, t_out = jax.jvp(lambda q, k, v: run(q, k, v, impl)[0], (q, k, v), (tq, tk, tv))
-  _, t_base = jax.jvp(lambda q, k, v: run(q, k, v, "xla")[0], (q, k, v), (tq, tk, tv))
+  tangent = lambda impl: jax.jit(lambda *xs: jax.jvp(lambda q, k, v: run(q, k, v, impl)[0],
+                                                    xs[:3], xs[3:])[1])(q, k, v, tq, tk, tv)
+  t_out, t_base = tangent(impl), tangent("xla")
   assert max_abs(t_out, t_base) < 1e-4
   # The one rank mismatch left is the batch, length or heads of key and value.
   with pytest.raises(ValueError, match="same batch, length and heads"):
