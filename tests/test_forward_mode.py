@@ -104,8 +104,8 @@ def _loss(impl, kw):
 def test_hessian_vector_products_match_xla(rng, impl, mask_name):
   """jvp of grad: the backward differentiated by the blockwise second-order rule."""
   primals, tangents = _inputs(rng)
-  hvp = lambda name: jax.jvp(jax.grad(_loss(name, MASKS[mask_name]), argnums=(0, 1, 2)),
-                             primals, tangents)
+  hvp = lambda name: jax.jit(lambda p, t: jax.jvp(
+      jax.grad(_loss(name, MASKS[mask_name]), argnums=(0, 1, 2)), p, t))(primals, tangents)
   ours = hvp(impl)
   with jax.default_matmul_precision("highest"):
     theirs = hvp("xla")
@@ -120,12 +120,13 @@ def test_jacfwd_jacrev_and_hessian(rng, impl):
   q, k, v = random_inputs(rng, 1, 5, 7, 2, 1, 3, jnp.float32)
   kw = dict(is_causal=True, causal_alignment="bottom_right")
   f = lambda name: (lambda q: jaxflash.dot_product_attention(q, k, v, implementation=name, **kw))
-  fwd, rev = jax.jacfwd(f(impl))(q), jax.jacrev(f(impl))(q)
+  # Jitted, as users call them (eagerly, each operation compiles on its own).
+  fwd, rev = jax.jit(jax.jacfwd(f(impl)))(q), jax.jit(jax.jacrev(f(impl)))(q)
   with jax.default_matmul_precision("highest"):
-    ref = jax.jacfwd(f("xla"))(q)
-    ref_h = jax.hessian(lambda q: jnp.sum(jnp.tanh(f("xla")(q))))(q)
+    ref = jax.jit(jax.jacfwd(f("xla")))(q)
+    ref_h = jax.jit(jax.hessian(lambda q: jnp.sum(jnp.tanh(f("xla")(q)))))(q)
   assert max_abs(fwd, ref) < 1e-5 and max_abs(rev, ref) < 1e-5
-  hess = jax.hessian(lambda q: jnp.sum(jnp.tanh(f(impl)(q))))(q)
+  hess = jax.jit(jax.hessian(lambda q: jnp.sum(jnp.tanh(f(impl)(q)))))(q)
   assert max_abs(hess, ref_h) < 1e-4
 
 
