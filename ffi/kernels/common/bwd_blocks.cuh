@@ -600,6 +600,19 @@ __device__ __forceinline__ void AddQueryGradSums(const float (&dq)[kCT][4], cons
   }
 }
 
+// Columns [c, c + 8) of a dQ row's float32 sums (two 16-byte loads), and
+// whether any of them is NaN.
+__device__ __forceinline__ void LoadQueryGradSums(const BwdParams& p, int64_t off, int c, float (&v)[8]) {
+  *reinterpret_cast<float4*>(&v[0]) = *reinterpret_cast<const float4*>(p.dq_accum + off + c);
+  *reinterpret_cast<float4*>(&v[4]) = *reinterpret_cast<const float4*>(p.dq_accum + off + c + 4);
+}
+__device__ __forceinline__ bool AnyNan(const float (&v)[8]) {
+  bool nan = false;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) nan |= isnan(v[i]);
+  return nan;
+}
+
 // Columns [c, c + 8) of a dQ row from their sums: scaled, or zeros for a
 // padding row.
 template <typename T>
@@ -628,18 +641,13 @@ __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdPar
       float v[kQueryGradRows][8];
 #pragma unroll
       for (int j = 0; j < kQueryGradRows; ++j) {
-        if (!rows[j].real) continue;
-        *reinterpret_cast<float4*>(&v[j][0]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c);
-        *reinterpret_cast<float4*>(&v[j][4]) = *reinterpret_cast<const float4*>(p.dq_accum + rows[j].off + c + 4);
+        if (rows[j].real) LoadQueryGradSums(p, rows[j].off, c, v[j]);
       }
 #pragma unroll
       for (int j = 0; j < kQueryGradRows; ++j) {
         if (!rows[j].real) continue;
         const bool padding = rows[j].t >= q_valid;
-        bool nan = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) nan |= isnan(v[j][i]);
-        if (nan && !padding) nan_rows |= 1u << j;
+        if (AnyNan(v[j]) && !padding) nan_rows |= 1u << j;
         StoreQueryGradChunk<T>(p, rows[j], c, v[j], padding);
       }
     }
@@ -653,12 +661,8 @@ __global__ void __launch_bounds__(kRowPassThreads) DqFromSumsKernel(const BwdPar
       const RowPassThread r = RowPassThread::At<kQueryGradRows>(sh, rows[0].batch, j);
       for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
         float w[8];
-        *reinterpret_cast<float4*>(&w[0]) = *reinterpret_cast<const float4*>(p.dq_accum + r.off + c);
-        *reinterpret_cast<float4*>(&w[4]) = *reinterpret_cast<const float4*>(p.dq_accum + r.off + c + 4);
-        bool nan = false;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) nan |= isnan(w[i]);
-        if (!nan) continue;
+        LoadQueryGradSums(p, r.off, c, w);
+        if (!AnyNan(w)) continue;
         ExactQueryGradColumns<T>(p, r.batch, r.h, r.t, c, w);
         StoreQueryGradChunk<T>(p, r, c, w, false);
       }
