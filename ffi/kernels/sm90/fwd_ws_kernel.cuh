@@ -137,11 +137,18 @@ struct WsFwdTile {
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
   // Barriers: per Q buffer full, then empty, the ragged-tail V copy, per
   // stage K full, K empty, V full, V empty, then the two work slots' full and
-  // empty (a dynamic walk's claimed positions, 4 bytes each after them).
+  // empty (a dynamic walk's claimed positions, 4 bytes each after them, then
+  // its ranked row blocks).
   static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages + 4;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
-  static constexpr size_t kSmemBytes = size_t(QTile::kBytes) * (kQBuffers + (kSeparateO ? 1 : 0)) +
-                                       2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 8 + 1024;
+  static constexpr size_t kSmemFixedBytes = size_t(QTile::kBytes) * (kQBuffers + (kSeparateO ? 1 : 0)) +
+                                            2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 8 + 1024;
+  // (Batch element, row block)s whose order the dynamic walk ranks heaviest
+  // first (TileScheduler::Ranked), two 16-bit entries each: up to 2048, as
+  // many as the room left holds.
+  static constexpr int kRankedBlocks =
+      !kDynamicWalk ? 0 : 227 * 1024 - kSmemFixedBytes >= 4 * 2048 ? 2048 : int(227 * 1024 - kSmemFixedBytes) / 4;
+  static constexpr size_t kSmemBytes = kSmemFixedBytes + 4 * size_t(kRankedBlocks);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
   static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
@@ -180,6 +187,9 @@ struct WsFwdSmem {
   __device__ __forceinline__ uint32_t WorkFull(int s) const { return KFull(4 * Tile::kStages + s); }
   __device__ __forceinline__ uint32_t WorkEmpty(int s) const { return WorkFull(2 + s); }
   __device__ __forceinline__ uint32_t WorkSlot(int s) const { return WorkFull(4) + 4 * s; }
+  // The dynamic walk's row blocks: their work, then their ranked order.
+  __device__ __forceinline__ uint32_t BlockWorks() const { return WorkSlot(2); }
+  __device__ __forceinline__ uint32_t BlockOrder() const { return BlockWorks() + 2 * Tile::kRankedBlocks; }
 
   __device__ __forceinline__ void InitBarriers() const {
     constexpr int kConsumerWarps = 4 * Tile::kConsumers;
@@ -277,11 +287,11 @@ struct WsWalk {
     } else {
       int at = -1;
       if (lane == 0) {
-        if (passed == 0) Publish(sm, claims, index = index < sched.positions ? index : -1);  // blockIdx.x
+        if (passed == 0) Publish(sm, claims, index = index < sched.positions ? Ranked(sched, sm, index) : -1);
         at = index;
         if (at >= 0) {
           const int next = static_cast<int>(gridDim.x) + claims.Claim();
-          Publish(sm, claims, index = next < sched.positions ? next : -1);
+          Publish(sm, claims, index = next < sched.positions ? Ranked(sched, sm, next) : -1);
         }
       }
       return OpenWork<Tile>(p, sched, __shfl_sync(0xffffffffu, at, 0), w);
@@ -308,6 +318,11 @@ struct WsWalk {
   }
 
  private:
+  // A claimed position as published: the same (batch, head), its row block
+  // the one ranked heaviest where the chunked order put the claimed one.
+  __device__ __forceinline__ static int Ranked(const TileScheduler& sched, const WsFwdSmem<Tile>& sm, int at) {
+    return sched.Ranked(Tile::kRankedBlocks) ? sched.RankedPosition(at, sm.BlockOrder()) : at;
+  }
   // The producer's lane 0: position `at` (-1: the walk's end, after the CTA's
   // last claim) into the next slot once the consumers have read its last.
   __device__ __forceinline__ void Publish(const WsFwdSmem<Tile>& sm, const WorkClaims& claims, int at) {
@@ -714,6 +729,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   auto scheduler = [&] { return TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic); };
   const WorkClaims claims{claim_slot};
   if constexpr (kDynamic) {
+    {
+      const TileScheduler sched = scheduler();
+      if (sched.Ranked(Tile::kRankedBlocks)) {
+        RankRowBlocks(sched, sm.BlockWorks(), sm.BlockOrder(), [&](int batch, int m_block) {
+          const WsWork w = WsWork::At<Tile::kM, Tile::kN, true>(p, WorkTile{m_block, 0, batch});
+          return w.Empty() ? 0 : w.keys.end - w.keys.begin;
+        });
+      }
+    }
     // Made in each role, after the registers are handed over: made before,
     // values it derives from the launch were carried into the producer's 40
     // registers through local memory. The static walk's kernels keep the
