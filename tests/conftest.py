@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import os
+import shutil
+import tempfile
 
 # The GPU tests compile hundreds of small XLA programs (baselines, gradients,
 # references); autotuning each one's GEMMs and fusions cost seconds per program
@@ -21,6 +24,21 @@ if not _CUDA_JAXLIB:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
 import jax
+
+# The CPU suite compiles many XLA programs identical to one compiled before,
+# under a new function each time: the Pallas wrappers build their kernels per
+# call (an interpreted kernel compiles in ~1 s, whatever its shapes), and
+# tests rebuild closures per case. JAX's compilation cache, kept for one run
+# (shared by the xdist workers and the child processes, removed at the end),
+# loads those instead of compiling them again. Loading an executable changes
+# nothing it computes. JAXFLASH_TEST_COMPILE_CACHE=off compiles everything.
+if not _CUDA_JAXLIB and os.environ.get("JAXFLASH_TEST_COMPILE_CACHE") != "off":
+  if not os.environ.get("JAXFLASH_TEST_COMPILE_CACHE"):
+    os.environ["JAXFLASH_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxflash-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAXFLASH_TEST_COMPILE_CACHE"], ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAXFLASH_TEST_COMPILE_CACHE"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 import jax.numpy as jnp
 import numpy as np
 import pytest
