@@ -73,7 +73,9 @@ def check(rng, shape, mask_name, dtype, implementation, bias_axes, mask_axes, gr
 
   out, lse = attention(q, k, v, implementation, bias=bias, mask=mask, **kw)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, **truth_kw)
-  base_o, base_lse = finite_baseline(lambda c: baseline(q, k, v, bias, mask, c, kw), dtype)
+  # Jitted, as test_native's baselines: eager, each operation compiles on its own.
+  base_o, base_lse = finite_baseline(
+      lambda c: jax.jit(lambda *x: baseline(*x, mask, c, kw))(q, k, v, bias), dtype)
   assert out.dtype == q.dtype
   assert_within_budget(out, truth_o, base_o, "output")
   lse = np.asarray(lse).transpose(0, 2, 1)
@@ -96,11 +98,11 @@ def check(rng, shape, mask_name, dtype, implementation, bias_axes, mask_axes, gr
 
   argnums = (0, 1, 2) if bias is None else (0, 1, 2, 3)
   fused = lambda q, k, v, b: attention(q, k, v, implementation, bias=b, mask=mask, **kw)
-  grads = jax.grad(functools.partial(loss, fused), argnums)(q, k, v, bias)
+  grads = jax.jit(jax.grad(functools.partial(loss, fused), argnums))(q, k, v, bias)
 
   def base_grads(c):
     fn = lambda q, k, v, b: baseline(q, k, v, None if b is None else b.astype(c), mask, c, kw)
-    return jax.grad(functools.partial(loss, fn), argnums)(q, k, v, bias)
+    return jax.jit(jax.grad(functools.partial(loss, fn), argnums))(q, k, v, bias)
   base = finite_baseline(base_grads, dtype)
   truth = numpy_reference.backward(q, k, v, do, np.asarray(dlse).transpose(0, 2, 1), **truth_kw)
   for name, g, b, t in zip(("dq", "dk", "dv", "dbias"), grads, base, truth):
@@ -227,17 +229,18 @@ def test_forward_mode_vmap_and_the_default(rng, implementation):
   tangents = [jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v, bias)]
   run = lambda impl: lambda q, k, v, b: jaxflash.dot_product_attention(
       q, k, v, b, mask, is_causal=True, implementation=impl)
-  _, t_out = jax.jvp(run(implementation), (q, k, v, bias), tuple(tangents))
-  _, t_ref = jax.jvp(run("xla"), (q, k, v, bias), tuple(tangents))
-  assert max_abs(t_out, t_ref) < 1e-4
+  # Each jitted (eager, every operation of the xla side compiles on its own).
+  jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(run(impl), p, t)[1])((q, k, v, bias),
+                                                                        tuple(tangents))
+  assert max_abs(jvp(implementation), jvp("xla")) < 1e-4
   biases = jnp.stack([bias, 2 * bias])
-  out = jax.vmap(lambda b: run(implementation)(q, k, v, b))(biases)
-  ref = jax.vmap(lambda b: run("xla")(q, k, v, b))(biases)
+  batched = lambda impl: jax.jit(jax.vmap(lambda b: run(impl)(q, k, v, b)))(biases)
+  out, ref = batched(implementation), batched("xla")
   assert max_abs(out, ref) < 1e-5
   # A batch of bias tangents for one shared bias, transposed (vmap folds the bias like them).
   tb = jnp.stack([tangents[3], -tangents[3]])
-  transposed = lambda impl: jax.linear_transpose(jax.vmap(
-      lambda t: jax.jvp(lambda b: run(impl)(q, k, v, b), (bias,), (t,))[1]), tb)(out)[0]
+  transposed = lambda impl: jax.jit(lambda o: jax.linear_transpose(jax.vmap(
+      lambda t: jax.jvp(lambda b: run(impl)(q, k, v, b), (bias,), (t,))[1]), tb)(o)[0])(out)
   assert max_abs(transposed(implementation), transposed("xla")) < 1e-4
   if implementation == "native":
     hlo = jax.jit(lambda q: jaxflash.dot_product_attention(q, k, v, bias, mask)).lower(q).as_text()
