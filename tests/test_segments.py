@@ -84,13 +84,12 @@ def test_forward_mode_and_vmap(rng):
   tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
   f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
       q, k, v, is_causal=True, query_segment_ids=q_ids, implementation=impl)
-  _, got = jax.jvp(f("native"), (q, k, v), tangents)
-  _, want = jax.jvp(f("xla"), (q, k, v), tangents)
-  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(f(impl), p, t)[1])((q, k, v), tangents)
+  np.testing.assert_allclose(jvp("native"), jvp("xla"), rtol=1e-4, atol=1e-4)
   # vmap over a leading axis, the ids mapped with the inputs.
   ids = np.stack([q_ids, q_ids[::-1]])
-  g = lambda impl: jax.vmap(lambda q, k, v, i: jaxflash.dot_product_attention(
-      q, k, v, query_segment_ids=i, implementation=impl))
+  g = lambda impl: jax.jit(jax.vmap(lambda q, k, v, i: jaxflash.dot_product_attention(
+      q, k, v, query_segment_ids=i, implementation=impl)))
   stacked = tuple(jnp.stack([x, x]) for x in (q, k, v))
   np.testing.assert_allclose(g("native")(*stacked, ids), g("xla")(*stacked, ids), rtol=1e-5,
                              atol=1e-5)
@@ -100,8 +99,9 @@ def test_leading_batch_axes(rng):
   q, k, v = random_inputs(rng, 6, 20, 20, 2, 2, 16, jnp.float32)
   q_ids, _ = packed(rng, 6, 20, 20)
   shaped = lambda x: x.reshape((2, 3) + x.shape[1:])
-  f = lambda impl: jaxflash.dot_product_attention(*(shaped(x) for x in (q, k, v)), is_causal=True,
-                                                  query_segment_ids=shaped(q_ids), implementation=impl)
+  f = lambda impl: jax.jit(lambda q, k, v, ids: jaxflash.dot_product_attention(
+      q, k, v, is_causal=True, query_segment_ids=ids, implementation=impl))(
+          *(shaped(x) for x in (q, k, v, q_ids)))
   np.testing.assert_allclose(f("native"), f("xla"), rtol=1e-5, atol=1e-5)
 
 
@@ -143,9 +143,10 @@ def test_rows_without_a_key_of_their_segment(rng):
 WINDOWS = [(-1, -1), (-1, 0), (5, 2), (3, -1)]
 
 
-@functools.cache
 def _tables(spec):
-  return jax.jit(lambda q_ids, kv_ids, q_len: seg_lib.tables(q_ids, kv_ids, q_len, None, spec))
+  """segments.tables of `spec`, run op by op: each operation compiles once per shape and
+  serves every window, where a jitted call compiles each window's whole program (~5 s)."""
+  return lambda q_ids, kv_ids, q_len: seg_lib.tables(q_ids, kv_ids, q_len, None, spec)
 
 
 def test_tables_against_brute_force(rng):
@@ -236,8 +237,8 @@ def test_pallas(rng, kind, mask):
   tangents = tuple(jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
   f = lambda impl: lambda q, k, v: jaxflash.dot_product_attention(
       q, k, v, is_causal=True, query_segment_ids=ids, implementation=impl)
-  np.testing.assert_allclose(np.asarray(jax.jvp(f("pallas"), (q, k, v), tangents)[1]),
-                             np.asarray(jax.jvp(f("xla"), (q, k, v), tangents)[1]), atol=2e-5)
+  jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(f(impl), p, t)[1])((q, k, v), tangents)
+  np.testing.assert_allclose(np.asarray(jvp("pallas")), np.asarray(jvp("xla")), atol=2e-5)
 
 
 def _paged_case(rng, B=2, T=3, pages=6, page_size=8, N=4, K=2, D=16, dtype=jnp.float32):
@@ -259,9 +260,10 @@ def test_paged(rng):
   logical positions (decode and a prefill chunk), equal to gathering the pages into xla."""
   for T in (1, 3):
     q, kp, vp, table, lengths, q_ids, kv_ids = _paged_case(rng, T=T)
-    run = lambda impl, **kw: jaxflash.paged_attention(  # noqa: E731
-        q, kp, vp, table, lengths, query_segment_ids=q_ids, key_value_segment_ids=kv_ids,
-        implementation=impl, **kw)
+    run = lambda impl, **kw: jax.jit(lambda q, kp, vp, table, lengths, q_ids, kv_ids: (  # noqa: E731
+        jaxflash.paged_attention(q, kp, vp, table, lengths, query_segment_ids=q_ids,
+                                 key_value_segment_ids=kv_ids, implementation=impl, **kw)))(
+        q, kp, vp, table, lengths, q_ids, kv_ids)
     np.testing.assert_allclose(np.asarray(run("native")), np.asarray(run("xla")), atol=2e-5)
     np.testing.assert_allclose(np.asarray(run("native", local_window_size=(5, 0))),
                                np.asarray(run("xla", local_window_size=(5, 0))), atol=2e-5)
