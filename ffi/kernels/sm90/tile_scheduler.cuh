@@ -153,19 +153,29 @@ struct TileScheduler {
     const int64_t blocks = int64_t(batches) * m_blocks;
     return chunk_heads > 0 && blocks <= capacity && blocks * m_blocks <= kRankComparisons;
   }
-  // Position `at` of the chunked walk (row blocks last first) moved to the
-  // position of the same (batch, head) whose row block is the one ranked
-  // where at's stands: order[b * m_blocks + r] is batch element b's r-th
+  // The (batch, head)s of the chunk that starts with (batch, head) `first`.
+  __host__ __device__ __forceinline__ int ChunkCount(int first) const {
+    return heads * batches - first < chunk_heads ? heads * batches - first : chunk_heads;
+  }
+  // Position `index` of the chunked walk (row blocks last first) moved to
+  // the position of the same (batch, head) whose row block is the one ranked
+  // where index's stands: order[b * m_blocks + r] is batch element b's r-th
   // heaviest row block (shared memory, RankRowBlocks).
-  __device__ __forceinline__ int RankedPosition(int at, uint32_t order) const {
-    const int per_chunk = chunk_heads * m_blocks;
-    const int first = at / per_chunk * chunk_heads, in_at = at % per_chunk;
-    const int in_chunk = heads * batches - first < chunk_heads ? heads * batches - first : chunk_heads;
-    const int rank = in_at / in_chunk, bh = in_at % in_chunk;
-    const int batch = (first + bh) / heads;
-    int m_block;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(m_block) : "r"(order + 2 * (batch * m_blocks + rank)) : "memory");
-    return at - in_at + (m_blocks - 1 - m_block) * in_chunk + bh;
+  __device__ __forceinline__ int RankedPosition(int index, uint32_t order) const {
+    WorkTile claimed;
+    Get</*kChunked=*/true>(index, &claimed);  // its row block walked (m_blocks - 1 - m_block)-th
+    const int ranked = LoadShared16(order + 2 * (claimed.batch * m_blocks + m_blocks - 1 - claimed.m_block));
+    return index + (claimed.m_block - ranked) * ChunkCount(index / (chunk_heads * m_blocks) * chunk_heads);
+  }
+  // 16-bit entries of the ranked order, at shared-memory addresses (the
+  // kernels' own form).
+  __device__ __forceinline__ static int LoadShared16(uint32_t addr) {
+    int value;
+    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+    return value;
+  }
+  __device__ __forceinline__ static void StoreShared16(uint32_t addr, int value) {
+    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(static_cast<uint16_t>(value)) : "memory");
   }
 
   // Pairs of row blocks per (batch, head) (the walk pairs even counts only).
@@ -180,7 +190,7 @@ struct TileScheduler {
     if (kChunked || chunk_heads > 0) {  // a chunk's row blocks last first, its (batch, head)s inner
       const int per_chunk = chunk_heads * m_blocks;
       const int first = index / per_chunk * chunk_heads, at = index % per_chunk;
-      const int in_chunk = heads * batches - first < chunk_heads ? heads * batches - first : chunk_heads;
+      const int in_chunk = ChunkCount(first);
       w->m_block = m_blocks - 1 - at / in_chunk;
       bh = first + at % in_chunk;
     } else if (paired) {
@@ -217,30 +227,26 @@ struct TileScheduler {
 
 // The ranked order of a dynamic walk's row blocks (TileScheduler::Ranked),
 // made by every thread of the CTA: work_of(batch, m_block) is a block's work
-// (its key tiles), stored at `works`; order[b * m_blocks + r] is then batch
+// (its key tiles), kept in `works`; order[b * m_blocks + r] is then batch
 // element b's r-th heaviest block, ties the later block first (as the
-// unranked walk). 16-bit entries.
+// unranked walk). Both in shared memory.
 template <typename WorkOf>
 __device__ __forceinline__ void RankRowBlocks(const TileScheduler& s, uint32_t works, uint32_t order,
                                               WorkOf work_of) {
   const int blocks = s.batches * s.m_blocks;
   for (int i = threadIdx.x; i < blocks; i += blockDim.x) {
     const int work = work_of(i / s.m_blocks, i % s.m_blocks);
-    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(works + 2 * i), "h"(static_cast<uint16_t>(work < 0x7fff ? work : 0x7fff))
-                 : "memory");
+    TileScheduler::StoreShared16(works + 2 * i, work < 0xffff ? work : 0xffff);
   }
   __syncthreads();
   for (int i = threadIdx.x; i < blocks; i += blockDim.x) {
-    const int first = i - i % s.m_blocks;
-    int rank = 0, work;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(work) : "r"(works + 2 * i) : "memory");
+    const int first = i - i % s.m_blocks, work = TileScheduler::LoadShared16(works + 2 * i);
+    int rank = 0;
     for (int j = first; j < first + s.m_blocks; ++j) {
-      int other;
-      asm volatile("ld.shared.u16 %0, [%1];\n" : "=r"(other) : "r"(works + 2 * j) : "memory");
+      const int other = TileScheduler::LoadShared16(works + 2 * j);
       rank += other > work || (other == work && j > i);
     }
-    asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * (first + rank)), "h"(static_cast<uint16_t>(i - first))
-                 : "memory");
+    TileScheduler::StoreShared16(order + 2 * (first + rank), i - first);
   }
   __syncthreads();
 }
