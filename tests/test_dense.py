@@ -286,14 +286,16 @@ def test_native_bias_gradient_with_score_modifiers_vmap_and_second_order(rng):
         q, k, v, b, mask, is_causal=True, logits_soft_cap=4.0, alibi_slopes=slopes,
         query_segment_ids=ids, key_value_segment_ids=kv_ids, implementation=impl)
     return jnp.sum(o * do)
+  # Each side jitted: run eagerly, every jax.numpy operation compiled on its own.
   grad = lambda impl: jax.grad(functools.partial(loss, impl), argnums=(0, 1))
-  got, want = grad("native")(q, bias), grad("xla")(q, bias)
+  got, want = jax.jit(grad("native"))(q, bias), jax.jit(grad("xla"))(q, bias)
   assert max_abs(got[1], want[1]) < 1e-4 * float(jnp.max(jnp.abs(want[1])))
   biases = jnp.stack([bias, -bias])
-  vmapped = lambda impl: jax.vmap(lambda b: grad(impl)(q, b)[1])(biases)
+  vmapped = lambda impl: jax.jit(jax.vmap(lambda b: grad(impl)(q, b)[1]))(biases)
   assert max_abs(vmapped("native"), vmapped("xla")) < 1e-4 * float(jnp.max(jnp.abs(want[1])))
   t = jnp.asarray(rng.standard_normal(bias.shape), jnp.float32)
-  second = lambda impl: jax.jvp(lambda b: grad(impl)(q, b)[1], (bias,), (t,))[1]
+  second = lambda impl: jax.jit(
+      lambda b, t: jax.jvp(lambda b: grad(impl)(q, b)[1], (b,), (t,))[1])(bias, t)
   ref = second("xla")
   assert max_abs(second("native"), ref) < 1e-4 * float(jnp.max(jnp.abs(ref)))
 
