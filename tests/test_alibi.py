@@ -60,17 +60,19 @@ def test_forward_mode_vmap_and_batch_axes(rng):
   f = lambda impl, s=slopes(4): lambda q, k, v: jaxflash.dot_product_attention(
       q, k, v, is_causal=True, causal_alignment="bottom_right", alibi_slopes=s,
       implementation=impl)
-  _, got = jax.jvp(f(None), (q, k, v), tangents)
-  _, want = jax.jvp(f("xla"), (q, k, v), tangents)
+  # Each side jitted (eager, every operation of the xla side compiles on its own).
+  jvp = lambda impl: jax.jit(lambda p, t: jax.jvp(f(impl), p, t))((q, k, v), tangents)
+  _, got = jvp(None)
+  _, want = jvp("xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
   # vmap over a leading axis (slopes closed over), and [*batch, heads] slopes.
-  got = jax.vmap(f(None))(q[:, None], k[:, None], v[:, None])[:, 0]
-  np.testing.assert_allclose(np.asarray(got), np.asarray(f("xla")(q, k, v)), atol=2e-5)
+  got = jax.jit(jax.vmap(f(None)))(q[:, None], k[:, None], v[:, None])[:, 0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(f("xla"))(q, k, v)), atol=2e-5)
   per_batch = np.stack([slopes(4), slopes(4, base=2.0)])[None]       # [1, 2, heads]
   x4 = lambda x: x[None]
-  got = f(None, per_batch)(x4(q), x4(k), x4(v))
-  np.testing.assert_allclose(np.asarray(got), np.asarray(f("xla", per_batch)(x4(q), x4(k), x4(v))),
-                             atol=2e-5)
+  got = jax.jit(f(None, per_batch))(x4(q), x4(k), x4(v))
+  np.testing.assert_allclose(
+      np.asarray(got), np.asarray(jax.jit(f("xla", per_batch))(x4(q), x4(k), x4(v))), atol=2e-5)
 
 
 def test_zero_slopes_are_the_plain_call_and_nan_slopes_stay(rng):
