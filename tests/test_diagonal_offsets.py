@@ -47,16 +47,20 @@ def check_offsets(rng, kernels, shape, mask_name, dtype):
   mask = dict(numpy_mask(kw), offsets=offsets)
   scale = 1.0 / np.sqrt(D)
 
-  def base(q, k, v):  # the `xla` implementation in the input dtype: the error yardstick
-    return reference.attention(
+  def base(q, k, v, ql=ql, kl=kl, off=offsets):  # the `xla` implementation in the input
+    return reference.attention(                   # dtype: the error yardstick
         q, k, v, scale=scale, is_causal=kw.get("is_causal", False),
         causal_alignment=kw.get("causal_alignment", "top_left"),
         local_window_size=kw.get("local_window_size"), query_seq_lengths=ql,
-        key_value_seq_lengths=kl, compute_dtype=q.dtype, diagonal_offsets=offsets)
+        key_value_seq_lengths=kl, compute_dtype=q.dtype, diagonal_offsets=off)
 
-  o, lse = kernels.forward(q, k, v, ql, kl, spec, jnp.asarray(offsets))
+  # The kernels' calls and the baseline each jitted (eager, every operation compiles
+  # on its own), the lengths and offsets as arguments (one program for every seed).
+  off = jnp.asarray(offsets)
+  forward = jax.jit(lambda *a: kernels.forward(*a[:5], spec, a[5]))
+  o, lse = forward(q, k, v, ql, kl, off)
   truth_o, truth_lse, _ = numpy_reference.forward(q, k, v, scale=scale, **mask)
-  base_o, base_lse = base(q, k, v)
+  base_o, base_lse = jax.jit(base)(q, k, v, ql, kl, off)
   assert_within_budget(o, truth_o, base_o, "output")
   empty = truth_lse == numpy_reference.EMPTY_LSE
   assert np.array_equal(np.asarray(lse) == numpy_reference.EMPTY_LSE, empty), \
@@ -66,10 +70,12 @@ def check_offsets(rng, kernels, shape, mask_name, dtype):
 
   do = jnp.asarray(rng.standard_normal(q.shape), dtype)
   dlse = jnp.asarray(np.where(empty, 0, rng.standard_normal(lse.shape)), jnp.float32)
-  grads = kernels.backward(q, k, v, o, lse, do, dlse, ql, kl, spec, jnp.asarray(offsets))
+  backward = jax.jit(lambda *a: kernels.backward(*a[:9], spec, a[9]))
+  grads = backward(q, k, v, o, lse, do, dlse, ql, kl, off)
   truth = numpy_reference.backward(q, k, v, do, dlse, scale=scale, **mask)
-  _, vjp = jax.vjp(base, q, k, v)
-  base_grads = vjp((do, dlse.astype(base_lse.dtype)))
+  base_grads = jax.jit(lambda q, k, v, ql, kl, off, ct: jax.vjp(
+      lambda q, k, v: base(q, k, v, ql, kl, off), q, k, v)[1](ct))(
+          q, k, v, ql, kl, off, (do, dlse.astype(base_lse.dtype)))
   for name, g, b, t in zip(("dq", "dk", "dv"), grads, base_grads, truth):
     assert_within_budget(g, t, b, name)
 
