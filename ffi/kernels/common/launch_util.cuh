@@ -14,6 +14,10 @@
 
 namespace jaxflash {
 
+// The most dynamic shared memory one CTA may opt in to on sm_90 (the
+// warp-specialised kernels' tiles are sized against it).
+constexpr size_t kSm90SmemPerCta = 227 * 1024;
+
 // Raises kernel Kernel's dynamic shared-memory limit to `bytes` where it is
 // below that, per (instantiation, device): the attribute is per device, and
 // setting it on every launch would cost a driver call each time. A kernel may

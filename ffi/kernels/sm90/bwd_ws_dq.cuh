@@ -77,7 +77,7 @@ struct WsDqTile {
   // shared-memory base is aligned up to a swizzle period.
   static constexpr size_t kSmemBytes =
       2 * size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(kSmemBytes <= kSm90SmemPerCta, "shared memory of one CTA");
   static_assert(kStages >= 3, "a stage is read by S and dP while the one before is read by dQ");
   static_assert(kN == 32 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");

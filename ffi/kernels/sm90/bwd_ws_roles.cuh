@@ -39,7 +39,7 @@ struct WsBwdSmem {
                 "the dQ staging starts on a swizzle period");
   // What a launch asks for: the base is aligned up to a swizzle period.
   static constexpr size_t kLaunchBytes = kBytes + 1024;
-  static_assert(kLaunchBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(kLaunchBytes <= kSm90SmemPerCta, "shared memory of one CTA");
   uint32_t k, v, stages, ds, dq, stats, bars, place;
 
   __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {

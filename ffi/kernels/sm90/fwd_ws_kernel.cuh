@@ -146,10 +146,10 @@ struct WsFwdTile {
   // (Batch element, row block)s whose order the dynamic walk ranks heaviest
   // first (TileScheduler::Ranked), two 16-bit entries each: up to 2048, as
   // many as the room left holds.
-  static constexpr int kRankedBlocks =
-      !kDynamicWalk ? 0 : 227 * 1024 - kSmemFixedBytes >= 4 * 2048 ? 2048 : int(227 * 1024 - kSmemFixedBytes) / 4;
+  static constexpr size_t kSmemRoom = kSm90SmemPerCta - kSmemFixedBytes;
+  static constexpr int kRankedBlocks = !kDynamicWalk ? 0 : kSmemRoom >= 4 * 2048 ? 2048 : int(kSmemRoom / 4);
   static constexpr size_t kSmemBytes = kSmemFixedBytes + 4 * size_t(kRankedBlocks);
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA");
+  static_assert(kSmemBytes <= kSm90SmemPerCta, "shared memory of one CTA");
   static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
   // Named barriers: the consumers' turns, then one per consumer's epilogue.
