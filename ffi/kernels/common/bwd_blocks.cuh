@@ -44,9 +44,14 @@ constexpr int kRowPassThreads = 256;
 // (H200, forty-ninth session, docs/performance-log.md).
 constexpr int kQueryGradRows = 4;
 constexpr int kDeltaRows = 1;
-__host__ __device__ __forceinline__ int RowLanes(int64_t head_dim) {
+// 16-byte chunks a lane of the delta pass loads from each of O and dO: one a
+// lane left the pass issue-bound beside its loads (SM 63.7%, DRAM 65% at D
+// 128: each thread's row set-up for 32 bytes; H200, fiftieth session).
+constexpr int kDeltaChunks = 2;
+// Lanes a row, each `chunks` 16-byte chunks of 8 elements.
+__host__ __device__ __forceinline__ int RowLanes(int64_t head_dim, int chunks = 1) {
   int lanes = 1;
-  while (lanes < 32 && lanes * 8 < head_dim) lanes *= 2;
+  while (lanes < 32 && lanes * 8 * chunks < head_dim) lanes *= 2;
   return lanes;
 }
 // One of a thread's rows and its chunk within the row; rows past the batch
@@ -56,10 +61,10 @@ struct RowPassThread {
   int batch, t, h, lane_in_row, lanes;
   bool real;
   int64_t off;  // of the row in q-shaped tensors
-  template <int kRows>
+  template <int kRows, int kChunks = 1>
   __device__ __forceinline__ static RowPassThread At(const AttentionShape& sh, int batch, int j) {
     RowPassThread r;
-    r.lanes = RowLanes(sh.head_dim);
+    r.lanes = RowLanes(sh.head_dim, kChunks);
     const int64_t rows_per_cta = kRowPassThreads / r.lanes;
     const int64_t row = (int64_t(blockIdx.x) * kRows + j) * rows_per_cta + threadIdx.x / r.lanes;
     r.batch = batch;
@@ -86,21 +91,21 @@ struct RowPassThread {
   }
   // Calls f(rows), this thread's kRows rows (real or not), for each batch
   // element the CTA walks.
-  template <int kRows, typename F>
+  template <int kRows, int kChunks = 1, typename F>
   __device__ __forceinline__ static void ForEach(const AttentionShape& sh, F&& f) {
     for (int batch = blockIdx.y; batch < sh.batch; batch += gridDim.y) {
       RowPassThread rows[kRows];
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) rows[j] = At<kRows>(sh, batch, j);
+      for (int j = 0; j < kRows; ++j) rows[j] = At<kRows, kChunks>(sh, batch, j);
       f(rows);
     }
   }
 };
 // The grid of a row-wise pass of kRows rows a thread: row blocks by batch
 // elements (a batch beyond the grid's y limit is walked by the CTAs).
-template <int kRows>
+template <int kRows, int kChunks = 1>
 inline dim3 RowPassGrid(const AttentionShape& sh) {
-  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim) * kRows;
+  const int64_t rows_per_cta = kRowPassThreads / RowLanes(sh.head_dim, kChunks) * kRows;
   return dim3(static_cast<unsigned>(CeilDiv(sh.q_len * sh.q_heads, rows_per_cta)),
               static_cast<unsigned>(sh.batch < 65535 ? sh.batch : 65535));
 }
@@ -110,10 +115,17 @@ inline dim3 RowPassGrid(const AttentionShape& sh) {
 // dO (padding, say) must reach no key through a masked pair's zero weight.
 // The same lanes zero the row of the fused backward's dQ sums (p.dq_accum,
 // laid out like q) when there is one.
+// Six CTAs an SM on sm_90 (40 registers): with two chunks a lane it took
+// 42-44, five. sm_80's code spills 8 bytes at 40, so it keeps five there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+constexpr int kDeltaCtasPerSm = 6;
+#else
+constexpr int kDeltaCtasPerSm = 5;
+#endif
 template <typename T>
-__global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p) {
+__global__ void __launch_bounds__(kRowPassThreads, kDeltaCtasPerSm) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
-  RowPassThread::ForEach<kDeltaRows>(sh, [&](const RowPassThread (&rows)[kDeltaRows]) {
+  RowPassThread::ForEach<kDeltaRows, kDeltaChunks>(sh, [&](const RowPassThread (&rows)[kDeltaRows]) {
     const int lane = rows[0].lane_in_row, lanes = rows[0].lanes;
     const MaskPolicy mask = MaskPolicy::ForBatch(p, rows[0].batch);
 #pragma unroll
@@ -127,13 +139,22 @@ __global__ void __launch_bounds__(kRowPassThreads) DeltaKernel(const BwdParams p
       const T* o = static_cast<const T*>(p.o) + r.off;
       const T* d_o = static_cast<const T*>(p.dout) + r.off;
       float acc = 0.f;
-      for (int c = lane * 8; c < sh.head_dim; c += lanes * 8) {
-        const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-        const uint4 dv = *reinterpret_cast<const uint4*>(d_o + c);
-        const T* oe = reinterpret_cast<const T*>(&ov);
-        const T* de = reinterpret_cast<const T*>(&dv);
+      // kDeltaChunks chunks at a time, every load issued before any is used.
+      for (int c0 = lane * 8; c0 < sh.head_dim; c0 += lanes * 8 * kDeltaChunks) {
+        uint4 ov[kDeltaChunks], dv[kDeltaChunks];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+        for (int u = 0; u < kDeltaChunks; ++u) {
+          const int c = c0 + u * lanes * 8;
+          ov[u] = c < sh.head_dim ? *reinterpret_cast<const uint4*>(o + c) : uint4{};
+          dv[u] = c < sh.head_dim ? *reinterpret_cast<const uint4*>(d_o + c) : uint4{};
+        }
+#pragma unroll
+        for (int u = 0; u < kDeltaChunks; ++u) {
+          const T* oe = reinterpret_cast<const T*>(&ov[u]);
+          const T* de = reinterpret_cast<const T*>(&dv[u]);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc += ElemTraits<T>::ToFloat(oe[i]) * ElemTraits<T>::ToFloat(de[i]);
+        }
       }
       // The row's lanes are an aligned group of a power of two: xor stays inside.
       for (int off_lane = lanes / 2; off_lane > 0; off_lane >>= 1) acc += __shfl_xor_sync(r.RowMask(), acc, off_lane);
@@ -150,7 +171,7 @@ template <typename T>
 Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.q_len * sh.q_heads == 0) return Status::Ok();
-  DeltaKernel<T><<<RowPassGrid<kDeltaRows>(sh), kRowPassThreads, 0, stream>>>(p);
+  DeltaKernel<T><<<RowPassGrid<kDeltaRows, kDeltaChunks>(sh), kRowPassThreads, 0, stream>>>(p);
   return CheckLaunch("attention backward (delta)");
 }
 
