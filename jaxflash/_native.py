@@ -71,7 +71,7 @@ def fused_backward_buckets() -> tuple[int, ...]:
   mode = os.environ.get("JAXFLASH_FUSED_BACKWARD", "auto")
   if mode not in ("0", "1", "auto"):
     raise ValueError(f"JAXFLASH_FUSED_BACKWARD must be 0, 1 or auto, not {mode!r}")
-  return {"0": (), "1": (64, 128, 256), "auto": FUSED_BACKWARD_BUCKETS}[mode]
+  return {"0": (), "1": (64, 128, 192, 256), "auto": FUSED_BACKWARD_BUCKETS}[mode]
 
 
 # The CPU backward's one-pass scheme (cpu/backward.cc) runs one item per (batch,

@@ -317,7 +317,7 @@ def test_fused_backward_switch(monkeypatch):
   monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD", raising=False)
   assert _native.fused_backward_buckets() == _native.FUSED_BACKWARD_BUCKETS
   monkeypatch.setattr(_native, "cpu_threads", lambda: 4)
-  for mode, buckets in [("auto", _native.FUSED_BACKWARD_BUCKETS), ("1", (64, 128, 256)), ("0", ())]:
+  for mode, buckets in [("auto", _native.FUSED_BACKWARD_BUCKETS), ("1", (64, 128, 192, 256)), ("0", ())]:
     monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", mode)
     assert _native.fused_backward_buckets() == buckets
     if jax.devices()[0].platform == "cpu":

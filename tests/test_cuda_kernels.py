@@ -126,7 +126,7 @@ def _rising_scores(growth):
 
 
 @pytest.mark.parametrize("mask_name", ["none", "causal"])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
 def test_rising_scores(rng, D, mask_name):
   """The Hopper forward takes a row's exponents against a reference that
   moves only when the row outgrows it by more than 2^8 (OnlineSoftmax::
@@ -136,7 +136,7 @@ def test_rising_scores(rng, D, mask_name):
   check_forward(rng, (2, 300, 700, 4, 2, D), mask_name, jnp.bfloat16, inputs=_rising_scores(3.0))
 
 
-@pytest.mark.parametrize("D", tiered([64, 128, 256], [128]))
+@pytest.mark.parametrize("D", tiered([64, 128, 192, 256], [128]))
 @pytest.mark.parametrize("mask_name", ["causal", "lengths", "window"])
 def test_deterministic_gradients(rng, D, mask_name):
   """The deterministic backward (separate dQ pass, no atomics) against float64."""
@@ -196,8 +196,8 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
   """Each compiled tile shape, not just the table's pick, forward and backward.
 
   "arch" runs the family the GPU dispatches to (the wgmma kernels on Hopper for
-  D in {64, 128, 256}, whose forward and backward each have their own candidate
-  lists); "sm80" forces the mma.sync family, which Ampere and the other buckets
+  D in {64, 128, 192, 256}, whose forward and backward each have their own candidate
+  lists; 192's backward is 256's); "sm80" forces the mma.sync family, which Ampere and the other buckets
   use, so both stay tested on a Hopper GPU.
   """
   from jaxflash import _native

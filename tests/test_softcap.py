@@ -103,7 +103,7 @@ def test_gpu_warp_specialised_d256(rng, extra, request):
 # Non-finite inputs through the 16-bit warp-specialised forward with a cap: an infinite score
 # is capped to a finite one, a NaN reaches only the rows that see it.
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
 def test_gpu_nonfinite_capped(rng, D):
   if not HAS_GPU:
     pytest.skip("needs a GPU")

@@ -38,6 +38,15 @@ struct FwdCandidates<128> {
                         WsFwdTile<128, 128, 2, 2, false, true>, WsFwdTile<128, 64, 4, 2, false, true>>;
   static constexpr int kSmallGrid = -1;
 };
+// D 192 (q/k of MLA-style models, and any head dim in (128, 192]): beside
+// O's 96 floats a thread, 64- and 80-key tiles build without spills (96-key
+// ones spilled 80 bytes); Q (48 KiB) and two stages of 80 keys, or three of
+// 64, fill 168 and 192 KiB.
+template <>
+struct FwdCandidates<192> {
+  using type = TileList<WsFwdTile<192, 80, 2, 2, false>, WsFwdTile<192, 64, 3, 2, false>>;
+  static constexpr int kSmallGrid = -1;
+};
 template <>
 struct FwdCandidates<256> {
   using type = TileList<WsFwdTile<256, 64, 2, 2, false>, FwdTile<256, 2, 64>, WsFwdTile<256, 80, 2, 2, false>>;
@@ -72,6 +81,7 @@ inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
   switch (head_dim_bucket) {
     case 64: return q_len <= (causal ? 8192 : 1024) ? 6 : 5;
     case 128: return 2;
+    case 192: return 0;
     case 256: return 2;
     default: return 0;
   }

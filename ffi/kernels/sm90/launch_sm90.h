@@ -9,7 +9,7 @@
 namespace jaxflash {
 namespace sm90 {
 
-// Instantiated for head-dim buckets 64, 128 and 256; the others run the sm80
+// Instantiated for head-dim buckets 64, 128, 192 and 256; the others run the sm80
 // kernels (the dispatch switch names each bucket).
 template <typename T, int kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
