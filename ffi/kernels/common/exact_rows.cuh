@@ -63,19 +63,25 @@ __device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, floa
 template <typename T>
 __device__ __forceinline__ ExactPair PairOf(const BwdParams& p, const T* q_row, const T* do_row, const T* k_row,
                                            const T* v_row, int64_t stat, float bias2) {
-  const int dim = static_cast<int>(p.shape.head_dim);
-  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim, bias2);
-  pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]) * pair.slope;
+  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], static_cast<int>(p.shape.head_dim), bias2);
+  pair.ds = pair.prob * (RowDot(do_row, v_row, static_cast<int>(p.shape.v_dim())) - p.delta[stat]) * pair.slope;
   return pair;
 }
 
-// Element offsets of row `row` of (batch, head) in q-shaped tensors, and of
-// key 0 of the head's K/V head in k-shaped ones.
+// Element offsets of row `row` of (batch, head) in q-shaped and o-shaped
+// tensors, and of key 0 of the head's K/V head in k- and v-shaped ones (o and
+// v take the value's head dim).
 __device__ __forceinline__ int64_t ExactQOffset(const AttentionShape& sh, int batch, int head, int row) {
   return batch * sh.q_batch_stride() + row * sh.q_row_stride() + head * sh.head_dim;
 }
+__device__ __forceinline__ int64_t ExactOOffset(const AttentionShape& sh, int batch, int head, int row) {
+  return batch * sh.o_batch_stride() + row * sh.o_row_stride() + head * sh.v_dim();
+}
 __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int batch, int kv_head) {
   return batch * sh.kv_batch_stride() + kv_head * sh.head_dim;
+}
+__device__ __forceinline__ int64_t ExactVOffset(const AttentionShape& sh, int batch, int kv_head) {
+  return batch * sh.v_batch_stride() + kv_head * sh.v_dim();
 }
 
 // Query row `row` of (batch, head) with the keys it sees, [begin, end), and
@@ -85,8 +91,8 @@ __device__ __forceinline__ int64_t ExactKvOffset(const AttentionShape& sh, int b
 // registers spilled the warp-specialised forward).
 template <typename T, bool kSegments = true, bool kDense = true>
 struct ExactQueryRow {
-  int begin, end, dim, row;
-  int64_t q_off, kv_stride;
+  int begin, end, dim, vdim, row;  // dim: q and k's; vdim: v and o's
+  int64_t q_off, o_off, kv_stride, v_stride;
   const T *k, *v;
   MaskPolicy pol;
   DenseTile dense;  // the call's dense bias and mask, if any
@@ -99,15 +105,18 @@ struct ExactQueryRow {
     begin = pol.KeyBegin(row);
     end = pol.KeyEnd(row);
     dim = static_cast<int>(sh.head_dim);
+    vdim = static_cast<int>(sh.v_dim());
     q_off = ExactQOffset(sh, batch, head, row);
+    o_off = ExactOOffset(sh, batch, head, row);
     kv_stride = sh.kv_row_stride();
-    const int64_t kv_off = ExactKvOffset(sh, batch, head / static_cast<int>(sh.group_size()));
-    k = static_cast<const T*>(p.k) + kv_off;
-    v = static_cast<const T*>(p.v) + kv_off;
+    v_stride = sh.v_row_stride();
+    const int kv_head = head / static_cast<int>(sh.group_size());
+    k = static_cast<const T*>(p.k) + ExactKvOffset(sh, batch, kv_head);
+    v = static_cast<const T*>(p.v) + ExactVOffset(sh, batch, kv_head);
     dense = DenseTile::Of<kDense>(p, batch, head);
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
-  __device__ __forceinline__ const T* Value(int j) const { return v + j * kv_stride; }
+  __device__ __forceinline__ const T* Value(int j) const { return v + j * v_stride; }
   // Whether the row sees key j of [begin, end) (segment ids and a dense mask
   // can leave gaps).
   __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j) && dense.Shows(row, j); }
@@ -172,7 +181,7 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
 #pragma unroll 1
   for (int dt = 0; dt < kDT; ++dt) {
     const int col = dt * 8 + 2 * t;
-    if (col >= r.dim) break;
+    if (col >= r.vdim) break;
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {
       if (!r.Sees(j)) continue;
@@ -196,7 +205,7 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   if (!isfinite(p.lse[stat]) || !isfinite(p.delta[stat])) return;
   const ExactQueryRow<T> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
-  const T* do_row = static_cast<const T*>(p.dout) + r.q_off;
+  const T* do_row = static_cast<const T*>(p.dout) + r.o_off;
   const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
   const float diagonal = Alibi::Diagonal(r.pol, row);
   for_columns([&](int, float& x, float& y) { x = y = 0.f; });
@@ -239,9 +248,8 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
   const int dim = static_cast<int>(sh.head_dim);
   const int group = static_cast<int>(sh.group_size());
-  const int64_t kv_off = ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
-  const T* k_row = static_cast<const T*>(p.k) + kv_off;
-  const T* v_row = static_cast<const T*>(p.v) + kv_off;
+  const T* k_row = static_cast<const T*>(p.k) + ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
+  const T* v_row = static_cast<const T*>(p.v) + ExactVOffset(sh, batch, kv_head) + key * sh.v_row_stride();
   ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int) {
     dk[dt][2 * half] = dk[dt][2 * half + 1] = dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f;
   });
@@ -251,9 +259,8 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
     const int head = kv_head * group + i / rows, row = row_begin + i % rows;
     const DenseTile dense = DenseTile::Of(p, batch, head);
     if (!pol.SameSegment(row, key) || !dense.Shows(row, key)) continue;
-    const int64_t q_off = ExactQOffset(sh, batch, head, row);
-    const T* q_row = static_cast<const T*>(p.q) + q_off;
-    const T* do_row = static_cast<const T*>(p.dout) + q_off;
+    const T* q_row = static_cast<const T*>(p.q) + ExactQOffset(sh, batch, head, row);
+    const T* do_row = static_cast<const T*>(p.dout) + ExactOOffset(sh, batch, head, row);
     const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key)) +
                         dense.Bias2(row, key);
     const ExactPair pair =

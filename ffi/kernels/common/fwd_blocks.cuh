@@ -78,9 +78,13 @@ struct FwdBlock {
   const T* k;  // key 0 of this head's K/V head
   const T* v;
 
-  // Element offset of row r0 of (batch, head) in q and o.
+  // Element offset of row r0 of (batch, head) in q (and o where v's head dim
+  // is q's), and in o.
   __device__ __forceinline__ static int64_t QOffset(const AttentionShape& sh, int batch, int head, int r0) {
     return batch * sh.q_batch_stride() + r0 * sh.q_row_stride() + head * sh.head_dim;
+  }
+  __device__ __forceinline__ static int64_t OOffset(const AttentionShape& sh, int batch, int head, int r0) {
+    return batch * sh.o_batch_stride() + r0 * sh.o_row_stride() + head * sh.v_dim();
   }
 
   // The row block a CTA of a grid-shaped kernel takes (grid (row blocks,

@@ -21,7 +21,8 @@ namespace sm90 {
 // and packed P (kN / 4) per thread must fit in the 232 registers a consumer
 // gets with two consumer warpgroups (160 with three); shared memory holds Q and
 // kStages stages of K and V within 227 KiB.
-template <int kD>
+// kDv: the value's head dim where a bucket pair has tiles of its own (MLA).
+template <int kD, int kDv = kD>
 struct FwdCandidates;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
 // (SmallGrid), or -1 where none was measured to win there.
@@ -45,6 +46,14 @@ struct FwdCandidates<128> {
 template <>
 struct FwdCandidates<192> {
   using type = TileList<WsFwdTile<192, 80, 2, 2, false>, WsFwdTile<192, 64, 3, 2, false>>;
+  static constexpr int kSmallGrid = -1;
+};
+// q/k 192 with v (and O) of up to 128 columns, MLA's widths: P·V and the
+// epilogue at 128. The narrower V leaves room for a third stage of 80 keys
+// (198 KiB); the 128-key tile spilled 168 bytes.
+template <>
+struct FwdCandidates<192, 128> {
+  using type = TileList<WsFwdTile<192, 80, 2, 2, false, false, 128>, WsFwdTile<192, 80, 3, 2, false, false, 128>>;
   static constexpr int kSmallGrid = -1;
 };
 template <>
@@ -95,9 +104,9 @@ inline int FwdTilePick(int head_dim_bucket, bool causal, int64_t q_len) {
 // pick) in 10.2 µs against the pick's 18.9 (cuDNN's kernel 9.5); with 32 and
 // 64 work tiles they were 1.4-1.8x faster, with 88 tied; with 128 the pick
 // was 27% faster non-causal (2% slower causal).
-template <int kD>
+template <int kD, int kDv = kD>
 bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
-  if constexpr (FwdCandidates<kD>::kSmallGrid < 0) {
+  if constexpr (FwdCandidates<kD, kDv>::kSmallGrid < 0) {
     return false;
   } else {
     const int64_t work_tiles =
@@ -110,24 +119,28 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
 // tile takes them (TileTakes), else the first warp-specialised candidate that
 // does, else the first that does (PickTaking); with none, the sm80 kernels,
 // which take everything.
-template <typename T, int kD>
+template <typename T, int kD, int kDv>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using Candidates = typename FwdCandidates<kD>::type;
+  using Candidates = typename FwdCandidates<kD, kDv>::type;
   int pick = FwdTilePick(kD, p.mask.window_right >= 0, p.shape.q_len), requested = p.tile;
   // A cached preference (`python -m jaxflash.tune`) was measured without a cap
   // or segment ids, on grids that fill the GPU: it yields to those; a forced
   // tile does not.
   bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
-  if (SmallGrid<kD>(p, device, pick)) {
+  if (SmallGrid<kD, kDv>(p, device, pick)) {
     pick = FwdCandidates<kD>::kSmallGrid;
     yield = true;
   }
   if (yield && (requested & FwdParams::kTilePreferred)) requested = 0;
   pick = Candidates::PickTaking(pick, p);
   if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
-    FwdParams any_tile = p;
-    any_tile.tile = 0;
-    return sm80::LaunchForward<T, kD>(any_tile, device, stream);
+    if constexpr (kDv != kD) {
+      return Status::Unimplemented("no sm90 forward tile of this value head dim takes the call");
+    } else {
+      FwdParams any_tile = p;
+      any_tile.tile = 0;
+      return sm80::LaunchForward<T, kD>(any_tile, device, stream);
+    }
   }
   return Candidates::With(requested, pick, [&](auto tile) {
     using Tile = decltype(tile);

@@ -53,10 +53,15 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false>
+// kDv_: the value's (and the output's) head dim, where it is narrower than
+// the query/key one (MLA-style calls at their own widths).
+template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false,
+          int kDv_ = kD_>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
   static constexpr int kD = kD_;
+  static constexpr int kDv = kDv_;
+  static_assert(kDv <= kD && kDv % 64 == 0, "O fits Q's buffer, in whole 64-column blocks");
   static constexpr int kN = kN_;  // keys per K/V tile
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
@@ -128,8 +133,11 @@ struct WsFwdTile {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
+  static constexpr int kDvT = kDv / 8;
   using QTile = SwizzledTile<kM, kD>;
-  using KVTile = SwizzledTile<kN, kD>;
+  using KTile = SwizzledTile<kN, kD>;
+  using VTile = SwizzledTile<kN, kDv>;
+  using OTile = SwizzledTile<kM, kDv>;  // O's staging: its own buffer, or Q's
   // Registers per thread once the producer has handed its surplus over: 232
   // with two consumers, 160 with three, 112 with four (room for 64-key tiles
   // only).
@@ -141,8 +149,9 @@ struct WsFwdTile {
   // its ranked row blocks).
   static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages + 4;
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
-  static constexpr size_t kSmemFixedBytes = size_t(QTile::kBytes) * (kQBuffers + (kSeparateO ? 1 : 0)) +
-                                            2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 8 + 1024;
+  static constexpr size_t kSmemFixedBytes = size_t(QTile::kBytes) * kQBuffers +
+                                            (kSeparateO ? size_t(OTile::kBytes) : 0) +
+                                            kStages * size_t(KTile::kBytes + VTile::kBytes) + 8 * kBarriers + 8 + 1024;
   // (Batch element, row block)s whose order the dynamic walk ranks heaviest
   // first (TileScheduler::Ranked), two 16-bit entries each: up to 2048, as
   // many as the room left holds.
@@ -168,14 +177,14 @@ struct WsFwdSmem {
     WsFwdSmem s;
     s.q = base;
     s.k = s.q + Tile::kQBuffers * Tile::QTile::kBytes;
-    s.v = s.k + Tile::kStages * Tile::KVTile::kBytes;
-    const uint32_t after_v = s.v + Tile::kStages * Tile::KVTile::kBytes;
+    s.v = s.k + Tile::kStages * Tile::KTile::kBytes;
+    const uint32_t after_v = s.v + Tile::kStages * Tile::VTile::kBytes;
     s.o = Tile::kSeparateO ? after_v : s.q;
-    s.bars = Tile::kSeparateO ? after_v + Tile::QTile::kBytes : after_v;
+    s.bars = Tile::kSeparateO ? after_v + Tile::OTile::kBytes : after_v;
     return s;
   }
-  __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
-  __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::KVTile::kBytes; }
+  __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KTile::kBytes; }
+  __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::VTile::kBytes; }
   __device__ __forceinline__ uint32_t Q(int b) const { return q + b * Tile::QTile::kBytes; }
   __device__ __forceinline__ uint32_t QFull(int b) const { return bars + 8 * b; }
   __device__ __forceinline__ uint32_t QEmpty(int b) const { return QFull(Tile::kQBuffers + b); }
@@ -350,9 +359,10 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
                                               const TileScheduler& sched, const WorkClaims& claims,
                                               const CUtensorMap& q_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map) {
-  constexpr int kN = Tile::kN, kBlocks = Tile::kD / 64;
+  constexpr int kN = Tile::kN, kBlocks = Tile::kD / 64, kVBlocks = Tile::kDv / 64;
   using QTile = typename Tile::QTile;
-  using KVTile = typename Tile::KVTile;
+  using KTile = typename Tile::KTile;
+  using VTile = typename Tile::VTile;
   const int lane = threadIdx.x & 31;
   const int group = static_cast<int>(p.shape.group_size());
   const int kv_len = static_cast<int>(p.shape.kv_len);
@@ -384,22 +394,22 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
       const bool ragged_tail = w.pol.kv_valid < kv_len && c0 + kN > w.pol.kv_valid;
       if (lane == 0) {
         MBarrier::Wait(sm.KEmpty(s), ring.parity ^ 1);
-        MBarrier::ArriveExpectBytes(sm.KFull(s), KVTile::kBytes);
+        MBarrier::ArriveExpectBytes(sm.KFull(s), KTile::kBytes);
         for (int b = 0; b < kBlocks; ++b) {
-          TmaLoad4d(sm.K(s) + b * KVTile::kBlockBytes, k_map, sm.KFull(s), 64 * b, kv_head, c0, batch);
+          TmaLoad4d(sm.K(s) + b * KTile::kBlockBytes, k_map, sm.KFull(s), 64 * b, kv_head, c0, batch);
         }
         MBarrier::Wait(sm.VEmpty(s), ring.parity ^ 1);
         const uint32_t bar = ragged_tail ? sm.Tail() : sm.VFull(s);
-        MBarrier::ArriveExpectBytes(bar, KVTile::kBytes);
-        for (int b = 0; b < kBlocks; ++b) {
-          TmaLoad4d(sm.V(s) + b * KVTile::kBlockBytes, v_map, bar, 64 * b, kv_head, c0, batch);
+        MBarrier::ArriveExpectBytes(bar, VTile::kBytes);
+        for (int b = 0; b < kVBlocks; ++b) {
+          TmaLoad4d(sm.V(s) + b * VTile::kBlockBytes, v_map, bar, 64 * b, kv_head, c0, batch);
         }
       }
       if (ragged_tail) {
         __syncwarp();
         MBarrier::Wait(sm.Tail(), tail_parity);
         tail_parity ^= 1;
-        ZeroTileRows<KVTile>(sm.V(s), w.pol.kv_valid - c0, lane);
+        ZeroTileRows<VTile>(sm.V(s), w.pol.kv_valid - c0, lane);
         FenceSharedForAsyncProxy();
         __syncwarp();
         if (lane == 0) MBarrier::Arrive(sm.VFull(s));
@@ -417,10 +427,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   // loops' bounds) stays in uniform registers instead of taking the
   // consumers' (it spilled without).
   consumer = WarpUniform(consumer);
-  constexpr int kN = Tile::kN, kD = Tile::kD;
-  constexpr int kNT = Tile::kNT, kDT = Tile::kDT, kConsumers = Tile::kConsumers;
+  constexpr int kN = Tile::kN, kD = Tile::kD, kDv = Tile::kDv;
+  constexpr int kNT = Tile::kNT, kDvT = Tile::kDvT, kConsumers = Tile::kConsumers;
   using QTile = typename Tile::QTile;
-  using KVTile = typename Tile::KVTile;
+  using KTile = typename Tile::KTile;
+  using VTile = typename Tile::VTile;
+  using OTile = typename Tile::OTile;
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31;
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
@@ -459,7 +471,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   while (more) {
     const WsWork w = next;
     const int r0 = w.r0;
-    float o[1][kDT][4];
+    float o[1][kDvT][4];
     tc::Zero(o[0]);
     tc::OnlineSoftmax<1> softmax;
     softmax.Init();
@@ -554,7 +566,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
         await_turn();
         WgmmaFence();
-        ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
+        ProductSS<T, QTile, KTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
         WgmmaCommit();
         pass_turn();
         WgmmaWait<0>();
@@ -579,9 +591,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
           await_turn();
           WgmmaFence();
-          ProductSS<T, QTile, KVTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
+          ProductSS<T, QTile, KTile, kD, kN>(s[0], tc::Unhoisted(sQ_rows), sm.K(ring.stage));
           WgmmaCommit();
-          ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+          ProductRS<T, VTile, kN, kDv>(o[0], pa, sm.V(prev.stage), 0);
           WgmmaCommit();
           pass_turn();
           WgmmaWait<1>();  // S is done; P·V may still run
@@ -618,7 +630,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         const int taken = walk.ConsumerTake(sm);
         await_turn();
         WgmmaFence();
-        ProductRS<T, KVTile, kN, kD>(o[0], pa, sm.V(prev.stage), 0);
+        ProductRS<T, VTile, kN, kDv>(o[0], pa, sm.V(prev.stage), 0);
         WgmmaCommit();
         pass_turn();
         more = walk.ConsumerNext(p, sched, taken, &next);
@@ -641,7 +653,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 
     // ---- epilogue
     const int g = lane >> 2, t = lane & 3;
-    const int head_dim = static_cast<int>(sh.head_dim);
+    const int v_dim = static_cast<int>(sh.v_dim());
     softmax.Rescale(o, inv);
     const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
@@ -652,13 +664,13 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     if (w.Empty()) {
       // No Q was loaded and the buffer may be in flight for the next tile:
       // write the zeros straight to global memory.
-      T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0);
+      T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::OOffset(sh, w.tile.batch, w.tile.head, r0);
       // (The thread index Unhoisted: this rare loop's column is not kept, or
       // spilled, across the key loop.)
-      for (int i = tc::Unhoisted(tid); i < 64 * kD / 8; i += 128) {
-        const int row = consumer * 64 + i / (kD / 8), col = (i % (kD / 8)) * 8;
-        if (r0 + row < sh.q_len && col < head_dim) {
-          *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.q_row_stride() + col) = make_uint4(0, 0, 0, 0);
+      for (int i = tc::Unhoisted(tid); i < 64 * kDv / 8; i += 128) {
+        const int row = consumer * 64 + i / (kDv / 8), col = (i % (kDv / 8)) * 8;
+        if (r0 + row < sh.q_len && col < v_dim) {
+          *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.o_row_stride() + col) = make_uint4(0, 0, 0, 0);
         }
       }
       continue;
@@ -677,9 +689,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
       // hoisted, as WsFwdKernel says.)
       const int row = kUnhoistedRow ? tc::Unhoisted(warp_row0 + g + half * 8) : warp_row0 + g + half * 8;
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
+      for (int dt = 0; dt < kDvT; ++dt) {
         const uint32_t value = tc::ElemTraits<T>::Pack(o[0][dt][2 * half], o[0][dt][2 * half + 1]);
-        StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), value);
+        StoreShared32(sm.o + PairOffset<OTile>(row, dt, t), value);
       }
     }
     // Entries FinishRows flagged are recomputed into the staged tile, where
@@ -688,9 +700,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     for (int half = 0; half < 2; ++half) {
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDT, WsWalk<Tile, kDynamic>::kSegments>(
+      tc::ExactOutputLane<T, kDvT, WsWalk<Tile, kDynamic>::kSegments>(
           p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
-            StoreShared32(sm.o + PairOffset<QTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
+            StoreShared32(sm.o + PairOffset<OTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
           });
     }
     __syncwarp();
@@ -699,8 +711,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     if (tid == 0) {
       const int row0 = r0 + consumer * 64;
       if (row0 < sh.q_len) {
-        for (int b = 0; b < kD / 64; ++b) {
-          TmaStore4d(o_map, sm.o + b * QTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
+        for (int b = 0; b < kDv / 64; ++b) {
+          TmaStore4d(o_map, sm.o + b * OTile::kBlockBytes + consumer * 64 * 128, 64 * b, w.tile.head, row0,
                      w.tile.batch);
         }
         TmaStoreCommit();
@@ -775,8 +787,8 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
   CUtensorMap q_map, k_map, v_map, o_map;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, maps_shape, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, maps_shape, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&o_map, p.o, p.dtype, maps_shape, true, 64)).ok()) {
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN, sh.v_dim())).ok() ||
+      !(st = EncodeRowsMap(&o_map, p.o, p.dtype, maps_shape, true, 64, sh.v_dim())).ok()) {
     return st;
   }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;

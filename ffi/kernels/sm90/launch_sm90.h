@@ -10,8 +10,9 @@ namespace jaxflash {
 namespace sm90 {
 
 // Instantiated for head-dim buckets 64, 128, 192 and 256; the others run the sm80
-// kernels (the dispatch switch names each bucket).
-template <typename T, int kD>
+// kernels (the dispatch switch names each bucket). kDv: the value's bucket
+// where a pair has kernels of its own (192 with 128: MLA).
+template <typename T, int kD, int kDv = kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
 // Instantiated for head-dim buckets 64, 128 and 256. Needs no workspace beyond the

@@ -39,10 +39,10 @@ inline EncodeTiledFn TensorMapEncoder() {
 // consecutive rows x 128 bytes of columns (64 16-bit or 32 float32 elements)
 // of one (batch, head): one 128-byte-swizzled column block of SwizzledTile
 // (wgmma.cuh), so a tile of D columns is D / 64 (float32: D / 32) copies.
-// Columns past head_dim and rows past seq are zero-filled on load and clipped
-// on store or reduction.
+// Columns past head_dim (or `cols`: v and o take the value's head dim) and
+// rows past seq are zero-filled on load and clipped on store or reduction.
 inline Status EncodeRowsMap(CUtensorMap* map, const void* base, DType dtype, const AttentionShape& sh,
-                            bool query_side, int rows) {
+                            bool query_side, int rows, int64_t cols = 0) {
   EncodeTiledFn encode = TensorMapEncoder();
   if (encode == nullptr) return Status::Internal("the CUDA driver has no cuTensorMapEncodeTiled");
   const int64_t kElem = dtype == DType::kFloat32 ? 4 : 2;
@@ -51,9 +51,10 @@ inline Status EncodeRowsMap(CUtensorMap* map, const void* base, DType dtype, con
                                                               : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const int64_t seq = query_side ? sh.q_len : sh.kv_len;
   const int64_t heads = query_side ? sh.q_heads : sh.kv_heads;
-  const cuuint64_t dims[4] = {cuuint64_t(sh.head_dim), cuuint64_t(heads), cuuint64_t(seq), cuuint64_t(sh.batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(sh.head_dim * kElem), cuuint64_t(heads * sh.head_dim * kElem),
-                                 cuuint64_t(seq * heads * sh.head_dim * kElem)};
+  const int64_t dim = cols > 0 ? cols : sh.head_dim;
+  const cuuint64_t dims[4] = {cuuint64_t(dim), cuuint64_t(heads), cuuint64_t(seq), cuuint64_t(sh.batch)};
+  const cuuint64_t strides[3] = {cuuint64_t(dim * kElem), cuuint64_t(heads * dim * kElem),
+                                 cuuint64_t(seq * heads * dim * kElem)};
   const cuuint32_t box[4] = {cuuint32_t(128 / kElem), 1, cuuint32_t(rows), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const CUresult r = encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
