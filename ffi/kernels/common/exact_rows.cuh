@@ -63,8 +63,9 @@ __device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, floa
 template <typename T>
 __device__ __forceinline__ ExactPair PairOf(const BwdParams& p, const T* q_row, const T* do_row, const T* k_row,
                                            const T* v_row, int64_t stat, float bias2) {
-  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], static_cast<int>(p.shape.head_dim), bias2);
-  pair.ds = pair.prob * (RowDot(do_row, v_row, static_cast<int>(p.shape.v_dim())) - p.delta[stat]) * pair.slope;
+  const int dim = static_cast<int>(p.shape.head_dim);
+  ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim, bias2);
+  pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]) * pair.slope;
   return pair;
 }
 
@@ -88,8 +89,11 @@ __device__ __forceinline__ int64_t ExactVOffset(const AttentionShape& sh, int ba
 // the K and V rows of its head (FwdParams or BwdParams). kSegments: as
 // MaskPolicy::For's (false in a kernel that never takes segment ids); kDense
 // as DenseTile::Of's kTakes (false in a kernel that takes no dense term: its
-// registers spilled the warp-specialised forward).
-template <typename T, bool kSegments = true, bool kDense = true>
+// registers spilled the warp-specialised forward). kOwnV: v and o at the
+// value's own head dim (a kernel of a pair, MLA); without, they are q and k's
+// (the same values, computed without the registers that spilled D 128's
+// warp-specialised forward).
+template <typename T, bool kSegments = true, bool kDense = true, bool kOwnV = false>
 struct ExactQueryRow {
   int begin, end, dim, vdim, row;  // dim: q and k's; vdim: v and o's
   int64_t q_off, o_off, kv_stride, v_stride;
@@ -105,14 +109,22 @@ struct ExactQueryRow {
     begin = pol.KeyBegin(row);
     end = pol.KeyEnd(row);
     dim = static_cast<int>(sh.head_dim);
-    vdim = static_cast<int>(sh.v_dim());
     q_off = ExactQOffset(sh, batch, head, row);
-    o_off = ExactOOffset(sh, batch, head, row);
     kv_stride = sh.kv_row_stride();
-    v_stride = sh.v_row_stride();
     const int kv_head = head / static_cast<int>(sh.group_size());
-    k = static_cast<const T*>(p.k) + ExactKvOffset(sh, batch, kv_head);
-    v = static_cast<const T*>(p.v) + ExactVOffset(sh, batch, kv_head);
+    const int64_t kv_off = ExactKvOffset(sh, batch, kv_head);
+    k = static_cast<const T*>(p.k) + kv_off;
+    if constexpr (kOwnV) {
+      vdim = static_cast<int>(sh.v_dim());
+      o_off = ExactOOffset(sh, batch, head, row);
+      v_stride = sh.v_row_stride();
+      v = static_cast<const T*>(p.v) + ExactVOffset(sh, batch, kv_head);
+    } else {
+      vdim = dim;
+      o_off = q_off;
+      v_stride = kv_stride;
+      v = static_cast<const T*>(p.v) + kv_off;
+    }
     dense = DenseTile::Of<kDense>(p, batch, head);
   }
   __device__ __forceinline__ const T* Key(int j) const { return k + j * kv_stride; }
@@ -170,11 +182,11 @@ __device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
 // (correct) natural-log LSE: store(dt, x) receives columns dt * 8 + 2t + {0, 1}
 // as x.x, x.y. One column pair at a time, in a loop the compiler keeps rolled,
 // so the registers stay few: the callers hold a whole accumulator tile or have
-// just staged it.
-template <typename T, int kDT, bool kSegments = true, bool kDense = false, typename Store>
+// just staged it. kOwnV: as ExactQueryRow's.
+template <typename T, int kDT, bool kSegments = true, bool kDense = false, bool kOwnV = false, typename Store>
 __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, int head, int row, float lse, int t,
                                                 Store&& store) {
-  const ExactQueryRow<T, kSegments, kDense> r(p, batch, head, row);
+  const ExactQueryRow<T, kSegments, kDense, kOwnV> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
   const float diagonal = Alibi::Diagonal(r.pol, row);
@@ -248,8 +260,9 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
   const int dim = static_cast<int>(sh.head_dim);
   const int group = static_cast<int>(sh.group_size());
-  const T* k_row = static_cast<const T*>(p.k) + ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
-  const T* v_row = static_cast<const T*>(p.v) + ExactVOffset(sh, batch, kv_head) + key * sh.v_row_stride();
+  const int64_t kv_off = ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
+  const T* k_row = static_cast<const T*>(p.k) + kv_off;
+  const T* v_row = static_cast<const T*>(p.v) + kv_off;
   ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int) {
     dk[dt][2 * half] = dk[dt][2 * half + 1] = dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f;
   });
@@ -259,8 +272,9 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
     const int head = kv_head * group + i / rows, row = row_begin + i % rows;
     const DenseTile dense = DenseTile::Of(p, batch, head);
     if (!pol.SameSegment(row, key) || !dense.Shows(row, key)) continue;
-    const T* q_row = static_cast<const T*>(p.q) + ExactQOffset(sh, batch, head, row);
-    const T* do_row = static_cast<const T*>(p.dout) + ExactOOffset(sh, batch, head, row);
+    const int64_t q_off = ExactQOffset(sh, batch, head, row);
+    const T* q_row = static_cast<const T*>(p.q) + q_off;
+    const T* do_row = static_cast<const T*>(p.dout) + q_off;
     const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key)) +
                         dense.Bias2(row, key);
     const ExactPair pair =

@@ -428,6 +428,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   // consumers' (it spilled without).
   consumer = WarpUniform(consumer);
   constexpr int kN = Tile::kN, kD = Tile::kD, kDv = Tile::kDv;
+  constexpr bool kOwnV = kDv != kD;  // v and O at a head dim of their own
   constexpr int kNT = Tile::kNT, kDvT = Tile::kDvT, kConsumers = Tile::kConsumers;
   using QTile = typename Tile::QTile;
   using KTile = typename Tile::KTile;
@@ -653,7 +654,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
 
     // ---- epilogue
     const int g = lane >> 2, t = lane & 3;
-    const int v_dim = static_cast<int>(sh.v_dim());
     softmax.Rescale(o, inv);
     const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
@@ -664,13 +664,18 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     if (w.Empty()) {
       // No Q was loaded and the buffer may be in flight for the next tile:
       // write the zeros straight to global memory.
-      T* gO = static_cast<T*>(p.o) + tc::FwdBlock<T>::OOffset(sh, w.tile.batch, w.tile.head, r0);
+      // (O's own offsets only where v has its own head dim: the same values
+      // otherwise, and registers the D 128 tiles have not.)
+      T* gO = static_cast<T*>(p.o) + (kOwnV ? tc::FwdBlock<T>::OOffset(sh, w.tile.batch, w.tile.head, r0)
+                                            : tc::FwdBlock<T>::QOffset(sh, w.tile.batch, w.tile.head, r0));
+      const int64_t o_row_stride = kOwnV ? sh.o_row_stride() : sh.q_row_stride();
+      const int o_dim = static_cast<int>(kOwnV ? sh.v_dim() : sh.head_dim);
       // (The thread index Unhoisted: this rare loop's column is not kept, or
       // spilled, across the key loop.)
       for (int i = tc::Unhoisted(tid); i < 64 * kDv / 8; i += 128) {
         const int row = consumer * 64 + i / (kDv / 8), col = (i % (kDv / 8)) * 8;
-        if (r0 + row < sh.q_len && col < v_dim) {
-          *reinterpret_cast<uint4*>(gO + int64_t(row) * sh.o_row_stride() + col) = make_uint4(0, 0, 0, 0);
+        if (r0 + row < sh.q_len && col < o_dim) {
+          *reinterpret_cast<uint4*>(gO + int64_t(row) * o_row_stride + col) = make_uint4(0, 0, 0, 0);
         }
       }
       continue;
@@ -700,7 +705,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     for (int half = 0; half < 2; ++half) {
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDvT, WsWalk<Tile, kDynamic>::kSegments>(
+      tc::ExactOutputLane<T, kDvT, WsWalk<Tile, kDynamic>::kSegments, false, kOwnV>(
           p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
             StoreShared32(sm.o + PairOffset<OTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
           });
