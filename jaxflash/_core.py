@@ -273,11 +273,8 @@ def validate(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
 # ------------------------------------------------------------------ kernels
 
 class NativeKernels:
-  """The XLA FFI targets: CUDA on GPU, C++ on CPU.
-
-  `offsets` ([batch] int32, default 0) moves the mask's diagonal; ring
-  attention uses it to place one (query shard, key shard) block.
-  """
+  """The XLA FFI targets: CUDA on GPU, C++ on CPU. `offsets` ([batch] int32, default 0)
+  moves the mask's diagonal; ring attention uses it to place one (query shard, key shard) block."""
 
   name = "native"
 
@@ -287,8 +284,8 @@ class NativeKernels:
                 window_right=np.int64(spec.window_right), bottom_right=bool(spec.bottom_right),
                 softcap=np.float32(spec.softcap))
 
-  # Whether v may keep its own head dim here (else `run_fused` pads): the CPU kernels'.
-  takes_value_width = staticmethod(lambda: platform() == "cpu")
+  # Whether v may keep its own head dim here (else `run_fused` pads).
+  takes_value_width = staticmethod(_native.takes_value_width)
 
   @staticmethod
   def out_types(q, splits: int, v_dim: int | None = None):
@@ -325,6 +322,9 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None):
+    if v.shape[-1] != q.shape[-1] and platform() != "cpu":   # the GPU backward takes one head dim
+      return _native.pad_value_width(lambda q, k, v, o, do: cls.backward(
+          q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense), q, k, v, o, do)
     # The last two results are workspaces (no run-time allocation in the handlers):
     # delta, and the fused backward's float32 dQ sums (like q, or a last dim of 0).
     sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))
@@ -357,7 +357,7 @@ class PallasKernels:
   """The project's Pallas kernels (Triton on GPU, the interpreter on CPU)."""
 
   name = "pallas"
-  takes_value_width = staticmethod(lambda: False)   # one head dim (`run_fused` pads)
+  takes_value_width = staticmethod(lambda call=None: False)   # one head dim (`run_fused` pads)
 
   @staticmethod
   def _kw(spec: MaskSpec) -> dict[str, Any]:
@@ -526,11 +526,11 @@ def run_fused(call: Call, q_lengths, kv_lengths, tables, kernels):
   """(o, lse) of `call` through `fused` with `kernels`.
 
   A value head dim that differs from q/k's (MLA) goes as it is to kernels that take it
-  (`takes_value_width`: the CPU kernels on one device); the others run at `call.width`,
-  the narrower side zero-padded. Exact: zero columns of q and k add nothing to q.k, zero
-  columns of v make output columns that are sliced off, and autodiff routes it all back.
+  (`takes_value_width`); the others run at `call.width`, the narrower side zero-padded.
+  Exact: zero columns of q and k add nothing to q.k, zero columns of v make output
+  columns that are sliced off, and autodiff routes it all back.
   """
-  own = kernels.takes_value_width()
+  own = kernels.takes_value_width(call)
   pad = lambda x: (x if own or x.shape[-1] == call.width else
                    jnp.pad(x, [(0, 0)] * 3 + [(0, call.width - x.shape[-1])]))
   out, lse = fused(pad(call.q), pad(call.k), pad(call.v), q_lengths, kv_lengths, tables,

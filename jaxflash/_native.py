@@ -11,9 +11,10 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxflash import tile_cache
+from jaxflash import _splits, tile_cache
 
 # The FFI targets, versioned (ffi/handlers/module.cc): an exported program names
 # them, and a later jaxflash keeps serving every version it has shipped. v2 adds
@@ -118,6 +119,37 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
   if tile_cache.bucket(head_dim) not in fused_backward_buckets():
     return False  # the sm90 buckets (dispatch.cu); the others run the sm80 kernels
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def takes_value_width(call=None) -> bool:
+  """Whether the native forward reads v at its own head dim (else `run_fused` pads): on
+  the CPU always; on a GPU for `call` (a _core.Call) where dispatch.cu's
+  ForwardTakesValueWidth says so: the Hopper kernels of the (q/k 192, v 128) bucket pair,
+  MLA's widths, for 16-bit training-length calls without a dense term. The decode,
+  split-KV and sm80 kernels take one head dim, and so does the backward
+  (`pad_value_width`); `call` None (the paged path) asks for those."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return True
+  if (call is None or (_forced_tile or 0) >= TILE_SM80 or device.platform != "gpu"
+      or getattr(device, "compute_capability", "") != "9.0"):
+    return False
+  q, k, v_dim = call.q.shape, call.k.shape, call.v.shape[-1]
+  rows = q[1] * (q[2] // k[2])  # packed rows of the decode kernels' rule
+  return (np.dtype(call.q.dtype).itemsize == 2 and call.dense is None
+          and q[2] <= 65535 and 2 * q[0] <= 65535   # the tensor-core kernels' grid limits
+          and tile_cache.bucket(q[-1]) == 192 and q[-1] % 8 == 0 and v_dim % 8 == 0 and v_dim <= 128
+          and rows > _splits.DECODE_MAX_ROWS
+          and _splits.native(call.spec.num_splits, q, k, call.q.dtype, "gpu") == 1)
+
+
+def pad_value_width(backward, q, k, v, o, do, *args):
+  """`backward(q, k, v, o, do, *args)` -> (dq, dk, dv) at q's head dim, for a GPU call whose
+  v has a narrower one (the forward read it as it is, takes_value_width): v, o and
+  dO zero-padded (zero columns add nothing to dP or delta), dV sliced back."""
+  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, q.shape[-1] - x.shape[-1])])
+  dq, dk, dv = backward(q, k, pad(v), pad(o), pad(do), *args)
+  return dq, dk, dv[..., :v.shape[-1]]
 
 
 def forced_tile_attr() -> int:

@@ -186,7 +186,7 @@ class Ring:
     return self.kernels.name
 
   @staticmethod
-  def takes_value_width() -> bool:   # the blocks' merge takes one head dim (`run_fused` pads)
+  def takes_value_width(call=None) -> bool:   # the blocks' merge takes one head dim (`run_fused` pads)
     return False
 
   def _blocks(self, spec, q, k, q_lengths, kv_lengths):

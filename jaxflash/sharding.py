@@ -461,8 +461,8 @@ def partitioned(kernels):
 
     # The rules and the ring take one head dim: v keeps its own only on one device.
     @staticmethod
-    def takes_value_width():
-      return jax.device_count() == 1 and kernels.takes_value_width()
+    def takes_value_width(call=None):
+      return jax.device_count() == 1 and kernels.takes_value_width(call)
 
     # With one device nothing can be sharded: the kernels are called as they
     # are, which saves the wrappers' tracing (about 50 ms per compiled call).

@@ -18,7 +18,7 @@ import pytest
 
 import jaxflash
 from cases import MASKS
-from conftest import random_inputs, tiered
+from conftest import assert_within_budget, random_inputs, tiered
 from test_native import attention, check_forward, check_gradients
 
 pytestmark = pytest.mark.gpu
@@ -230,6 +230,51 @@ def test_diagonal_masks_walk_row_blocks_in_pairs(rng, D, mask_name):
   paired. Every tile exactly once, the masks as everywhere."""
   _poison_allocator()
   check_forward(rng, (8, 256, 256 if mask_name == "causal" else 384, 66, 6, D), mask_name, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dqk, dv", [(192, 128), (160, 96)])
+def test_value_width_of_its_own(rng, dqk, dv):
+  """MLA-style widths: on an H100/H200 the forward reads v at its own head dim (the (192,
+  128) bucket pair, dispatch.cu ForwardTakesValueWidth; the backward pads v), elsewhere
+  v is padded. The traced forward's v operand says which; output, LSE and every
+  gradient against float64 under the tolerance rule (bf16, causal bottom-right, GQA 2,
+  ragged lengths, an empty row; 300 queries: past the decode kernels' packed rows)."""
+  B, T, S, N, K = 2, 300, 333, 4, 2
+  q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.bfloat16)
+  k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.bfloat16)
+  do = jnp.asarray(rng.standard_normal((B, T, N, dv)), jnp.bfloat16)
+  kw = dict(is_causal=True, causal_alignment="bottom_right",
+            key_value_seq_lengths=jnp.array([333, 120], jnp.int32),
+            query_seq_lengths=jnp.array([300, 0], jnp.int32))
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def run(q, k, v, implementation):
+    return jaxflash.dot_product_attention(q, k, v, implementation=implementation, return_residual=True,
+                                          residual_dtype=jnp.float32, **kw)
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def grads(q, k, v, implementation):
+    loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0].astype(jnp.float32) * do)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  hlo = run.lower(q, k, v, "native").as_text()
+  call, = [line for line in hlo.splitlines() if "@jaxflash_fwd" in line]
+  own = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+  v_type = call.split(" : (")[1].split(")")[0].split(", ")[2]  # the operands' types: q, k, v, ...
+  assert v_type.endswith(f"x{dv}xbf16>") == own, v_type
+  f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+  with jax.enable_x64(True):
+    truth = run(f64(q), f64(k), f64(v), "xla")
+    truth_grads = grads(f64(q), f64(k), f64(v), "xla")
+  out, lse = run(q, k, v, "native")
+  base, base_lse = run(q, k, v, "xla")
+  assert out.shape == (B, T, N, dv)
+  assert_within_budget(out, truth[0], base, "o")
+  assert_within_budget(lse, truth[1], base_lse, "lse")
+  for name, g, t, b in zip("qkv", grads(q, k, v, "native"), truth_grads, grads(q, k, v, "xla")):
+    assert g.shape == t.shape
+    assert_within_budget(g, t, b, f"d{name}")
 
 
 # ------------------------------------------------------------------ the fused Hopper backward

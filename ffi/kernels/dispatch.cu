@@ -5,7 +5,9 @@
 //   fp16/bf16, split-KV, paged K/V or a short query (decode::UseDecodeKernel)
 //       -> the decode kernels (GQA-packed rows, split keys), arch >= 80
 //   fp16/bf16, arch == 90, buckets 64, 128, 192, 256 (192's backward on 256's)
-//       -> sm90 kernels (wgmma), when the build has sm_90a code
+//       -> sm90 kernels (wgmma), when the build has sm_90a code; a forward
+//          whose v has a head dim of its own (MLA: q/k in (128, 192], v up
+//          to 128) the (192, 128) pair's (ForwardTakesValueWidth)
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
 //       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
 //          head dim >= head_dim; the kernels zero-pad the rest.
@@ -86,10 +88,25 @@ Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t s
   return Status::Unimplemented("no decode kernel for head_dim " + std::to_string(p.shape.head_dim));
 }
 
+// Whether the forward reads v at a head dim of its own (else every kernel
+// takes q, k and v at one, and the Python side pads the narrower:
+// _native.gpu_takes_value_width mirrors this): the Hopper kernels of the
+// (192, 128) bucket pair, for 16-bit training-length calls without a dense
+// term (the decode, split-KV and sm80 kernels take one head dim).
+bool ForwardTakesValueWidth(const FwdParams& p, const CudaDevice& device) {
+  const AttentionShape& sh = p.shape;
+  return Sm90Allowed(p.tile, device) && TensorCoreRefusal(p.dtype, sh, device).empty() && !p.dense.On() &&
+         !decode::UseDecodeKernel(p) && HeadDimBucket(sh.head_dim) == 192 && sh.v_dim() % 8 == 0 &&
+         sh.v_dim() <= 128;
+}
+
 template <typename T>
 Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream) {
   const bool dense = p.dense.On();
   if (!dense && decode::UseDecodeKernel(p)) return DecodeBucket<T>(p, device, stream);
+  if (p.shape.v_dim() != p.shape.head_dim) {  // ForwardTakesValueWidth (CudaAttentionForward)
+    return sm90::LaunchForward<T, 192, 128>(p, device, stream);
+  }
   const int bucket = HeadDimBucket(p.shape.head_dim);
   if (Sm90Allowed(p.tile, device) && !dense) {
     switch (bucket) {
@@ -194,8 +211,9 @@ Status CudaCurrentDevice(CudaDevice* device) {
   return Status::Ok();
 }
 
-static Status HeadDimRefusal(const AttentionShape& sh) {
-  if (sh.v_dim() != sh.head_dim) {  // the Python side pads the narrower side for them
+// own_value_width: the call's kernels read v at its own head dim.
+static Status HeadDimRefusal(const AttentionShape& sh, bool own_value_width = false) {
+  if (sh.v_dim() != sh.head_dim && !own_value_width) {  // the Python side pads the narrower side
     return Status::Unimplemented("the CUDA kernels take one head dim for q, k and v, got " +
                                  std::to_string(sh.head_dim) + " and " + std::to_string(sh.v_dim()));
   }
@@ -205,7 +223,7 @@ static Status HeadDimRefusal(const AttentionShape& sh) {
 }
 
 Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
+  if (Status s = HeadDimRefusal(p.shape, ForwardTakesValueWidth(p, device)); !s.ok()) return s;
   if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionForward(p, stream);
   if (p.dtype == DType::kFloat16) return ForwardBucket<__half>(p, device, stream);
