@@ -273,7 +273,7 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
   NamedBarrierSync(Tile::kKeyGradsBarrier + consumer, 128);
   const int first_key = w.C0() + key0;
   if (tid == 0 && first_key < sh.kv_len) {  // rows past kv_len are clipped by the maps, and columns past head_dim
-    // (A block wholly past head_dim, a column consumer's last, is not stored.)
+    // (A block wholly past head_dim is not stored; in today's buckets none is.)
     for (int i = 0; i < kCT / 8; ++i) {
       const int bk = dk_col0 / 64 + i, bv = dv_col0 / 64 + i;
       if (i < kKT / 8 && 64 * bk < sh.head_dim) {
