@@ -197,7 +197,7 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
 
   "arch" runs the family the GPU dispatches to (the wgmma kernels on Hopper for
   D in {64, 128, 192, 256}, whose forward and backward each have their own candidate
-  lists; 192's backward is 256's); "sm80" forces the mma.sync family, which Ampere and the other buckets
+  lists; 192's backward candidates are 256's); "sm80" forces the mma.sync family, which Ampere and the other buckets
   use, so both stay tested on a Hopper GPU.
   """
   from jaxflash import _native
@@ -288,12 +288,12 @@ def _sums_room_in_hlo(D, dtype=jnp.bfloat16, **kw):
   return call.rstrip().endswith(f"tensor<1x64x2x{D}xf32>)")
 
 
-@pytest.mark.parametrize("D", tiered([40, 64, 120, 128, 200, 256], [64, 128, 256]))
+@pytest.mark.parametrize("D", tiered([40, 64, 120, 128, 176, 192, 200, 256], [64, 128, 192, 256]))
 @pytest.mark.parametrize("mask_name", tiered(list(MASKS), ["causal", "lengths", "window"]))
 def test_fused_backward(rng, fused_backward, D, mask_name):
   """The one-pass backward (dQ added into float32 sums; warp-specialised at
-  D 64 and 128) against float64: ragged T/S, q_len != kv_len, GQA 4, padded head dims
-  of each sm90 bucket."""
+  D 64 and 128, column tiles at 192 and 256) against float64: ragged T/S, q_len != kv_len,
+  GQA 4, padded head dims of each sm90 bucket."""
   assert _sums_room_in_hlo(D)
   _poison_allocator()
   check_gradients(rng, (2, 150, 203, 8, 2, D), mask_name, jnp.bfloat16)

@@ -33,7 +33,7 @@ SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (
           # 240 work tiles of the D 128 segment tile's 128 rows: with segment ids its
           # CTAs claim them one by one where the dynamic walk is on (sm90/tile_scheduler.cuh)
           (2, 640, 640, 24, 8, 128),
-          (1, 150, 333, 4, 2, 192)]  # D 192's forward tiles, its backward on D 256's
+          (1, 150, 333, 4, 2, 192)]  # D 192's forward and backward tiles
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1]),
          dict(key_value_seq_lengths=None),  # ragged keys: padding inside the tensor

@@ -4,7 +4,7 @@
 //
 //   fp16/bf16, split-KV, paged K/V or a short query (decode::UseDecodeKernel)
 //       -> the decode kernels (GQA-packed rows, split keys), arch >= 80
-//   fp16/bf16, arch == 90, buckets 64, 128, 192, 256 (192's backward on 256's)
+//   fp16/bf16, arch == 90, buckets 64, 128, 192, 256
 //       -> sm90 kernels (wgmma), when the build has sm_90a code; a forward
 //          whose v has a head dim of its own (MLA: q/k in (128, 192], v up
 //          to 128) the (192, 128) pair's (ForwardTakesValueWidth)
@@ -138,10 +138,7 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);
-      // D 192 on D 256's column tiles, the columns past 192 zeros: splitting
-      // 192 columns between two consumers takes 96-column products, which an
-      // MN-major 128-byte-swizzled operand (dQ = dS·K) cannot start mid-block.
-      case 192:
+      case 192: return sm90::LaunchBackward<T, 192>(p, device, stream);
       case 256: return sm90::LaunchBackward<T, 256>(p, device, stream);
     }
   }

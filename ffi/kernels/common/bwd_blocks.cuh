@@ -520,7 +520,7 @@ __device__ __forceinline__ void StoreKeyGrads(float (&dk)[kDT][4], float (&dv)[k
     const int key = key0 + g + half * 8;
     if (key >= sh.kv_len) continue;
     if (LaneHasNan(dk, half) || LaneHasNan(dv, half)) {
-      ExactKeyGradLane<T>(p, batch, kv_head, key, d_base, t, dk, dv, half);
+      ExactKeyGradLane<T>(p, batch, kv_head, key, t, half, dk, d_base, dv, d_base);
     }
     const int64_t row = key * sh.kv_row_stride();
 #pragma unroll

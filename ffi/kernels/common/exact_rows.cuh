@@ -251,11 +251,13 @@ __device__ __forceinline__ void ExactQueryGradColumns(const BwdParams& p, int ba
   });
 }
 
-// This lane's entries (columns from d_base) of key `key`'s rows of dK / scale
-// and dV for (batch, kv_head), summed over the GQA group.
-template <typename T, int kDT>
-__device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, int kv_head, int key, int d_base,
-                                              int t, float (&dk)[kDT][4], float (&dv)[kDT][4], int half) {
+// This lane's entries of key `key`'s rows of dK / scale (columns from
+// dk_base) and dV (from dv_base) for (batch, kv_head), summed over the GQA
+// group.
+template <typename T, int kKT, int kVT>
+__device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, int kv_head, int key, int t,
+                                              int half, float (&dk)[kKT][4], int dk_base, float (&dv)[kVT][4],
+                                              int dv_base) {
   const AttentionShape& sh = p.shape;
   const MaskPolicy pol = MaskPolicy::ForBatch(p, batch);
   const int dim = static_cast<int>(sh.head_dim);
@@ -263,9 +265,8 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const int64_t kv_off = ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
   const T* k_row = static_cast<const T*>(p.k) + kv_off;
   const T* v_row = static_cast<const T*>(p.v) + kv_off;
-  ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int) {
-    dk[dt][2 * half] = dk[dt][2 * half + 1] = dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f;
-  });
+  ForLaneColumns<kKT>(t, dk_base, dim, [&](int dt, int) { dk[dt][2 * half] = dk[dt][2 * half + 1] = 0.f; });
+  ForLaneColumns<kVT>(t, dv_base, dim, [&](int dt, int) { dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f; });
   // The rows that see the key, in every query head of the group, as one loop.
   const int row_begin = pol.RowBegin(key), rows = MaxInt(pol.RowEnd(key) - row_begin, 0);
   for (int i = 0; i < group * rows; ++i) {
@@ -279,9 +280,11 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
                         dense.Bias2(row, key);
     const ExactPair pair =
         PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row, bias2);
-    ForLaneColumns<kDT>(t, d_base, dim, [&](int dt, int col) {
+    ForLaneColumns<kKT>(t, dk_base, dim, [&](int dt, int col) {
       dk[dt][2 * half] += pair.ds * At(q_row, col);
       dk[dt][2 * half + 1] += pair.ds * At(q_row, col + 1);
+    });
+    ForLaneColumns<kVT>(t, dv_base, dim, [&](int dt, int col) {
       dv[dt][2 * half] += pair.prob * At(do_row, col);
       dv[dt][2 * half + 1] += pair.prob * At(do_row, col + 1);
     });

@@ -346,6 +346,11 @@ struct BwdCandidates<256> {
   using type = TileList<BwdTile<DkDvTile<256, 2, 32, 2>, DqTile<256, 2, 32>>,
                         BwdTile<DkDvTile<256, 1, 64, 2>, DqTile<256, 1, 64>>>;
 };
+// D 192 runs the warp-specialised passes for every call but a forced tile or
+// an empty query (q_len == 0); those take D 256's two kernels, the columns
+// past 192 zeros.
+template <>
+struct BwdCandidates<192> : BwdCandidates<256> {};
 
 // The tile table: index into BwdCandidates<kD>, measured on an H100 with
 // tools/tune_tiles.py --direction bwd (2026-11-21, docs/performance.md): the
@@ -375,13 +380,13 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // step's dS. At D = 64 and 128 each consumer owns 64 keys: at D = 64 three
 // (192 keys a CTA) compute a step's dQ in turn, 12% less kernel time than two
 // on an H100 (twelfth session in docs/performance.md); at D = 128 dK and dV
-// leave room for two. At D = 256 dK and dV of 64 keys would fill a
+// leave room for two. At D = 192 and 256 dK and dV of 64 keys would fill a
 // warpgroup's registers, so two consumers share 64 keys and split the columns
 // (bwd_ws_columns.cuh).
 // `capped` is the fused tile for calls with a logit soft-cap, which `type`
 // has no registers for: at D = 64 two consumers (240 registers each) take it,
 // at D = 128 the tile without the early dV; at D = 256 it is `type`, which
-// takes it (its consumers hold 64 x 32 score tiles).
+// takes it (its consumers hold 64 x 32 score tiles), as at D = 192.
 // One pass recomputes each score's tanh and exponent once; the two passes
 // without dQ sums each do, and at D = 64 those special-function ops, not the
 // tensor cores, bound the backward.
@@ -398,6 +403,11 @@ struct FusedBwdTile<128> {
   // Capped calls: the same tile without the early dV (kForCap), whose
   // 240-register peak left no room for the cap (24 bytes of spills).
   using capped = WsBwdTile<128, 2, 64, 2, true, true>;
+};
+template <>
+struct FusedBwdTile<192> {
+  using type = WsBwdColumnTile<192>;
+  using capped = type;
 };
 template <>
 struct FusedBwdTile<256> {
@@ -420,6 +430,10 @@ struct DqPassTile<64> {
 template <>
 struct DqPassTile<128> {
   using type = WsDqTile<128, 64>;
+};
+template <>
+struct DqPassTile<192> {
+  using type = WsDqTile<192, 32>;
 };
 template <>
 struct DqPassTile<256> {

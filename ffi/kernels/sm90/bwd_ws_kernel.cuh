@@ -286,7 +286,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     FinishStep(sm, ring, dk, dv);
   }
 
-  StoreKeyGradsByTma<T>(p, sm, w, dk, dv, consumer, consumer * 64, 0, dk_map, dv_map);
+  StoreKeyGradsByTma<T>(p, sm, w, consumer, consumer * 64, dk, 0, dv, 0, dk_map, dv_map);
 }
 
 template <typename T, typename Tile>

@@ -199,9 +199,9 @@ __device__ __forceinline__ WsBwdStage WaitForStage(const WsBwdSmem<Tile>& sm,
 
 // A consumer's start: dK and dV zeroed, and (when it has a step) K and V of
 // the CTA's keys landed.
-template <typename Tile, int kCT>
+template <typename Tile, int kKT, int kVT>
 __device__ __forceinline__ void StartKeyGrads(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
-                                              float (&dk)[kCT][4], float (&dv)[kCT][4]) {
+                                              float (&dk)[kKT][4], float (&dv)[kVT][4]) {
   tc::Zero(dk);
   tc::Zero(dv);
   if (w.steps > 0) MBarrier::Wait(sm.KvFull(), 0);
@@ -209,9 +209,9 @@ __device__ __forceinline__ void StartKeyGrads(const WsBwdSmem<Tile>& sm, const W
 
 // A consumer's step end: its dV and dK products are done, so Q, dO and the
 // stats of the stage are read; the stage goes back to the producer.
-template <typename Tile, int kCT>
+template <typename Tile, int kKT, int kVT>
 __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPosition<Tile::kStages>& ring,
-                                           float (&dk)[kCT][4], float (&dv)[kCT][4]) {
+                                           float (&dk)[kKT][4], float (&dv)[kVT][4]) {
   WgmmaWait<0>();
   FenceAccumulator(dv);
   FenceAccumulator(dk);
@@ -223,19 +223,23 @@ __device__ __forceinline__ void FinishStep(const WsBwdSmem<Tile>& sm, RingPositi
 // the K and V tiles, in the swizzled layout the K and V maps load, and
 // stored with the TMA. A key-split consumer (bwd_ws_kernel.cuh) holds keys
 // [key0, key0 + 64) of the tile, all columns; a column consumer
-// (bwd_ws_columns.cuh) all 64 keys, columns [col0, col0 + 8 kCT). Stored from
+// (bwd_ws_columns.cuh) all 64 keys, columns [dk_col0, dk_col0 + 8 kKT) of dK
+// and [dv_col0, dv_col0 + 8 kVT) of dV, whole 64-column blocks no other
+// consumer stages or, past its last dS barrier, reads. Stored from
 // registers instead (64 four-byte stores a thread at D 128, every CTA of a
 // wave at once) they took 5-10 µs of a CTA's ~80 at D 128 S 2k, its largest
 // fixed cost (docs/performance.md, twenty-eighth session's timeline).
 // Entries a NaN reached are recomputed exactly first, as tc::StoreKeyGrads
 // does.
-template <typename T, typename Tile, int kCT>
+template <typename T, typename Tile, int kKT, int kVT>
 __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsBwdSmem<Tile>& sm,
-                                                   const WsBwdWork<Tile>& w, float (&dk)[kCT][4],
-                                                   float (&dv)[kCT][4], int consumer, int key0, int col0,
-                                                   const CUtensorMap& dk_map, const CUtensorMap& dv_map) {
+                                                   const WsBwdWork<Tile>& w, int consumer, int key0,
+                                                   float (&dk)[kKT][4], int dk_col0, float (&dv)[kVT][4],
+                                                   int dv_col0, const CUtensorMap& dk_map,
+                                                   const CUtensorMap& dv_map) {
   using KVTile = typename Tile::KVTile;
-  static_assert(kCT % 8 == 0, "whole 64-column blocks");
+  static_assert(kKT % 8 == 0 && kVT % 8 == 0, "whole 64-column blocks");
+  constexpr int kCT = kKT > kVT ? kKT : kVT;
   const AttentionShape& sh = p.shape;
   const int tid = threadIdx.x - 128 * (consumer + 1), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -250,15 +254,18 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
     const int row = key0 + warp * 16 + g + half * 8;
     const int key = w.C0() + row;
     if (key < sh.kv_len && (tc::LaneHasNan(dk, half) || tc::LaneHasNan(dv, half))) {
-      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, col0, t, dk, dv, half);
+      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, t, half, dk, dk_col0, dv, dv_col0);
     }
 #pragma unroll
     for (int dt = 0; dt < kCT; ++dt) {
-      const uint32_t at = PairOffset<KVTile>(row, col0 / 8 + dt, t);
-      const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
-      const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
-      StoreShared32(sm.k + at, k_val);
-      StoreShared32(sm.v + at, v_val);
+      if (dt < kKT) {
+        const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
+        StoreShared32(sm.k + PairOffset<KVTile>(row, dk_col0 / 8 + dt, t), k_val);
+      }
+      if (dt < kVT) {
+        const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
+        StoreShared32(sm.v + PairOffset<KVTile>(row, dv_col0 / 8 + dt, t), v_val);
+      }
     }
   }
   __syncwarp();
@@ -266,12 +273,15 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
   NamedBarrierSync(Tile::kKeyGradsBarrier + consumer, 128);
   const int first_key = w.C0() + key0;
   if (tid == 0 && first_key < sh.kv_len) {  // rows past kv_len are clipped by the maps, and columns past head_dim
+    // (A block wholly past head_dim is not stored; in today's buckets none is.)
     for (int i = 0; i < kCT / 8; ++i) {
-      const int b = col0 / 64 + i;
-      if (64 * b >= sh.head_dim) break;  // a block wholly past it (a column consumer's last) is not stored
-      const uint32_t rows = b * KVTile::kBlockBytes + key0 * 128;
-      TmaStore4d(dk_map, sm.k + rows, 64 * b, w.KvHead(), first_key, w.Batch());
-      TmaStore4d(dv_map, sm.v + rows, 64 * b, w.KvHead(), first_key, w.Batch());
+      const int bk = dk_col0 / 64 + i, bv = dv_col0 / 64 + i;
+      if (i < kKT / 8 && 64 * bk < sh.head_dim) {
+        TmaStore4d(dk_map, sm.k + bk * KVTile::kBlockBytes + key0 * 128, 64 * bk, w.KvHead(), first_key, w.Batch());
+      }
+      if (i < kVT / 8 && 64 * bv < sh.head_dim) {
+        TmaStore4d(dv_map, sm.v + bv * KVTile::kBlockBytes + key0 * 128, 64 * bv, w.KvHead(), first_key, w.Batch());
+      }
     }
     TmaStoreCommit();
     TmaStoreWait<0>();  // complete (and the tiles read) before the CTA retires

@@ -15,7 +15,7 @@ namespace sm90 {
 template <typename T, int kD, int kDv = kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
-// Instantiated for head-dim buckets 64, 128 and 256. Needs no workspace beyond the
+// Instantiated for head-dim buckets 64, 128, 192 and 256. Needs no workspace beyond the
 // delta output (p.delta).
 template <typename T, int kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
