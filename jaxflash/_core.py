@@ -322,9 +322,6 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None):
-    if v.shape[-1] != q.shape[-1] and platform() != "cpu":   # the GPU backward takes one head dim
-      return _native.pad_value_width(lambda q, k, v, o, do: cls.backward(
-          q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense), q, k, v, o, do)
     # The last two results are workspaces (no run-time allocation in the handlers):
     # delta, and the fused backward's float32 dQ sums (like q, or a last dim of 0).
     sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))

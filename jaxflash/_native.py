@@ -11,7 +11,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import _splits, tile_cache
@@ -125,9 +124,9 @@ def takes_value_width(call=None) -> bool:
   """Whether the native forward reads v at its own head dim (else `run_fused` pads): on
   the CPU always; on a GPU for `call` (a _core.Call) where dispatch.cu's
   ForwardTakesValueWidth says so: the Hopper kernels of the (q/k 192, v 128) bucket pair,
-  MLA's widths, for 16-bit training-length calls without a dense term. The decode,
-  split-KV and sm80 kernels take one head dim, and so does the backward
-  (`pad_value_width`); `call` None (the paged path) asks for those."""
+  MLA's widths, for 16-bit training-length calls without a dense term (their backward
+  takes every call their forward does). The decode, split-KV and sm80 kernels take one
+  head dim; `call` None (the paged path) asks for those."""
   device = jax.devices()[0]
   if device.platform == "cpu":
     return True
@@ -141,15 +140,6 @@ def takes_value_width(call=None) -> bool:
           and tile_cache.bucket(q[-1]) == 192 and q[-1] % 8 == 0 and v_dim % 8 == 0 and v_dim <= 128
           and rows > _splits.DECODE_MAX_ROWS
           and _splits.native(call.spec.num_splits, q, k, call.q.dtype, "gpu") == 1)
-
-
-def pad_value_width(backward, q, k, v, o, do, *args):
-  """`backward(q, k, v, o, do, *args)` -> (dq, dk, dv) at q's head dim, for a GPU call whose
-  v has a narrower one (the forward read it as it is, takes_value_width): v, o and
-  dO zero-padded (zero columns add nothing to dP or delta), dV sliced back."""
-  pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, q.shape[-1] - x.shape[-1])])
-  dq, dk, dv = backward(q, k, pad(v), pad(o), pad(do), *args)
-  return dq, dk, dv[..., :v.shape[-1]]
 
 
 def forced_tile_attr() -> int:

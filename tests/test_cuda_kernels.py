@@ -234,9 +234,8 @@ def test_diagonal_masks_walk_row_blocks_in_pairs(rng, D, mask_name):
 
 @pytest.mark.parametrize("dqk, dv", [(192, 128), (160, 96)])
 def test_value_width_of_its_own(rng, dqk, dv):
-  """MLA-style widths: on an H100/H200 the forward reads v at its own head dim (the (192,
-  128) bucket pair, dispatch.cu ForwardTakesValueWidth; the backward pads v), elsewhere
-  v is padded. The traced forward's v operand says which; output, LSE and every
+  """MLA-style widths: on an H100/H200 the forward and backward read v at its own head
+  dim (the (192, 128) bucket pair, dispatch.cu TakesValueWidth), elsewhere v is padded. The traced forward's v operand says which; output, LSE and every
   gradient against float64 under the tolerance rule (bf16, causal bottom-right, GQA 2,
   ragged lengths, an empty row; 300 queries: past the decode kernels' packed rows)."""
   B, T, S, N, K = 2, 300, 333, 4, 2
@@ -258,11 +257,12 @@ def test_value_width_of_its_own(rng, dqk, dv):
     loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0].astype(jnp.float32) * do)
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-  hlo = run.lower(q, k, v, "native").as_text()
-  call, = [line for line in hlo.splitlines() if "@jaxflash_fwd" in line]
   own = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
-  v_type = call.split(" : (")[1].split(")")[0].split(", ")[2]  # the operands' types: q, k, v, ...
-  assert v_type.endswith(f"x{dv}xbf16>") == own, v_type
+  hlo = grads.lower(q, k, v, "native").as_text()
+  for target in ("@jaxflash_fwd", "@jaxflash_bwd"):
+    call, = [line for line in hlo.splitlines() if target in line]
+    v_type = call.split(" : (")[1].split(")")[0].split(", ")[2]  # the operands' types: q, k, v, ...
+    assert v_type.endswith(f"x{dv}xbf16>") == own, (target, v_type)
   f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
   with jax.enable_x64(True):
     truth = run(f64(q), f64(k), f64(v), "xla")

@@ -5,9 +5,9 @@
 //   fp16/bf16, split-KV, paged K/V or a short query (decode::UseDecodeKernel)
 //       -> the decode kernels (GQA-packed rows, split keys), arch >= 80
 //   fp16/bf16, arch == 90, buckets 64, 128, 192, 256
-//       -> sm90 kernels (wgmma), when the build has sm_90a code; a forward
+//       -> sm90 kernels (wgmma), when the build has sm_90a code; a call
 //          whose v has a head dim of its own (MLA: q/k in (128, 192], v up
-//          to 128) the (192, 128) pair's (ForwardTakesValueWidth)
+//          to 128) the (192, 128) pair's (TakesValueWidth)
 //   fp16/bf16, arch >= 80, head_dim % 8 == 0, head_dim <= 256
 //       -> sm80 tensor-core kernels (mma.sync), bucket = smallest compiled
 //          head dim >= head_dim; the kernels zero-pad the rest.
@@ -88,16 +88,20 @@ Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t s
   return Status::Unimplemented("no decode kernel for head_dim " + std::to_string(p.shape.head_dim));
 }
 
-// Whether the forward reads v at a head dim of its own (else every kernel
+// Whether the kernels read v at a head dim of its own (else every kernel
 // takes q, k and v at one, and the Python side pads the narrower:
-// _native.gpu_takes_value_width mirrors this): the Hopper kernels of the
-// (192, 128) bucket pair, for 16-bit training-length calls without a dense
-// term (the decode, split-KV and sm80 kernels take one head dim).
-bool ForwardTakesValueWidth(const FwdParams& p, const CudaDevice& device) {
+// _native.takes_value_width mirrors this): the Hopper kernels of the
+// (192, 128) bucket pair, for 16-bit calls without a dense term, and in the
+// forward of training-length queries (the decode, split-KV and sm80 kernels
+// take one head dim).
+template <typename Params>
+bool TakesValueWidth(const Params& p, const CudaDevice& device) {
   const AttentionShape& sh = p.shape;
   return Sm90Allowed(p.tile, device) && TensorCoreRefusal(p.dtype, sh, device).empty() && !p.dense.On() &&
-         !decode::UseDecodeKernel(p) && HeadDimBucket(sh.head_dim) == 192 && sh.v_dim() % 8 == 0 &&
-         sh.v_dim() <= 128;
+         HeadDimBucket(sh.head_dim) == 192 && sh.v_dim() % 8 == 0 && sh.v_dim() <= 128;
+}
+bool ForwardTakesValueWidth(const FwdParams& p, const CudaDevice& device) {
+  return TakesValueWidth(p, device) && !decode::UseDecodeKernel(p);
 }
 
 template <typename T>
@@ -133,6 +137,9 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
 
 template <typename T>
 Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (p.shape.v_dim() != p.shape.head_dim) {  // TakesValueWidth (CudaAttentionBackward)
+    return sm90::LaunchBackward<T, 192, 128>(p, device, stream);
+  }
   const int bucket = HeadDimBucket(p.shape.head_dim);
   if (Sm90Allowed(p.tile, device) && !p.dense.On()) {
     switch (bucket) {
@@ -233,7 +240,7 @@ size_t CudaBackwardWorkspaceBytes(const BwdParams& p, const CudaDevice& device) 
 }
 
 Status CudaAttentionBackward(const BwdParams& p, void* workspace, const CudaDevice& device, cudaStream_t stream) {
-  if (Status s = HeadDimRefusal(p.shape); !s.ok()) return s;
+  if (Status s = HeadDimRefusal(p.shape, TakesValueWidth(p, device)); !s.ok()) return s;
   if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionBackward(p, workspace, stream);
   if (p.dtype == DType::kFloat16) return BackwardBucket<__half>(p, device, stream);

@@ -122,7 +122,8 @@ constexpr int kDeltaCtasPerSm = 6;
 #else
 constexpr int kDeltaCtasPerSm = 5;
 #endif
-template <typename T>
+// kOwnV: O and dO at the value's own head dim (their rows at o's strides).
+template <typename T, bool kOwnV = false>
 __global__ void __launch_bounds__(kRowPassThreads, kDeltaCtasPerSm) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
   RowPassThread::ForEach<kDeltaRows, kDeltaChunks>(sh, [&](const RowPassThread (&rows)[kDeltaRows]) {
@@ -136,17 +137,19 @@ __global__ void __launch_bounds__(kRowPassThreads, kDeltaCtasPerSm) DeltaKernel(
         float* sums = p.dq_accum + r.off;
         for (int c = lane * 4; c < sh.head_dim; c += lanes * 4) *reinterpret_cast<float4*>(sums + c) = float4{};
       }
-      const T* o = static_cast<const T*>(p.o) + r.off;
-      const T* d_o = static_cast<const T*>(p.dout) + r.off;
+      const int64_t o_off = kOwnV ? r.batch * sh.o_batch_stride() + r.t * sh.o_row_stride() + r.h * sh.v_dim() : r.off;
+      const int64_t o_dim = kOwnV ? sh.v_dim() : sh.head_dim;
+      const T* o = static_cast<const T*>(p.o) + o_off;
+      const T* d_o = static_cast<const T*>(p.dout) + o_off;
       float acc = 0.f;
       // kDeltaChunks chunks at a time, every load issued before any is used.
-      for (int c0 = lane * 8; c0 < sh.head_dim; c0 += lanes * 8 * kDeltaChunks) {
+      for (int c0 = lane * 8; c0 < o_dim; c0 += lanes * 8 * kDeltaChunks) {
         uint4 ov[kDeltaChunks], dv[kDeltaChunks];
 #pragma unroll
         for (int u = 0; u < kDeltaChunks; ++u) {
           const int c = c0 + u * lanes * 8;
-          ov[u] = c < sh.head_dim ? *reinterpret_cast<const uint4*>(o + c) : uint4{};
-          dv[u] = c < sh.head_dim ? *reinterpret_cast<const uint4*>(d_o + c) : uint4{};
+          ov[u] = c < o_dim ? *reinterpret_cast<const uint4*>(o + c) : uint4{};
+          dv[u] = c < o_dim ? *reinterpret_cast<const uint4*>(d_o + c) : uint4{};
         }
 #pragma unroll
         for (int u = 0; u < kDeltaChunks; ++u) {
@@ -171,7 +174,11 @@ template <typename T>
 Status LaunchDelta(const BwdParams& p, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   if (sh.batch * sh.q_len * sh.q_heads == 0) return Status::Ok();
-  DeltaKernel<T><<<RowPassGrid<kDeltaRows, kDeltaChunks>(sh), kRowPassThreads, 0, stream>>>(p);
+  if (sh.v_dim() != sh.head_dim) {
+    DeltaKernel<T, true><<<RowPassGrid<kDeltaRows, kDeltaChunks>(sh), kRowPassThreads, 0, stream>>>(p);
+  } else {
+    DeltaKernel<T><<<RowPassGrid<kDeltaRows, kDeltaChunks>(sh), kRowPassThreads, 0, stream>>>(p);
+  }
   return CheckLaunch("attention backward (delta)");
 }
 

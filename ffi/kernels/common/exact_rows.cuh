@@ -60,12 +60,14 @@ __device__ __forceinline__ ExactPair PairOf(const T* q_row, const T* k_row, floa
   }
   return {Exp2((score - lse) * kLog2e + bias2), 0.f, slope};
 }
-template <typename T>
+// kOwnV: dO and v at the value's own head dim (else q and k's).
+template <bool kOwnV = false, typename T>
 __device__ __forceinline__ ExactPair PairOf(const BwdParams& p, const T* q_row, const T* do_row, const T* k_row,
                                            const T* v_row, int64_t stat, float bias2) {
   const int dim = static_cast<int>(p.shape.head_dim);
+  const int vdim = kOwnV ? static_cast<int>(p.shape.v_dim()) : dim;
   ExactPair pair = PairOf(q_row, k_row, p.scale, p.softcap, p.lse[stat], dim, bias2);
-  pair.ds = pair.prob * (RowDot(do_row, v_row, dim) - p.delta[stat]) * pair.slope;
+  pair.ds = pair.prob * (RowDot(do_row, v_row, vdim) - p.delta[stat]) * pair.slope;
   return pair;
 }
 
@@ -210,12 +212,12 @@ __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, i
 // for_columns(f) calls f(col, x, y) for each pair (col, col + 1) of them,
 // with x and y the thread's floats for those columns. A row with a NaN LSE or
 // delta is NaN throughout anyway: its values are left as they are.
-template <typename T, typename ForColumns>
+template <typename T, bool kOwnV = false, typename ForColumns>
 __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, int head, int row,
                                                ForColumns&& for_columns) {
   const int64_t stat = (int64_t(batch) * p.shape.q_heads + head) * p.shape.q_len + row;
   if (!isfinite(p.lse[stat]) || !isfinite(p.delta[stat])) return;
-  const ExactQueryRow<T> r(p, batch, head, row);
+  const ExactQueryRow<T, true, true, kOwnV> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const T* do_row = static_cast<const T*>(p.dout) + r.o_off;
   const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
@@ -224,7 +226,7 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   for (int j = r.begin; j < r.end; ++j) {
     if (!r.Sees(j)) continue;
     const float bias2 = alibi.Bias(diagonal, static_cast<float>(j)) + r.DenseBias2(j);
-    const float ds = PairOf(p, q_row, do_row, r.Key(j), r.Value(j), stat, bias2).ds;
+    const float ds = PairOf<kOwnV>(p, q_row, do_row, r.Key(j), r.Value(j), stat, bias2).ds;
     const T* k = r.Key(j);
     for_columns([&](int col, float& x, float& y) {
       x += ds * At(k, col);
@@ -233,28 +235,35 @@ __device__ __forceinline__ void ExactQueryGrad(const BwdParams& p, int batch, in
   }
 }
 // ... a lane's entries of accumulator row `half`,
-template <typename T, int kDT>
+template <typename T, int kDT, bool kOwnV = false>
 __device__ __forceinline__ void ExactQueryGradLane(const BwdParams& p, int batch, int head, int row, int t,
                                                 float (&dq)[kDT][4], int half) {
   const int dim = static_cast<int>(p.shape.head_dim);
-  ExactQueryGrad<T>(p, batch, head, row, [&](auto&& f) {
+  ExactQueryGrad<T, kOwnV>(p, batch, head, row, [&](auto&& f) {
     ForLaneColumns<kDT>(t, 0, dim, [&](int dt, int col) { f(col, dq[dt][2 * half], dq[dt][2 * half + 1]); });
   });
 }
 // ... or columns [col0, col0 + 8) of a row-wise pass.
+// (The dQ conversion pass runs every call: the value's own width is asked
+// at run time, on this cold path.)
 template <typename T>
 __device__ __forceinline__ void ExactQueryGradColumns(const BwdParams& p, int batch, int head, int row, int col0,
                                                    float (&dq)[8]) {
-  ExactQueryGrad<T>(p, batch, head, row, [&](auto&& f) {
+  auto columns = [&](auto&& f) {
 #pragma unroll
     for (int i = 0; i < 8; i += 2) f(col0 + i, dq[i], dq[i + 1]);
-  });
+  };
+  if (p.shape.v_dim() != p.shape.head_dim) {
+    ExactQueryGrad<T, true>(p, batch, head, row, columns);
+  } else {
+    ExactQueryGrad<T>(p, batch, head, row, columns);
+  }
 }
 
 // This lane's entries of key `key`'s rows of dK / scale (columns from
 // dk_base) and dV (from dv_base) for (batch, kv_head), summed over the GQA
 // group.
-template <typename T, int kKT, int kVT>
+template <typename T, bool kOwnV = false, int kKT, int kVT>
 __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, int kv_head, int key, int t,
                                               int half, float (&dk)[kKT][4], int dk_base, float (&dv)[kVT][4],
                                               int dv_base) {
@@ -264,9 +273,11 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
   const int group = static_cast<int>(sh.group_size());
   const int64_t kv_off = ExactKvOffset(sh, batch, kv_head) + key * sh.kv_row_stride();
   const T* k_row = static_cast<const T*>(p.k) + kv_off;
-  const T* v_row = static_cast<const T*>(p.v) + kv_off;
+  const T* v_row = static_cast<const T*>(p.v) +
+                   (kOwnV ? ExactVOffset(sh, batch, kv_head) + key * sh.v_row_stride() : kv_off);
+  const int vdim = kOwnV ? static_cast<int>(sh.v_dim()) : dim;
   ForLaneColumns<kKT>(t, dk_base, dim, [&](int dt, int) { dk[dt][2 * half] = dk[dt][2 * half + 1] = 0.f; });
-  ForLaneColumns<kVT>(t, dv_base, dim, [&](int dt, int) { dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f; });
+  ForLaneColumns<kVT>(t, dv_base, vdim, [&](int dt, int) { dv[dt][2 * half] = dv[dt][2 * half + 1] = 0.f; });
   // The rows that see the key, in every query head of the group, as one loop.
   const int row_begin = pol.RowBegin(key), rows = MaxInt(pol.RowEnd(key) - row_begin, 0);
   for (int i = 0; i < group * rows; ++i) {
@@ -275,16 +286,16 @@ __device__ __forceinline__ void ExactKeyGradLane(const BwdParams& p, int batch, 
     if (!pol.SameSegment(row, key) || !dense.Shows(row, key)) continue;
     const int64_t q_off = ExactQOffset(sh, batch, head, row);
     const T* q_row = static_cast<const T*>(p.q) + q_off;
-    const T* do_row = static_cast<const T*>(p.dout) + q_off;
+    const T* do_row = static_cast<const T*>(p.dout) + (kOwnV ? ExactOOffset(sh, batch, head, row) : q_off);
     const float bias2 = Alibi::Of(p.alibi, batch, head, sh.q_heads).Bias(Alibi::Diagonal(pol, row), float(key)) +
                         dense.Bias2(row, key);
     const ExactPair pair =
-        PairOf(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row, bias2);
+        PairOf<kOwnV>(p, q_row, do_row, k_row, v_row, (int64_t(batch) * sh.q_heads + head) * sh.q_len + row, bias2);
     ForLaneColumns<kKT>(t, dk_base, dim, [&](int dt, int col) {
       dk[dt][2 * half] += pair.ds * At(q_row, col);
       dk[dt][2 * half + 1] += pair.ds * At(q_row, col + 1);
     });
-    ForLaneColumns<kVT>(t, dv_base, dim, [&](int dt, int col) {
+    ForLaneColumns<kVT>(t, dv_base, vdim, [&](int dt, int col) {
       dv[dt][2 * half] += pair.prob * At(do_row, col);
       dv[dt][2 * half + 1] += pair.prob * At(do_row, col + 1);
     });

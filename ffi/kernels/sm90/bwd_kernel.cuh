@@ -390,7 +390,7 @@ Status LaunchBackwardTile(const BwdParams& p, const CudaDevice& device, cudaStre
 // One pass recomputes each score's tanh and exponent once; the two passes
 // without dQ sums each do, and at D = 64 those special-function ops, not the
 // tensor cores, bound the backward.
-template <int kD>
+template <int kD, int kDv = kD>  // kDv: the value's head dim where a pair has tiles (MLA)
 struct FusedBwdTile;
 template <>
 struct FusedBwdTile<64> {
@@ -409,6 +409,13 @@ struct FusedBwdTile<192> {
   using type = WsBwdColumnTile<192>;
   using capped = type;
 };
+// q/k 192 with v 128 (MLA): dV's two blocks one a consumer, so with dQ 5 / 3
+// blocks (4 / 4 would leave a consumer no dV), without 3 / 2.
+template <>
+struct FusedBwdTile<192, 128> {
+  using type = WsBwdColumnTile<192, 2, true, 128>;
+  using capped = type;
+};
 template <>
 struct FusedBwdTile<256> {
   using type = WsBwdColumnTile<256>;
@@ -421,7 +428,7 @@ struct FusedBwdTile<256> {
 // would not fit); at D = 64 128 keys, 9.5% faster than 64, whose 64 x 64
 // steps were as much waiting as products (docs/performance.md,
 // twenty-seventh session).
-template <int kD>
+template <int kD, int kDv = kD>
 struct DqPassTile;
 template <>
 struct DqPassTile<64> {
@@ -434,6 +441,10 @@ struct DqPassTile<128> {
 template <>
 struct DqPassTile<192> {
   using type = WsDqTile<192, 32>;
+};
+template <>
+struct DqPassTile<192, 128> {
+  using type = WsDqTile<192, 32, 3, 2, 128>;
 };
 template <>
 struct DqPassTile<256> {
@@ -454,9 +465,9 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
       [&] { return RunWsDqPass<T, DqTile>(p, stream); });
 }
 
-template <typename T, int kD>
+template <typename T, int kD, int kDv>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using Fused = typename FusedBwdTile<kD>::type;
+  using Fused = typename FusedBwdTile<kD, kDv>::type;
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
   // consumers, at D 128 the fused kForCap pass, at D 256 the column tile's
@@ -464,8 +475,8 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   // others have no registers to spare for them. With no sm90 tile that does,
   // the sm80 kernels run.
   using KeyGrads = typename Fused::WithoutDq;
-  using DqPass = typename DqPassTile<kD>::type;
-  using FusedCapped = typename FusedBwdTile<kD>::capped;
+  using DqPass = typename DqPassTile<kD, kDv>::type;
+  using FusedCapped = typename FusedBwdTile<kD, kDv>::capped;
   if (tc::UseFusedBackward(p)) {
     if (TileTakes<Fused>(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
     if (p.softcap > 0.f && TileTakes<FusedCapped>(p)) return LaunchWsBackward<T, FusedCapped>(p, device, stream);
@@ -473,18 +484,22 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
   if (TileTakes<KeyGrads>(p) && TileTakes<DqPass>(p) && !tc::TileForced(p) && p.shape.q_len > 0) {
     return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);
   }
-  // A cached preference was measured on the warp-specialised passes, without extras.
-  const bool extras = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
-  const int requested = extras && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
-  using Candidates = typename BwdCandidates<kD>::type;
-  const int pick = Candidates::PickTaking(BwdTilePick(kD, p.mask.window_right >= 0), p);
-  if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
-    BwdParams any_tile = p;
-    any_tile.tile = 0;
-    return sm80::LaunchBackward<T, kD>(any_tile, device, stream);
+  if constexpr (kDv != kD) {  // (the two kernels and the sm80 ones take one head dim)
+    return Status::Unimplemented("no sm90 backward of this value head dim takes the call");
+  } else {
+    // A cached preference was measured on the warp-specialised passes, without extras.
+    const bool extras = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
+    const int requested = extras && (p.tile & FwdParams::kTilePreferred) ? 0 : p.tile;
+    using Candidates = typename BwdCandidates<kD>::type;
+    const int pick = Candidates::PickTaking(BwdTilePick(kD, p.mask.window_right >= 0), p);
+    if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
+      BwdParams any_tile = p;
+      any_tile.tile = 0;
+      return sm80::LaunchBackward<T, kD>(any_tile, device, stream);
+    }
+    return Candidates::With(requested, pick,
+                            [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
   }
-  return Candidates::With(requested, pick,
-                          [&](auto tile) { return LaunchBackwardTile<T, decltype(tile)>(p, device, stream); });
 }
 
 }  // namespace sm90

@@ -17,9 +17,11 @@ namespace sm90 {
 // kLseLog2: `lse` holds them in log2 units (else natural-log).
 // `is_full()`: whether the step's tile needs no mask, asked while the products
 // run. `kept`: a tc::KeptTanh that receives a capped tile's tanh
-// (score_mod.cuh).
+// (score_mod.cuh). VTile and DOTile: V's and dO's, where v has a head dim of
+// its own (dPᵀ then reduces over its columns).
 template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
-          bool kLseLog2 = false, typename Full, typename Kept = tc::NoKeptTanh>
+          bool kLseLog2 = false, typename VTile = KVTile, typename DOTile = QTile, typename Full,
+          typename Kept = tc::NoKeptTanh>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
                                                uint32_t v_rows, uint32_t q, uint32_t d_o, const MaskPolicy& pol,
                                                int r0, int key0, Full&& is_full, const float* lse, int lane,
@@ -35,7 +37,7 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaFence();
   ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
   WgmmaCommit();
-  ProductSS<T, KVTile, QTile, kD, kM>(dp, v_rows, d_o);
+  ProductSS<T, VTile, DOTile, 64 * VTile::kBlocks, kM>(dp, v_rows, d_o);
   WgmmaCommit();
   // Whether the step needs its mask, while the products run (asked after
   // the wait, the segment table's chain of loads sat between Sᵀ and Pᵀ).

@@ -39,7 +39,8 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kStages_ = 2, bool kWithDq_ = true>
+// kDv_: the value's head dim where it has its own (MLA: V, dO and dV at it).
+template <int kD_, int kStages_ = 2, bool kWithDq_ = true, int kDv_ = kD_>
 struct WsBwdColumnTile {
   static constexpr bool kSharedKeys = true;
   static constexpr bool kTakesSoftCap = true;  // (with 0 bytes of spills: D 256's consumers hold 64 x 32 tiles)
@@ -50,6 +51,8 @@ struct WsBwdColumnTile {
   static constexpr bool kFlagWriter = true;  // as WsBwdTile's
   static constexpr bool kLseLog2 = true;
   static constexpr int kD = kD_;
+  static constexpr int kDv = kDv_;
+  static_assert(kDv <= kD && kDv % 64 == 0, "v's blocks within q's");
   static constexpr int kConsumers = 2;
   static constexpr int kM = 64;                 // query rows per step
   static constexpr int kN = 64;                 // keys per CTA, shared by the consumers
@@ -64,21 +67,24 @@ struct WsBwdColumnTile {
   struct Share {
     int first, blocks;
   };
-  static constexpr int kBlocks = kD / 64;
+  static constexpr int kBlocks = kD / 64, kVBlocks = kDv / 64;
   __host__ __device__ static constexpr Share KeyShare(int c) {  // dK, and dQ
     return c == 0 ? Share{0, (kBlocks + 1) / 2} : Share{(kBlocks + 1) / 2, kBlocks / 2};
   }
   __host__ __device__ static constexpr Share ValueShare(int c) {  // dV
-    return c == 0 ? Share{0, kBlocks / 2} : Share{kBlocks / 2, (kBlocks + 1) / 2};
+    return c == 0 ? Share{0, kVBlocks / 2} : Share{kVBlocks / 2, (kVBlocks + 1) / 2};
   }
   // Whether both consumers' shares are alike (one body serves both, its
   // columns from the consumer's index at run time).
-  static constexpr bool kEvenShares = kBlocks % 2 == 0;
+  static constexpr bool kEvenShares = kBlocks % 2 == 0 && kVBlocks % 2 == 0;
   static constexpr int kStages = kStages_;
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  using WithoutDq = WsBwdColumnTile<kD, kStages, false>;
+  using WithoutDq = WsBwdColumnTile<kD, kStages, false, kDv>;
   using QTile = SwizzledTile<kM, kD>;
-  using KVTile = SwizzledTile<kN, kD>;
+  using KVTile = SwizzledTile<kN, kD>;  // K's
+  using KTile = KVTile;
+  using VTile = SwizzledTile<kN, kDv>;
+  using DOTile = SwizzledTile<kM, kDv>;
   using DsTile = SwizzledTile<kN, kM>;  // keys x queries: Pᵀ, then dSᵀ
   // Two buffers of Pᵀ and dSᵀ: a consumer writes step it + 1's while its
   // partner's products may still read step it's.
@@ -107,6 +113,7 @@ __device__ __forceinline__ void WsBwdColumnWalk(const BwdParams& p, const WsBwdS
   constexpr int kKCols = 64 * kKB, kVCols = 64 * kVB;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
+  using DOTile = typename Tile::DOTile;
   using DsTile = typename Tile::DsTile;
   const int tid = threadIdx.x - 128 * (consumer + 1);  // within the warpgroup
   const int lane = tid & 31, warp = tid >> 5;
@@ -126,7 +133,7 @@ __device__ __forceinline__ void WsBwdColumnWalk(const BwdParams& p, const WsBwdS
     // tiles: a whole number of swizzle periods in), Pᵀ while dPᵀ runs, dSᵀ.
     float st[kQ / 8][4], dp[kQ / 8][4];
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
-    KeyMajorScores<T, KVTile, QTile, kD, kQ, false, Tile::kLseLog2>(
+    KeyMajorScores<T, KVTile, QTile, kD, kQ, false, Tile::kLseLog2, typename Tile::VTile, DOTile>(
         st, dp, sm.k, sm.v, in.q + q0 * 128, in.d_o + q0 * 128, w.pol, in.r0 + q0, w.C0() + key_w,
         [&] { return StepIsFull(w, in); }, in.lse + q0, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p),
         alibi);
@@ -150,7 +157,7 @@ __device__ __forceinline__ void WsBwdColumnWalk(const BwdParams& p, const WsBwdS
 
     // ---- dQ first (fused), so its sums are added while dV and dK run.
     auto key_grads = [&] {
-      ProductSSMn<T, DsTile, QTile, kM, kVCols>(dv, sP, in.d_o, v_col0, /*accumulate=*/true);
+      ProductSSMn<T, DsTile, DOTile, kM, kVCols>(dv, sP, in.d_o, v_col0, /*accumulate=*/true);
       ProductSSMn<T, DsTile, QTile, kM, kKCols>(dk, sDs, in.q, k_col0, /*accumulate=*/true);
       WgmmaCommit();
     };

@@ -51,9 +51,11 @@
 namespace jaxflash {
 namespace sm90 {
 
-template <int kD_, int kN_, int kStages_ = 3, int kConsumers_ = 2>
+// kDv_: the value's head dim where it has its own (MLA: dO and V at it).
+template <int kD_, int kN_, int kStages_ = 3, int kConsumers_ = 2, int kDv_ = kD_>
 struct WsDqTile {
   static constexpr int kD = kD_;
+  static constexpr int kDv = kDv_;
   static constexpr int kN = kN_;  // keys per step
   static constexpr int kStages = kStages_;
   static constexpr int kConsumers = kConsumers_;
@@ -63,7 +65,9 @@ struct WsDqTile {
   static constexpr bool kTakesAlibi = true;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   using QTile = SwizzledTile<kM, kD>;
-  using KVTile = SwizzledTile<kN, kD>;
+  using KVTile = SwizzledTile<kN, kD>;  // K's
+  using DOTile = SwizzledTile<kM, kDv>;
+  using VTile = SwizzledTile<kN, kDv>;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
   // Barriers: Q and dO full, the ragged tail, then per stage K full, V full
@@ -76,7 +80,7 @@ struct WsDqTile {
   // Q, dO, the K stages, the V stages, the barriers; +1024: the dynamic
   // shared-memory base is aligned up to a swizzle period.
   static constexpr size_t kSmemBytes =
-      2 * size_t(QTile::kBytes) + 2 * kStages * size_t(KVTile::kBytes) + 8 * kBarriers + 1024;
+      size_t(QTile::kBytes) + DOTile::kBytes + kStages * size_t(KVTile::kBytes + VTile::kBytes) + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= kSm90SmemPerCta, "shared memory of one CTA");
   static_assert(kStages >= 3, "a stage is read by S and dP while the one before is read by dQ");
   static_assert(kN == 32 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
@@ -91,13 +95,13 @@ struct WsDqSmem {
     WsDqSmem s;
     s.q = base;
     s.d_o = s.q + Tile::QTile::kBytes;
-    s.k = s.d_o + Tile::QTile::kBytes;
+    s.k = s.d_o + Tile::DOTile::kBytes;
     s.v = s.k + Tile::kStages * Tile::KVTile::kBytes;
-    s.bars = s.v + Tile::kStages * Tile::KVTile::kBytes;
+    s.bars = s.v + Tile::kStages * Tile::VTile::kBytes;
     return s;
   }
   __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KVTile::kBytes; }
-  __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::KVTile::kBytes; }
+  __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::VTile::kBytes; }
   __device__ __forceinline__ uint32_t QFull() const { return bars; }
   __device__ __forceinline__ uint32_t Tail() const { return bars + 8; }
   __device__ __forceinline__ uint32_t KFull(int s) const { return bars + 16 + 8 * s; }
@@ -121,9 +125,11 @@ template <typename T, typename Tile>
 __device__ __forceinline__ void WsDqProducer(const BwdParams& p, const WsDqSmem<Tile>& sm, const tc::GridTile& at,
                                              const CUtensorMap& q_map, const CUtensorMap& do_map,
                                              const CUtensorMap& k_map, const CUtensorMap& v_map) {
-  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64, kVBlocks = Tile::kDv / 64;
   using QTile = typename Tile::QTile;
   using KVTile = typename Tile::KVTile;
+  using DOTile = typename Tile::DOTile;
+  using VTile = typename Tile::VTile;
   const int lane = threadIdx.x & 31;
   const tc::FwdBlock<T> w = tc::FwdBlock<T>::template At<kM, kN>(p, at.tile, at.y, at.z);
   if (w.tiles.begin >= w.tiles.end) return;  // no key: the consumers store zeros
@@ -136,10 +142,12 @@ __device__ __forceinline__ void WsDqProducer(const BwdParams& p, const WsDqSmem<
     PrefetchTensorMap(v_map);
     // Q and dO rows past q_valid (padding) are not zeroed: they reach only
     // their own rows of dQ, which StoreQueryGrad writes as zeros.
-    MBarrier::ArriveExpectBytes(sm.QFull(), 2 * QTile::kBytes);
+    MBarrier::ArriveExpectBytes(sm.QFull(), QTile::kBytes + DOTile::kBytes);
     for (int b = 0; b < kBlocks; ++b) {
       TmaLoad4d(sm.q + b * QTile::kBlockBytes, q_map, sm.QFull(), 64 * b, w.head, w.r0, w.batch);
-      TmaLoad4d(sm.d_o + b * QTile::kBlockBytes, do_map, sm.QFull(), 64 * b, w.head, w.r0, w.batch);
+    }
+    for (int b = 0; b < kVBlocks; ++b) {
+      TmaLoad4d(sm.d_o + b * DOTile::kBlockBytes, do_map, sm.QFull(), 64 * b, w.head, w.r0, w.batch);
     }
   }
   RingPosition<Tile::kStages> ring;
@@ -154,16 +162,16 @@ __device__ __forceinline__ void WsDqProducer(const BwdParams& p, const WsDqSmem<
       const uint32_t k_bar = ragged_tail ? sm.Tail() : sm.KFull(s);
       const uint32_t v_bar = ragged_tail ? sm.Tail() : sm.VFull(s);
       if (ragged_tail) {
-        MBarrier::ArriveExpectBytes(sm.Tail(), 2 * KVTile::kBytes);
+        MBarrier::ArriveExpectBytes(sm.Tail(), KVTile::kBytes + VTile::kBytes);
       } else {
         MBarrier::ArriveExpectBytes(k_bar, KVTile::kBytes);
-        MBarrier::ArriveExpectBytes(v_bar, KVTile::kBytes);
+        MBarrier::ArriveExpectBytes(v_bar, VTile::kBytes);
       }
       for (int b = 0; b < kBlocks; ++b) {  // K first: S reads it first
         TmaLoad4d(sm.K(s) + b * KVTile::kBlockBytes, k_map, k_bar, 64 * b, kv_head, c0, w.batch);
       }
-      for (int b = 0; b < kBlocks; ++b) {
-        TmaLoad4d(sm.V(s) + b * KVTile::kBlockBytes, v_map, v_bar, 64 * b, kv_head, c0, w.batch);
+      for (int b = 0; b < kVBlocks; ++b) {
+        TmaLoad4d(sm.V(s) + b * VTile::kBlockBytes, v_map, v_bar, 64 * b, kv_head, c0, w.batch);
       }
     }
     if (ragged_tail) {  // padding keys: zero their K and V rows
@@ -171,7 +179,7 @@ __device__ __forceinline__ void WsDqProducer(const BwdParams& p, const WsDqSmem<
       MBarrier::Wait(sm.Tail(), tail_parity);
       tail_parity ^= 1;
       ZeroTileRows<KVTile>(sm.K(s), w.pol.kv_valid - c0, lane);
-      ZeroTileRows<KVTile>(sm.V(s), w.pol.kv_valid - c0, lane);
+      ZeroTileRows<VTile>(sm.V(s), w.pol.kv_valid - c0, lane);
       FenceSharedForAsyncProxy();
       __syncwarp();
       if (lane == 0) {
@@ -208,7 +216,7 @@ __device__ __forceinline__ void StoreQueryGradByTma(const BwdParams& p, const Ws
     const int q_row = w.r0 + row;
     const bool real = q_row < w.pol.q_valid;
     if (real && q_row < sh.q_len && tc::LaneHasNan(dq, half)) {
-      tc::ExactQueryGradLane<T>(p, w.batch, w.head, q_row, t, dq, half);
+      tc::ExactQueryGradLane<T, kDT, (Tile::kDv != Tile::kD)>(p, w.batch, w.head, q_row, t, dq, half);
     }
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -296,7 +304,7 @@ __device__ __forceinline__ void WsDqConsumer(const BwdParams& p, const WsDqSmem<
         WgmmaFence();
         ProductSS<T, QTile, KVTile, kD, kN>(s, sQ_rows, sm.K(ring.stage));
         WgmmaCommit();
-        ProductSS<T, QTile, KVTile, kD, kN>(dp, sdO_rows, sm.V(ring.stage));
+        ProductSS<T, typename Tile::DOTile, typename Tile::VTile, Tile::kDv, kN>(dp, sdO_rows, sm.V(ring.stage));
         WgmmaCommit();
         if constexpr (kPrev) {
           ProductRS<T, KVTile, kN, kD>(dq, da, sm.K(prev.stage), 0);
@@ -372,9 +380,9 @@ Status RunWsDqPass(const BwdParams& p, cudaStream_t stream) {
   Status st;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, maps_shape, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&dq_map, p.dq, p.dtype, maps_shape, true, 64)).ok() ||  // a consumer's rows a box
-      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, maps_shape, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, maps_shape, true, Tile::kM, sh.v_dim())).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, maps_shape, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN)).ok()) {
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN, sh.v_dim())).ok()) {
     return st;
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(sh.q_len, Tile::kM)), static_cast<unsigned>(sh.q_heads),

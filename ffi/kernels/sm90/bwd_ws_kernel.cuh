@@ -108,6 +108,10 @@ struct WsBwdTile {
   static constexpr int kDqWriters = kDqByColumns ? kConsumers : 1;     // consumers staging each step
   using QTile = SwizzledTile<kM, kD>;
   using KVTile = SwizzledTile<kN, kD>;
+  static constexpr int kDv = kD;  // one head dim (the column tiles take v's own)
+  using KTile = KVTile;
+  using VTile = KVTile;
+  using DOTile = QTile;
   using DsTile = SwizzledTile<kM, kN>;
   // dQ staging: kM rows of kD floats in 128-byte-swizzled blocks of 32
   // columns (SwizzledTile counts 16-bit columns), each the box of one bulk
@@ -344,15 +348,15 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   }
   CUtensorMap q_map, do_map, k_map, v_map, dq_map, dk_map, dv_map;
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, sh, true, Tile::kM)).ok() ||
-      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM)).ok() ||
+      !(st = EncodeRowsMap(&do_map, p.dout, p.dtype, sh, true, Tile::kM, sh.v_dim())).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, sh, false, Tile::kN)).ok() ||
-      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN)).ok()) {
+      !(st = EncodeRowsMap(&v_map, p.v, p.dtype, sh, false, Tile::kN, sh.v_dim())).ok()) {
     return st;
   }
   // dK and dV: 64 keys (a key-split consumer's, or a column consumer's
   // whole tile) a box.
   if (!(st = EncodeRowsMap(&dk_map, p.dk, p.dtype, sh, false, 64)).ok() ||
-      !(st = EncodeRowsMap(&dv_map, p.dv, p.dtype, sh, false, 64)).ok()) {
+      !(st = EncodeRowsMap(&dv_map, p.dv, p.dtype, sh, false, 64, sh.v_dim())).ok()) {
     return st;
   }
   if (!Tile::kStagedDq) {

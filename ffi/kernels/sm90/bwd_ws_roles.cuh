@@ -30,12 +30,13 @@ struct WsBwdSmem {
   // staging (also swizzled), then per stage kM LSE and kM delta values and
   // the step's mask flag (StepIsFull; padded to 16 bytes): kept out of
   // the stages, so that at D 256 none is rounded up to 1024 bytes.
-  static constexpr size_t kStageBytes = 2 * size_t(Tile::QTile::kBytes);
+  static constexpr size_t kStageBytes = size_t(Tile::QTile::kBytes) + Tile::DOTile::kBytes;
   static constexpr int kStatsFloats = 2 * Tile::kM + (Tile::kFlagWriter ? 4 : 0);
   static constexpr size_t kStatsBytes = Tile::kStages * kStatsFloats * sizeof(float);
-  static constexpr size_t kBytes = 2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes +
+  static constexpr size_t kKvBytes = size_t(Tile::KTile::kBytes) + Tile::VTile::kBytes;
+  static constexpr size_t kBytes = kKvBytes + Tile::kStages * kStageBytes + Tile::kDsBytes +
                                    Tile::kDqBytes + kStatsBytes + 8 * Tile::kBarriers + sizeof(tc::GridTile);
-  static_assert((2 * size_t(Tile::KVTile::kBytes) + Tile::kStages * kStageBytes + Tile::kDsBytes) % 1024 == 0,
+  static_assert((kKvBytes + Tile::kStages * kStageBytes + Tile::kDsBytes) % 1024 == 0,
                 "the dQ staging starts on a swizzle period");
   // What a launch asks for: the base is aligned up to a swizzle period.
   static constexpr size_t kLaunchBytes = kBytes + 1024;
@@ -45,8 +46,8 @@ struct WsBwdSmem {
   __device__ __forceinline__ static WsBwdSmem At(uint32_t base) {
     WsBwdSmem s;
     s.k = base;
-    s.v = s.k + Tile::KVTile::kBytes;
-    s.stages = s.v + Tile::KVTile::kBytes;
+    s.v = s.k + Tile::KTile::kBytes;
+    s.stages = s.v + Tile::VTile::kBytes;
     s.ds = s.stages + Tile::kStages * uint32_t(kStageBytes);
     s.dq = s.ds + uint32_t(Tile::kDsBytes);
     s.stats = s.dq + uint32_t(Tile::kDqBytes);
@@ -237,7 +238,8 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
                                                    float (&dk)[kKT][4], int dk_col0, float (&dv)[kVT][4],
                                                    int dv_col0, const CUtensorMap& dk_map,
                                                    const CUtensorMap& dv_map) {
-  using KVTile = typename Tile::KVTile;
+  using KTile = typename Tile::KTile;
+  using VTile = typename Tile::VTile;
   static_assert(kKT % 8 == 0 && kVT % 8 == 0, "whole 64-column blocks");
   constexpr int kCT = kKT > kVT ? kKT : kVT;
   const AttentionShape& sh = p.shape;
@@ -254,17 +256,18 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
     const int row = key0 + warp * 16 + g + half * 8;
     const int key = w.C0() + row;
     if (key < sh.kv_len && (tc::LaneHasNan(dk, half) || tc::LaneHasNan(dv, half))) {
-      tc::ExactKeyGradLane<T>(p, w.Batch(), w.KvHead(), key, t, half, dk, dk_col0, dv, dv_col0);
+      tc::ExactKeyGradLane<T, (Tile::kDv != Tile::kD)>(p, w.Batch(), w.KvHead(), key, t, half, dk, dk_col0, dv,
+                                                       dv_col0);
     }
 #pragma unroll
     for (int dt = 0; dt < kCT; ++dt) {
       if (dt < kKT) {
         const uint32_t k_val = tc::ElemTraits<T>::Pack(dk[dt][2 * half] * p.scale, dk[dt][2 * half + 1] * p.scale);
-        StoreShared32(sm.k + PairOffset<KVTile>(row, dk_col0 / 8 + dt, t), k_val);
+        StoreShared32(sm.k + PairOffset<KTile>(row, dk_col0 / 8 + dt, t), k_val);
       }
       if (dt < kVT) {
         const uint32_t v_val = tc::ElemTraits<T>::Pack(dv[dt][2 * half], dv[dt][2 * half + 1]);
-        StoreShared32(sm.v + PairOffset<KVTile>(row, dv_col0 / 8 + dt, t), v_val);
+        StoreShared32(sm.v + PairOffset<VTile>(row, dv_col0 / 8 + dt, t), v_val);
       }
     }
   }
@@ -277,10 +280,10 @@ __device__ __forceinline__ void StoreKeyGradsByTma(const BwdParams& p, const WsB
     for (int i = 0; i < kCT / 8; ++i) {
       const int bk = dk_col0 / 64 + i, bv = dv_col0 / 64 + i;
       if (i < kKT / 8 && 64 * bk < sh.head_dim) {
-        TmaStore4d(dk_map, sm.k + bk * KVTile::kBlockBytes + key0 * 128, 64 * bk, w.KvHead(), first_key, w.Batch());
+        TmaStore4d(dk_map, sm.k + bk * KTile::kBlockBytes + key0 * 128, 64 * bk, w.KvHead(), first_key, w.Batch());
       }
-      if (i < kVT / 8 && 64 * bv < sh.head_dim) {
-        TmaStore4d(dv_map, sm.v + bv * KVTile::kBlockBytes + key0 * 128, 64 * bv, w.KvHead(), first_key, w.Batch());
+      if (i < kVT / 8 && 64 * bv < sh.v_dim()) {
+        TmaStore4d(dv_map, sm.v + bv * VTile::kBlockBytes + key0 * 128, 64 * bv, w.KvHead(), first_key, w.Batch());
       }
     }
     TmaStoreCommit();
@@ -294,9 +297,11 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
                                               const WsBwdWork<Tile>& w, float* stats_base, const CUtensorMap& q_map,
                                               const CUtensorMap& do_map, const CUtensorMap& k_map,
                                               const CUtensorMap& v_map) {
-  constexpr int kM = Tile::kM, kN = Tile::kN, kBlocks = Tile::kD / 64;
+  constexpr int kM = Tile::kM, kN = Tile::kN;
   using QTile = typename Tile::QTile;
-  using KVTile = typename Tile::KVTile;
+  using DOTile = typename Tile::DOTile;
+  using KTile = typename Tile::KTile;
+  using VTile = typename Tile::VTile;
   const AttentionShape& sh = p.shape;
   const int lane = threadIdx.x & 31;
   const int q_len = static_cast<int>(sh.q_len);
@@ -316,16 +321,18 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
   const bool kv_tail = w.pol.kv_valid < sh.kv_len && w.C0() + kN > w.pol.kv_valid;
   if (lane == 0) {
     const uint32_t bar = kv_tail ? sm.KvTail() : sm.KvFull();
-    MBarrier::ArriveExpectBytes(bar, 2 * KVTile::kBytes);
-    for (int b = 0; b < kBlocks; ++b) {
-      TmaLoad4d(sm.k + b * KVTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
-      TmaLoad4d(sm.v + b * KVTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+    MBarrier::ArriveExpectBytes(bar, KTile::kBytes + VTile::kBytes);
+    for (int b = 0; b < KTile::kBlocks; ++b) {
+      TmaLoad4d(sm.k + b * KTile::kBlockBytes, k_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
+    }
+    for (int b = 0; b < VTile::kBlocks; ++b) {
+      TmaLoad4d(sm.v + b * VTile::kBlockBytes, v_map, bar, 64 * b, w.KvHead(), w.C0(), w.Batch());
     }
   }
   if (kv_tail) {
     MBarrier::Wait(sm.KvTail(), 0);
-    ZeroTileRows<KVTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
-    ZeroTileRows<KVTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
+    ZeroTileRows<KTile>(sm.k, w.pol.kv_valid - w.C0(), lane);
+    ZeroTileRows<VTile>(sm.v, w.pol.kv_valid - w.C0(), lane);
     FenceSharedForAsyncProxy();
   }
   if (kv_tail || lane != 0) MBarrier::Arrive(sm.KvFull());
@@ -348,10 +355,12 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
     if (lane == 0) {
       const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
-      MBarrier::ArriveExpectBytes(bar, 2 * QTile::kBytes);
-      for (int b = 0; b < kBlocks; ++b) {
+      MBarrier::ArriveExpectBytes(bar, QTile::kBytes + DOTile::kBytes);
+      for (int b = 0; b < QTile::kBlocks; ++b) {
         TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
-        TmaLoad4d(sm.DO(s) + b * QTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
+      }
+      for (int b = 0; b < DOTile::kBlocks; ++b) {
+        TmaLoad4d(sm.DO(s) + b * DOTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
       }
     }
     if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
@@ -360,7 +369,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
       tail_parity ^= 1;
       const int first = MaxInt(w.pol.q_valid - r0, 0);
       ZeroTileRows<QTile>(sm.Q(s), first, lane);
-      ZeroTileRows<QTile>(sm.DO(s), first, lane);
+      ZeroTileRows<DOTile>(sm.DO(s), first, lane);
       FenceSharedForAsyncProxy();
     }
     if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written

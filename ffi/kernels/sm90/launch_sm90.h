@@ -17,7 +17,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 
 // Instantiated for head-dim buckets 64, 128, 192 and 256. Needs no workspace beyond the
 // delta output (p.delta).
-template <typename T, int kD>
+template <typename T, int kD, int kDv = kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
 }  // namespace sm90
