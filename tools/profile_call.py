@@ -41,6 +41,10 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--seq", type=int, default=16384)
   ap.add_argument("--head-dim", type=int, default=128)
+  ap.add_argument("--v-head-dim", type=int, default=0,
+                  help="the value's head dim where it differs (MLA; default: --head-dim); with "
+                       "--pad-v the call gets v zero-padded to --head-dim, as a user padding it would")
+  ap.add_argument("--pad-v", action="store_true")
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--backward", action="store_true")
   ap.add_argument("--fused", action="store_true")
@@ -74,7 +78,11 @@ def main():
   K = args.kv_heads or H
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
-  k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
+  Dv = args.v_head_dim or D
+  k = jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16)
+  v = jnp.asarray(rng.standard_normal((B, S, K, Dv)), jnp.bfloat16)
+  if args.pad_v:
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, D - Dv)])
   library = jax.nn if args.peer == "cudnn" else jaxflash
   extras = {} if args.softcap is None else dict(logits_soft_cap=args.softcap)
   if args.alibi:
@@ -106,7 +114,7 @@ def main():
       jax.block_until_ready(f(q, k, v))
     if args.time:
       print(f"call_us={1e6 * _measure.time_jitted(f, (q, k, v)):.2f}")
-  print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} causal={args.causal} backward={args.backward} "
+  print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} Dv={v.shape[-1]} causal={args.causal} backward={args.backward} "
         f"fused={args.fused} tile={args.tile}")
 
 
