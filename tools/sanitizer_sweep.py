@@ -33,7 +33,8 @@ SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (
           # 240 work tiles of the D 128 segment tile's 128 rows: with segment ids its
           # CTAs claim them one by one where the dynamic walk is on (sm90/tile_scheduler.cuh)
           (2, 640, 640, 24, 8, 128),
-          (1, 150, 333, 4, 2, 192)]  # D 192's forward and backward tiles
+          (1, 150, 333, 4, 2, 192),  # D 192's forward and backward tiles
+          (1, 300, 333, 4, 2, 192, 128)]  # MLA's widths (v 128): the (192, 128) pair's kernels
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1]),
          dict(key_value_seq_lengths=None),  # ragged keys: padding inside the tensor
@@ -75,8 +76,9 @@ def training_sweep(rng, dims, masks=MASKS):
   dim is in `dims` (all when empty), mask of `masks` and dtype; returns the count."""
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   n = 0
-  shapes = [s for s in SHAPES if not dims or s[-1] in dims]
-  for (B, T, S, N, K, D), mask, dtype in itertools.product(shapes, masks, DTYPES):
+  shapes = [s for s in SHAPES if not dims or s[5] in dims]
+  for shape, mask, dtype in itertools.product(shapes, masks, DTYPES):
+    (B, T, S, N, K, D), Dv = shape[:6], shape[6] if len(shape) > 6 else shape[5]  # Dv: the value's
     if "query_seq_lengths" in mask:
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
     if "key_value_seq_lengths" in mask:
@@ -91,7 +93,7 @@ def training_sweep(rng, dims, masks=MASKS):
       mask = dict(mask, alibi_slopes=(2.0 ** -rng.uniform(0, 8, N)).astype(np.float32))
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
-    v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, K, Dv)), dtype)
     loss = lambda q, k, v: jnp.sum(jaxflash.dot_product_attention(
         q, k, v, implementation="native", **mask).astype(jnp.float32))
     jax.block_until_ready(jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
@@ -100,7 +102,7 @@ def training_sweep(rng, dims, masks=MASKS):
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
     if n % (len(masks) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
-      print(f"sanitizer sweep: shape {(B, T, S, N, K, D)} done", flush=True)
+      print(f"sanitizer sweep: shape {shape} done", flush=True)
   return n
 
 
