@@ -232,12 +232,13 @@ def test_diagonal_masks_walk_row_blocks_in_pairs(rng, D, mask_name):
   check_forward(rng, (8, 256, 256 if mask_name == "causal" else 384, 66, 6, D), mask_name, jnp.bfloat16)
 
 
-@pytest.mark.parametrize("dqk, dv", [(192, 128), (160, 96)])
+@pytest.mark.parametrize("dqk, dv", [(192, 128), (160, 96), (192, 64)])
 def test_value_width_of_its_own(rng, dqk, dv):
   """MLA-style widths: on an H100/H200 the forward and backward read v at its own head
   dim (the (192, 128) bucket pair, dispatch.cu TakesValueWidth), elsewhere v is padded. The traced forward's v operand says which; output, LSE and every
   gradient against float64 under the tolerance rule (bf16, causal bottom-right, GQA 2,
-  ragged lengths, an empty row; 300 queries: past the decode kernels' packed rows)."""
+  ragged lengths, an empty row; 300 queries: past the decode kernels' packed rows). v 64
+  leaves the pair's second 64-column block wholly past the tensor (zero-filled, not stored)."""
   B, T, S, N, K = 2, 300, 333, 4, 2
   q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.bfloat16)
   k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.bfloat16)

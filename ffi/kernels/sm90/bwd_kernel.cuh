@@ -481,7 +481,9 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
     if (TileTakes<Fused>(p)) return LaunchWsBackward<T, Fused>(p, device, stream);
     if (p.softcap > 0.f && TileTakes<FusedCapped>(p)) return LaunchWsBackward<T, FusedCapped>(p, device, stream);
   }
-  if (TileTakes<KeyGrads>(p) && TileTakes<DqPass>(p) && !tc::TileForced(p) && p.shape.q_len > 0) {
+  // (A forced tile names a two-kernel candidate; a pair of head dims has none,
+  // and its forward took the call, so its passes take it too.)
+  if (TileTakes<KeyGrads>(p) && TileTakes<DqPass>(p) && (kDv != kD || !tc::TileForced(p)) && p.shape.q_len > 0) {
     return LaunchWsKeyGradsThenDq<T, KeyGrads, DqPass>(p, device, stream);
   }
   if constexpr (kDv != kD) {  // (the two kernels and the sm80 ones take one head dim)
