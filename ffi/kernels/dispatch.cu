@@ -121,9 +121,10 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);
-      // D 192 on D 256's column tiles, the columns past 192 zeros: splitting
-      // 192 columns between two consumers takes 96-column products, which an
-      // MN-major 128-byte-swizzled operand (dQ = dS·K) cannot start mid-block.
+      // D 192 on D 256's column tiles, the columns past 192 zeros: an even
+      // split of 192 columns between two consumers takes 96-column products,
+      // which an MN-major 128-byte-swizzled operand (dQ = dS·K) cannot start
+      // mid-block.
       case 192:
       case 256: return sm90::LaunchBackward<T, 256>(p, device, stream);
     }
