@@ -197,7 +197,7 @@ def test_every_tile_candidate(rng, D, candidate, sm80):
 
   "arch" runs the family the GPU dispatches to (the wgmma kernels on Hopper for
   D in {64, 128, 192, 256}, whose forward and backward each have their own candidate
-  lists; 192's backward candidates are 256's); "sm80" forces the mma.sync family, which Ampere and the other buckets
+  lists); "sm80" forces the mma.sync family, which Ampere and the other buckets
   use, so both stay tested on a Hopper GPU.
   """
   from jaxflash import _native

@@ -111,18 +111,18 @@ inline dim3 RowPassGrid(const AttentionShape& sh) {
 }
 
 // ------------------------------------------------------------ delta
-// delta[b][h][t] = rowsum(dO * O) - dLSE; 0 for a row that sees no key, whose
-// dO (padding, say) must reach no key through a masked pair's zero weight.
-// The same lanes zero the row of the fused backward's dQ sums (p.dq_accum,
-// laid out like q) when there is one.
-// Six CTAs an SM on sm_90 (40 registers): with two chunks a lane it took
-// 42-44, five. sm_80's code spills 8 bytes at 40, so it keeps five there.
+// The delta pass's CTAs an SM: six on sm_90 (40 registers; with two chunks a
+// lane it took 42-44, so five), five on sm_80, whose code spills 8 bytes at 40.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 constexpr int kDeltaCtasPerSm = 6;
 #else
 constexpr int kDeltaCtasPerSm = 5;
 #endif
-// kOwnV: O and dO at the value's own head dim (their rows at o's strides).
+// delta[b][h][t] = rowsum(dO * O) - dLSE; 0 for a row that sees no key, whose
+// dO (padding, say) must reach no key through a masked pair's zero weight.
+// The same lanes zero the row of the fused backward's dQ sums (p.dq_accum,
+// laid out like q) when there is one. kOwnV: O and dO at the value's own head
+// dim (their rows at o's strides).
 template <typename T, bool kOwnV = false>
 __global__ void __launch_bounds__(kRowPassThreads, kDeltaCtasPerSm) DeltaKernel(const BwdParams p) {
   const AttentionShape& sh = p.shape;
