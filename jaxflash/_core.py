@@ -322,6 +322,11 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None):
+    if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
+      pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
+      g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,
+                       spec, offsets, segments, alibi, dense)
+      return tuple(d[..., :x.shape[-1]] for d, x in zip(g, (q, k, v)))
     # The last two results are workspaces (no run-time allocation in the handlers):
     # delta, and the fused backward's float32 dQ sums (like q, or a last dim of 0).
     sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))
@@ -390,9 +395,8 @@ class PallasKernels:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(8, 9))
 def fused(q, k, v, q_lengths, kv_lengths, segments, alibi, dense, kernels, spec):
-  """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a
-  call with segment ids: `segments.tables`, computed once for the forward and the
-  backward; everything below reads the ids from them (`segments.ids_of`).
+  """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a call with
+  segment ids, computed once for both directions; everything below reads the ids from them.
   `alibi`: None, or the ALiBi slopes [B, N] float32 (`resolve_alibi`; constants,
   their tangent is dropped). `dense`: None, or the call's dense bias and mask
   (dense.py); the bias is differentiable."""

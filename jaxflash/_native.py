@@ -121,25 +121,58 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
 
 
 def takes_value_width(call=None) -> bool:
-  """Whether the native forward reads v at its own head dim (else `run_fused` pads): on
-  the CPU always; on a GPU for `call` (a _core.Call) where dispatch.cu's
-  ForwardTakesValueWidth says so: the Hopper kernels of the (q/k 192, v 128) bucket pair,
-  MLA's widths, for 16-bit training-length calls without a dense term (their backward
-  takes every call their forward does). The decode, split-KV and sm80 kernels take one
-  head dim; `call` None (the paged path) asks for those."""
+  """Whether the native forward reads v at its own head dim for `call` (a _core.Call; else
+  `run_fused` pads): on the CPU always, on a GPU where `value_width_on` says so."""
   device = jax.devices()[0]
   if device.platform == "cpu":
     return True
-  if (call is None or (_forced_tile or 0) >= TILE_SM80 or device.platform != "gpu"
-      or getattr(device, "compute_capability", "") != "9.0"):
+  if call is None:
     return False
-  q, k, v_dim = call.q.shape, call.k.shape, call.v.shape[-1]
-  rows = q[1] * (q[2] // k[2])  # packed rows of the decode kernels' rule
-  return (np.dtype(call.q.dtype).itemsize == 2 and call.dense is None
-          and q[2] <= 65535 and 2 * q[0] <= 65535   # the tensor-core kernels' grid limits
-          and tile_cache.bucket(q[-1]) == 192 and q[-1] % 8 == 0 and v_dim % 8 == 0 and v_dim <= 128
-          and rows > _splits.DECODE_MAX_ROWS
-          and _splits.native(call.spec.num_splits, q, k, call.q.dtype, "gpu") == 1)
+  # NativeKernels.forward: calls with segment ids run unsplit.
+  splits = 1 if call.segments is not None else call.spec.num_splits
+  return value_width_on(call.q.shape, call.k.shape, call.v.shape[-1], call.q.dtype,
+                        dense=call.dense is not None, splits=splits)
+
+
+def value_width_on(q_shape, k_shape, v_dim: int, dtype, *, dense: bool = False, splits=None,
+                   backward: bool = False, paged: bool = False) -> bool:
+  """Whether the native kernels read v at its own head dim, mirroring dispatch.cu's
+  ForwardTakesValueWidth (`backward`: TakesValueWidth; `paged`: a paged call, which the
+  decode kernels take): on the CPU always. On a GPU, 16-bit calls without a dense term whose
+  head dims are multiples of 8, in the decode kernels' forward (short queries, split-KV or
+  paged K/V; the tile takes the wider dim, each side's columns past its own arrive as zeros)
+  and in both directions of the Hopper kernels of the (q/k 192, v 128) bucket pair, MLA's
+  widths. `splits` is the call's num_splits request (None: automatic)."""
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    return True
+  q_dim = q_shape[-1]
+  if (device.platform != "gpu" or dense or np.dtype(dtype).itemsize != 2 or q_dim % 8 or v_dim % 8
+      or max(q_dim, v_dim) > 256):
+    return False
+  B, T, N, K = q_shape[0], q_shape[1], q_shape[2], k_shape[2]
+  if N > 65535 or K > 65535 or 2 * B > 65535:   # the tensor-core kernels' grid limits
+    return False
+  capability = getattr(device, "compute_capability", "")
+  try:
+    major = float(capability)
+  except ValueError:
+    return False
+  if not backward and major >= 8.0 and (
+      paged or T * (N // K) <= _splits.DECODE_MAX_ROWS
+      or _splits.native(splits, q_shape, k_shape, dtype, "gpu") > 1):
+    return True   # the decode kernels (decode::UseDecodeKernel)
+  return (capability == "9.0" and (_forced_tile or 0) < TILE_SM80 and tile_cache.bucket(q_dim) == 192
+          and v_dim <= 128)
+
+
+def backward_pad_width(q_shape, k_shape, v_dim: int, dtype, dense: bool) -> int:
+  """The head dim every operand of a native backward goes in at, or 0 when they go as they
+  are: a forward that kept v's own width (the decode kernels') whose backward kernels take
+  one head dim gets them all at the wider, zero-padded, and its gradients sliced back."""
+  if v_dim == q_shape[-1] or value_width_on(q_shape, k_shape, v_dim, dtype, dense=dense, backward=True):
+    return 0
+  return max(q_shape[-1], v_dim)
 
 
 def forced_tile_attr() -> int:

@@ -86,9 +86,10 @@ def _choose(q, vp, implementation) -> str:
     reason = f"the native paged kernels take float32, float16 and bfloat16, got {q.dtype}"
   elif max(q.shape[-1], vp.shape[-1]) > _core.max_head_dim("native"):
     reason = f"the native paged kernels take head_dim <= {_core.max_head_dim('native')} here"
-  elif vp.shape[-1] != q.shape[-1] and not _core.NativeKernels.takes_value_width():
+  elif vp.shape[-1] != q.shape[-1] and not _native.value_width_on(q.shape, vp.shape, vp.shape[-1],
+                                                                   q.dtype, paged=True):
     reason = ("the native paged kernels take a value head dim that differs from the key's on "
-              "the CPU only")
+              "the CPU, and on a GPU for 16-bit inputs whose head dims are multiples of 8")
   else:
     reason = _native.unavailable_reason(_core.platform())
   if implementation == "native" and reason:

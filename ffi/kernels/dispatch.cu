@@ -3,7 +3,8 @@
 // (MaskPolicy), so they add no instantiations here.
 //
 //   fp16/bf16, split-KV, paged K/V or a short query (decode::UseDecodeKernel)
-//       -> the decode kernels (GQA-packed rows, split keys), arch >= 80
+//       -> the decode kernels (GQA-packed rows, split keys), arch >= 80,
+//          bucket = the wider of q/k's and v's head dims (v keeps its own)
 //   fp16/bf16, arch == 90, buckets 64, 128, 192, 256
 //       -> sm90 kernels (wgmma), when the build has sm_90a code; a call
 //          whose v has a head dim of its own (MLA: q/k in (128, 192], v up
@@ -74,10 +75,12 @@ bool Sm90Allowed(int tile, const CudaDevice& device) {
 #endif
 }
 
+// The decode kernels' tile takes the wider of q/k's and v's head dims.
 template <typename T>
 Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool tma = Sm90Allowed(p.tile, device);  // with kTileSm80, the cp.async loader (tests)
-  switch (HeadDimBucket(p.shape.head_dim)) {
+  const AttentionShape& sh = p.shape;
+  switch (HeadDimBucket(sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim)) {
     case 32: return decode::LaunchDecode<T, 32>(p, device, stream, tma);
     case 64: return decode::LaunchDecode<T, 64>(p, device, stream, tma);
     case 96: return decode::LaunchDecode<T, 96>(p, device, stream, tma);
@@ -90,10 +93,11 @@ Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t s
 
 // Whether the kernels read v at a head dim of its own (else every kernel
 // takes q, k and v at one, and the Python side pads the narrower:
-// _native.takes_value_width mirrors this): the Hopper kernels of the
-// (192, 128) bucket pair, for 16-bit calls without a dense term, and in the
-// forward of training-length queries (the decode, split-KV and sm80 kernels
-// take one head dim).
+// _native.takes_value_width mirrors this). The training kernels: the Hopper
+// kernels of the (192, 128) bucket pair, for 16-bit calls without a dense
+// term (forward and backward; the sm80 kernels take one head dim). The
+// decode kernels (split-KV, paged K/V, short queries), forward only: 16-bit
+// calls without a dense term whose v_dim is a multiple of 8, at any widths.
 template <typename Params>
 bool TakesValueWidth(const Params& p, const CudaDevice& device) {
   const AttentionShape& sh = p.shape;
@@ -101,7 +105,14 @@ bool TakesValueWidth(const Params& p, const CudaDevice& device) {
          HeadDimBucket(sh.head_dim) == 192 && sh.v_dim() % 8 == 0 && sh.v_dim() <= 128;
 }
 bool ForwardTakesValueWidth(const FwdParams& p, const CudaDevice& device) {
-  return TakesValueWidth(p, device) && !decode::UseDecodeKernel(p);
+  const AttentionShape& sh = p.shape;
+  if (decode::UseDecodeKernel(p)) {
+    AttentionShape wider = sh;  // the decode tile's width (DecodeBucket)
+    wider.head_dim = sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim;
+    return TensorCoreRefusal(p.dtype, sh, device).empty() && TensorCoreRefusal(p.dtype, wider, device).empty() &&
+           !p.dense.On() && sh.v_dim() % 8 == 0;
+  }
+  return TakesValueWidth(p, device);
 }
 
 template <typename T>
@@ -221,9 +232,10 @@ static Status HeadDimRefusal(const AttentionShape& sh, bool own_value_width = fa
     return Status::Unimplemented("the CUDA kernels take one head dim for q, k and v, got " +
                                  std::to_string(sh.head_dim) + " and " + std::to_string(sh.v_dim()));
   }
-  if (sh.head_dim <= kMaxCudaHeadDim) return Status::Ok();
+  const int64_t widest = sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim;
+  if (widest <= kMaxCudaHeadDim) return Status::Ok();
   return Status::Unimplemented("the CUDA kernels support head_dim <= " + std::to_string(kMaxCudaHeadDim) +
-                               ", got " + std::to_string(sh.head_dim));
+                               ", got " + std::to_string(widest));
 }
 
 Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {

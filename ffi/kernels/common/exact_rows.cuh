@@ -141,22 +141,23 @@ struct ExactQueryRow {
 // One output row with the whole warp (lane = column; no shuffles), for the
 // decode kernel, which flags rows in shared memory and gives each flagged row
 // a warp: over the keys [r.begin, r.end) that row `r` (any type with begin,
-// end, dim, Key(j), Value(j), Sees(j) and Bias(j), the pair's ALiBi bias in
-// log2 units) sees, given its (correct) natural-log LSE;
-// store(d, value) writes column d. An LSE of -inf (a split whose visible
-// scores are all -inf) weighs every value 0, so only a non-finite value shows.
+// end, dim (q and k's), vdim (v and o's), Key(j), Value(j), Sees(j) and
+// Bias(j), the pair's ALiBi bias in log2 units) sees, given its (correct)
+// natural-log LSE; store(d, value) writes column d. An LSE of -inf (a split
+// whose visible scores are all -inf) weighs every value 0, so only a
+// non-finite value shows.
 template <typename T, typename Row, typename Store>
 __device__ __forceinline__ void ExactOutputOf(const Row& r, const T* q_row, float scale, float softcap, float lse,
                                               int lane, Store&& store) {
-  for (int c0 = 0; c0 < r.dim; c0 += 32) {
+  for (int c0 = 0; c0 < r.vdim; c0 += 32) {
     const int d = c0 + lane;
     float acc = 0.f;
     for (int j = r.begin; j < r.end; ++j) {
       if (!r.Sees(j)) continue;
       const float prob = lse == -INFINITY ? 0.f : PairOf(q_row, r.Key(j), scale, softcap, lse, r.dim, r.Bias(j)).prob;
-      if (d < r.dim) acc += prob * At(r.Value(j), d);
+      if (d < r.vdim) acc += prob * At(r.Value(j), d);
     }
-    if (d < r.dim) store(d, acc);
+    if (d < r.vdim) store(d, acc);
   }
 }
 

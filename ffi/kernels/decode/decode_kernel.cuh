@@ -20,7 +20,10 @@
 //
 // K/V rows are addressed through PagedKv::Row, so the same kernel reads a
 // dense cache or a paged one; keys past the batch element's length are
-// zero-filled and never read.
+// zero-filled and never read. V may have a head dim of its own (MLA): the
+// tile's kD is the wider of the two, each side's columns past its own dim
+// land as zeros in shared memory (nothing padded in global memory, which
+// the decode step's bandwidth would pay for), and O is stored at v's width.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -113,7 +116,7 @@ __device__ __forceinline__ void LoadPackedQ(T* sQ, const FwdParams& p, const Pac
 // rows addressed through PagedKv::Row: the row type tc::ExactOutputOf takes.
 template <typename T>
 struct ExactPackedRow {
-  int begin, end, dim, batch, row;
+  int begin, end, dim, vdim, batch, row;  // dim: q and k's; vdim: v and o's
   const FwdParams& p;
   const MaskPolicy& pol;
   const T *k, *v;
@@ -123,19 +126,19 @@ struct ExactPackedRow {
       : begin(MaxInt(pol.KeyBegin(rows.QueryRow(r)), k0)),
         end(MinInt(pol.KeyEnd(rows.QueryRow(r)), k1)),
         dim(static_cast<int>(p_.shape.head_dim)),
+        vdim(static_cast<int>(p_.shape.v_dim())),
         batch(batch_),
         row(rows.QueryRow(r)),
         p(p_),
         pol(pol),
         k(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
-        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim),
+        v(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.v_dim()),
         alibi(Alibi::Of(p_.alibi, batch_, rows.Head(kv_head, r), p_.shape.q_heads)),
         diagonal(Alibi::Diagonal(pol, row)) {}
-  __device__ __forceinline__ int64_t RowOf(int j) const {
-    return p.paged.Row(batch, p.shape.kv_len, j) * p.shape.kv_row_stride();
-  }
-  __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j); }
-  __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j); }
+  // Key j's row among the cache's (dense or paged).
+  __device__ __forceinline__ int64_t RowOf(int j) const { return p.paged.Row(batch, p.shape.kv_len, j); }
+  __device__ __forceinline__ const T* Key(int j) const { return k + RowOf(j) * p.shape.kv_row_stride(); }
+  __device__ __forceinline__ const T* Value(int j) const { return v + RowOf(j) * p.shape.v_row_stride(); }
   __device__ __forceinline__ bool Sees(int j) const { return pol.SameSegment(row, j); }
   __device__ __forceinline__ float Bias(int j) const { return alibi.Bias(diagonal, static_cast<float>(j)); }
   Alibi alibi;  // the row's head's slope (common/alibi.h)
@@ -308,7 +311,7 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
     }
   }
   __syncthreads();
-  const int head_dim = static_cast<int>(sh.head_dim);
+  const int v_dim = static_cast<int>(sh.v_dim());  // O's columns (a tile's past v_dim are zeros)
   const bool partial = p.num_splits > 1;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -356,8 +359,8 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
   // whose LSE is not NaN (nor, unsplit, -inf: then the row is 0 / 0) flags it.
   constexpr int kChunks = kD / 8;
   const auto out_of = [&](int r) -> int64_t {
-    return partial ? rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r) * head_dim
-                   : rows.Offset(sh, batch, kv_head, r);
+    return partial ? rows.PartialRow(sh, p.num_splits, batch, split, kv_head, r) * v_dim
+                   : rows.OutOffset(sh, batch, kv_head, r);
   };
   const auto store = [&](int r, int col, const float* x, int n) {
     if (partial) {
@@ -370,7 +373,7 @@ __device__ __forceinline__ void DecodeCta(const FwdParams& p, const KvMaps& maps
   for (int idx = tid; idx < kM * kChunks; idx += kThreads) {
     const int row = idx / kChunks, col = (idx % kChunks) * 8;
     const int r = r0 + row;
-    if (r >= rows.total || col >= head_dim) continue;
+    if (r >= rows.total || col >= v_dim) continue;
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     if (seen(r)) {
       const float* src = sO + ((row / 16) * kWarpsN * 16 + row % 16) * kOStride + col;
@@ -423,7 +426,8 @@ bool TmaLoaderTakes(const FwdParams& p) {
 }
 
 // The K and V maps of the TMA loader: boxes of `rows` keys x 64 columns of
-// one K/V head, over [batch, kv_len] rows or, paged, [num_pages, page_size].
+// one K/V head, over [batch, kv_len] rows or, paged, [num_pages, page_size];
+// V's at its own head dim (a block past it is the TMA's zero fill).
 inline Status EncodeKvMaps(KvMaps* maps, const FwdParams& p, int rows) {
   AttentionShape sh = p.shape;
   if (p.paged.table != nullptr) {
@@ -434,7 +438,7 @@ inline Status EncodeKvMaps(KvMaps* maps, const FwdParams& p, int rows) {
   sh.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
   sh.batch = sh.batch > 0 ? sh.batch : 1;
   Status st = sm90::EncodeRowsMap(&maps->k, p.k, p.dtype, sh, false, rows);
-  return st.ok() ? sm90::EncodeRowsMap(&maps->v, p.v, p.dtype, sh, false, rows) : st;
+  return st.ok() ? sm90::EncodeRowsMap(&maps->v, p.v, p.dtype, sh, false, rows, sh.v_dim()) : st;
 }
 
 template <typename T, typename Tile, typename Kv>

@@ -96,27 +96,26 @@ __device__ __forceinline__ void LoadKvTile(T* stage, const T* gK, const T* gV, c
   using Slots = KvCopySlots<Tile>;
   if (Slots::Idle(tid)) return;
   const int col = Slots::Col(tid), row0 = Slots::First(tid), first = key0 + row0;
-  const bool col_ok = col < static_cast<int>(p.shape.head_dim);
-  const int64_t kv_row_stride = p.shape.kv_row_stride();
+  // V may be narrower than K (MLA; the tile is the wider's): its columns past
+  // v_dim, like K's past head_dim, are zero-filled.
+  const bool k_col = col < static_cast<int>(p.shape.head_dim), v_col = col < static_cast<int>(p.shape.v_dim());
+  const int64_t k_stride = p.shape.kv_row_stride(), v_stride = p.shape.v_row_stride();
   T* sK = stage + row0 * Tile::kStride + col;
   T* sV = sK + Tile::kN * Tile::kStride;
-  const auto copy = [&](int it, int64_t offset) {
-    const bool ok = col_ok && first + it < kv_valid;
-    tc::CpAsync16(tc::SmemAddr(sK + it * Tile::kStride), gK + offset, ok);
-    tc::CpAsync16(tc::SmemAddr(sV + it * Tile::kStride), gV + offset, ok);
+  const auto copy = [&](int it, int64_t kv_row) {
+    const bool ok = first + it < kv_valid;
+    tc::CpAsync16(tc::SmemAddr(sK + it * Tile::kStride), gK + kv_row * k_stride + col, ok && k_col);
+    tc::CpAsync16(tc::SmemAddr(sV + it * Tile::kStride), gV + kv_row * v_stride + col, ok && v_col);
   };
   if (p.paged.table == nullptr || PageEntries<Tile>::OnePage(p)) {
     // The thread's rows are consecutive in memory: dense, or within one page.
     const int64_t kv_row0 = p.paged.table == nullptr ? batch * p.shape.kv_len + first
                                                      : p.paged.PagedRow(first, pages.entry[0]);
-    const int64_t offset0 = kv_row0 * kv_row_stride + col;
 #pragma unroll
-    for (int it = 0; it < Slots::kRows; ++it) copy(it, offset0 + it * kv_row_stride);
+    for (int it = 0; it < Slots::kRows; ++it) copy(it, kv_row0 + it);
   } else {
 #pragma unroll
-    for (int it = 0; it < Slots::kRows; ++it) {
-      copy(it, p.paged.PagedRow(first + it, pages.entry[it]) * kv_row_stride + col);
-    }
+    for (int it = 0; it < Slots::kRows; ++it) copy(it, p.paged.PagedRow(first + it, pages.entry[it]));
   }
 }
 
@@ -137,7 +136,7 @@ struct CpAsyncKvStages {
                                              int kv_head, int kv_valid_, int tid_)
       : stages(reinterpret_cast<T*>(base)),
         gK(static_cast<const T*>(p_.k) + int64_t(kv_head) * p_.shape.head_dim),
-        gV(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.head_dim),
+        gV(static_cast<const T*>(p_.v) + int64_t(kv_head) * p_.shape.v_dim()),
         p(p_),
         batch(batch_),
         kv_valid(kv_valid_),

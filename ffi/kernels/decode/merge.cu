@@ -51,10 +51,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1) MergeSplitsKernel(const FwdPar
                                                  // return: the block meets at __syncthreads)
   const int64_t batch = real ? row / per_batch : 0, within = real ? row % per_batch : 0;
   const int splits = p.num_splits;
-  const int head_dim = static_cast<int>(sh.head_dim);
-  // Split s of this row: lse at lse_s[s * per_batch], output at o_s[s * per_batch * head_dim].
+  const int v_dim = static_cast<int>(sh.v_dim());  // o and its partials take the value's head dim
+  // Split s of this row: lse at lse_s[s * per_batch], output at o_s[s * per_batch * v_dim].
   const float* lse_s = p.lse_partial + batch * splits * per_batch + within;
-  const float* o_s = p.o_partial + (batch * splits * per_batch + within) * head_dim;
+  const float* o_s = p.o_partial + (batch * splits * per_batch + within) * v_dim;
 
   // The rule of common/decode.h: splits that saw no key of the row are
   // skipped, a row no split saw gets O = 0 and kEmptyRowLse, a NaN split LSE
@@ -80,10 +80,10 @@ __global__ void __launch_bounds__(32 * kWarps, 1) MergeSplitsKernel(const FwdPar
   }
   // Every split stored all its rows (zeros where it saw no key), so every load
   // below reads written memory; a skipped split's value is loaded, then unused.
-  T* out = static_cast<T*>(p.o) + row * head_dim;
-  for (int d0 = 0; d0 < head_dim; d0 += 32 * 4) {  // the same trip count on every thread (__syncthreads)
+  T* out = static_cast<T*>(p.o) + row * v_dim;
+  for (int d0 = 0; d0 < v_dim; d0 += 32 * 4) {  // the same trip count on every thread (__syncthreads)
     const int d = d0 + lane * 4;
-    const bool mine = real && d < head_dim;
+    const bool mine = real && d < v_dim;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int s0 = part; merge.seen && s0 < splits; s0 += warps_per_row * kBatch) {
       float x[kBatch];
@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(32 * kWarps, 1) MergeSplitsKernel(const FwdPar
       for (int u = 0; u < kBatch; ++u) {  // every load issued before any is used
         const int s = s0 + u * warps_per_row;
         x[u] = lse(s);
-        v[u] = mine && s < splits ? *reinterpret_cast<const float4*>(o_s + int64_t(s) * per_batch * head_dim + d)
+        v[u] = mine && s < splits ? *reinterpret_cast<const float4*>(o_s + int64_t(s) * per_batch * v_dim + d)
                                   : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
@@ -134,7 +134,7 @@ template <typename T>
 Status LaunchMergeSplits(const FwdParams& p, cudaStream_t stream) {
   const int64_t rows = p.shape.batch * p.shape.q_len * p.shape.q_heads;
   if (rows == 0) return Status::Ok();
-  if (p.shape.head_dim % 4 != 0) return Status::Unimplemented("split merge needs head_dim % 4 == 0");
+  if (p.shape.v_dim() % 4 != 0) return Status::Unimplemented("split merge needs the value's head_dim % 4 == 0");
   const int warps_per_row = WarpsPerRow(p.num_splits);
   const int64_t blocks = CeilDiv(rows, kWarps / warps_per_row);
   if (blocks >= (int64_t{1} << 31)) return Status::Unimplemented("split merge: too many rows");
