@@ -155,10 +155,10 @@ def value_width_on(q_shape, k_shape, v_dim: int, dtype, *, dense: bool = False, 
     return False
   capability = getattr(device, "compute_capability", "")
   try:
-    major = float(capability)
+    tensor_cores = float(capability) >= 8.0
   except ValueError:
     return False
-  if not backward and major >= 8.0 and (
+  if not backward and tensor_cores and (
       paged or T * (N // K) <= _splits.DECODE_MAX_ROWS
       or _splits.native(splits, q_shape, k_shape, dtype, "gpu") > 1):
     return True   # the decode kernels (decode::UseDecodeKernel)

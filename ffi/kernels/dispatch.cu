@@ -93,11 +93,11 @@ Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t s
 
 // Whether the kernels read v at a head dim of its own (else every kernel
 // takes q, k and v at one, and the Python side pads the narrower:
-// _native.takes_value_width mirrors this). The training kernels: the Hopper
+// _native.value_width_on mirrors this). The training kernels: the Hopper
 // kernels of the (192, 128) bucket pair, for 16-bit calls without a dense
 // term (forward and backward; the sm80 kernels take one head dim). The
 // decode kernels (split-KV, paged K/V, short queries), forward only: 16-bit
-// calls without a dense term whose v_dim is a multiple of 8, at any widths.
+// calls without a dense term whose head dims are multiples of 8.
 template <typename Params>
 bool TakesValueWidth(const Params& p, const CudaDevice& device) {
   const AttentionShape& sh = p.shape;
