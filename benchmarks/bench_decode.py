@@ -54,7 +54,7 @@ def paged_layout(k, v, page_size: int, seed: int = 0):
   order = np.random.default_rng(seed).permutation(B * per_seq)
   table = jnp.asarray(order.reshape(B, per_seq), jnp.int32)
   inverse = jnp.asarray(np.argsort(order))
-  to_pages = lambda x: x.reshape(B * per_seq, page_size, K, D)[inverse]
+  to_pages = lambda x: x.reshape(B * per_seq, page_size, K, x.shape[-1])[inverse]  # v may be narrower
   return to_pages(k), to_pages(v), table
 
 

@@ -120,10 +120,14 @@ def main():
 
 def decode_step(args):
   B, S, N, K = (int(x) for x in args.decode.split(","))
-  D, T, splits = 128, args.q_len, args.splits or None
+  D, T, splits = args.head_dim, args.q_len, args.splits or None
+  Dv = args.v_head_dim or D
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q = jax.random.normal(keys[0], (B, T, N, D), jnp.bfloat16)
-  k, v = (jax.random.normal(key, (B, S, K, D), jnp.bfloat16) for key in keys[1:])
+  k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (B, S, K, Dv), jnp.bfloat16)
+  if args.pad_v:
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, D - Dv)])
   if args.page:
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
     from bench_decode import paged_layout  # the benchmark's shuffled pages
@@ -141,7 +145,9 @@ def decode_step(args):
     call_args = (q, k, v)
   for _ in range(2):
     jax.block_until_ready(f(*call_args))
-  print(f"ran decode {args.peer} B={B} kv={S} heads={N}/{K} q_len={T} page={args.page} "
+  if args.time:
+    print(f"call_us={1e6 * _measure.time_jitted(f, call_args):.2f}")
+  print(f"ran decode {args.peer} B={B} kv={S} heads={N}/{K} D={D} Dv={v.shape[-1]} q_len={T} page={args.page} "
         f"splits={args.splits or 'auto'}")
 
 

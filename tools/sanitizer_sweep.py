@@ -131,18 +131,21 @@ def candidate_sweep(rng):
 # Decode shapes (q_len 1..16, GQA 1/4/8), forced splits including more splits
 # than key tiles (and merges whose last block has rows past the end), and
 # paged caches whose tables hold out-of-range entries and whose lengths run
-# past the table: the kernels must clamp, never read outside.
+# past the table: the kernels must clamp, never read outside. A seventh entry
+# is the value's head dim (MLA: the decode kernels read v at its own).
 DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 2, 32),
-                 (1, 5, 200, 4, 1, 256), (1, 1, 300, 5, 1, 128)]
+                 (1, 5, 200, 4, 1, 256), (1, 1, 300, 5, 1, 128), (1, 2, 333, 8, 2, 192, 128),
+                 (2, 1, 150, 4, 1, 64, 96)]
 
 
 def decode_sweep(rng):
   n = 0
-  for (B, T, S, N, K, D), dtype, splits in itertools.product(
+  for (B, T, S, N, K, D, *Dv), dtype, splits in itertools.product(
       DECODE_SHAPES, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
+    Dv = Dv[0] if Dv else D
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
-    v = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, S, K, Dv)), dtype)
     lengths = rng.integers(0, S + 1, B).astype(np.int32)
     jax.block_until_ready(jaxflash.dot_product_attention(
         q, k, v, implementation="native", is_causal=True, causal_alignment="bottom_right",
@@ -150,7 +153,7 @@ def decode_sweep(rng):
     page_size = (1, 16, 24, 64, 8)[n % 5]  # 8+ (powers of two): the TMA loader's boxes on sm_90a
     pages = -(-S // page_size)
     kp = jnp.asarray(rng.standard_normal((pages, page_size, K, D)), dtype)
-    vp = jnp.asarray(rng.standard_normal((pages, page_size, K, D)), dtype)
+    vp = jnp.asarray(rng.standard_normal((pages, page_size, K, Dv)), dtype)
     table = rng.integers(-3, pages + 3, (B, pages + 2)).astype(np.int32)  # some out of range
     kv_lengths = rng.integers(0, 2 * S, B).astype(np.int32)            # some past the table
     paged = jax.jit(lambda q, t, n: jaxflash.paged_attention(q, kp, vp, t, n, num_splits=splits))
