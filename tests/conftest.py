@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import importlib.metadata
 import os
 import shutil
@@ -181,5 +182,50 @@ def random_inputs(rng, B, T, S, N, K, D, dtype, magnitude=1.0):
   return tuple(jnp.asarray(x, dtype) for x in (q, k, v))
 
 
-__all__ = ["HAS_GPU", "assert_within_budget", "max_abs", "numpy_reference", "random_inputs",
-           "tiered"]
+def value_width_case(rng, B, T, S, N, K, dqk, dv, dtype, **kw):
+  """An MLA-style call, the value's head dim `dv` its own: its inputs (q, k, v and an output
+  cotangent do) and, jitted, run(q, k, v, implementation) -> (o, lse) and
+  grads(q, k, v, implementation) -> (dq, dk, dv) of sum(o * do), with the keywords `kw`."""
+  import jaxflash
+  shapes = ((B, T, N, dqk), (B, S, K, dqk), (B, S, K, dv), (B, T, N, dv))
+  q, k, v, do = (jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def run(q, k, v, implementation):
+    return jaxflash.dot_product_attention(q, k, v, implementation=implementation, return_residual=True,
+                                          residual_dtype=jnp.float32, **kw)
+
+  @functools.partial(jax.jit, static_argnames="implementation")
+  def grads(q, k, v, implementation):
+    loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0].astype(jnp.float32) * do.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  return (q, k, v, do), run, grads
+
+
+def check_value_width_case(case, implementation):
+  """Output, LSE and every gradient of a value_width_case through `implementation` against
+  float64 (xla) under the tolerance rule, the baseline xla in the inputs' dtype."""
+  (q, k, v, _), run, grads = case
+  f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
+  with jax.enable_x64(True):
+    truth = run(f64(q), f64(k), f64(v), "xla")
+    truth_grads = grads(f64(q), f64(k), f64(v), "xla")
+  out, lse = run(q, k, v, implementation)
+  assert out.shape == q.shape[:-1] + v.shape[-1:] and lse.shape == q.shape[:-1]
+  base, base_lse = run(q, k, v, "xla")
+  assert_within_budget(out, truth[0], base, "o")
+  assert_within_budget(lse, truth[1], base_lse, "lse")
+  for name, g, t, b in zip("qkv", grads(q, k, v, implementation), truth_grads, grads(q, k, v, "xla")):
+    assert g.shape == t.shape
+    assert_within_budget(g, t, b, f"d{name}")
+
+
+def v_operand(hlo: str, target: str) -> str:
+  """The type of the v operand (the third) of the one traced call of FFI `target` in `hlo`."""
+  call, = [line for line in hlo.splitlines() if target in line]
+  return call.split(" : (")[1].split(")")[0].split(", ")[2]
+
+
+__all__ = ["HAS_GPU", "assert_within_budget", "check_value_width_case", "max_abs", "numpy_reference",
+           "random_inputs", "tiered", "v_operand", "value_width_case"]

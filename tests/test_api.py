@@ -13,15 +13,13 @@ The FFI handlers re-validate: a malformed direct ffi_call returns an error.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflash
-from conftest import assert_within_budget, max_abs, random_inputs
+from conftest import check_value_width_case, max_abs, random_inputs, value_width_case
 
 
 def _inputs(rng, B=2, T=33, S=29, N=4, K=2, D=16, dtype=jnp.float32):
@@ -457,41 +455,14 @@ def test_value_head_dim_may_differ_from_the_query_key_one(rng, impl, dqk, dv):
   rule (causal, GQA 2, ragged key lengths, an empty row), and forward mode."""
   if impl == "pallas" and dv > dqk:
     pytest.skip("one case of the Pallas interpreter is enough for the CPU suite")
-  B, T, S, N, K = 2, 21, 19, 4, 2
-  q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.float32)
-  k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.float32)
-  v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.float32)
-  do = jnp.asarray(rng.standard_normal((B, T, N, dv)), jnp.float32)
   kw = dict(is_causal=True, causal_alignment="bottom_right",
             key_value_seq_lengths=jnp.array([19, 7], jnp.int32),
             query_seq_lengths=jnp.array([21, 21], jnp.int32))
-
-  # Jitted, as users call it (eager, each operation compiles on its own, the
-  # Pallas interpreter's above all).
-  @functools.partial(jax.jit, static_argnames="implementation")
-  def run(q, k, v, implementation):
-    out, lse = jaxflash.dot_product_attention(q, k, v, implementation=implementation,
-                                              return_residual=True, residual_dtype=jnp.float32,
-                                              **kw)
-    return out, lse
-
-  @functools.partial(jax.jit, static_argnames="implementation")
-  def grads(q, k, v, implementation):
-    loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0] * do.astype(q.dtype))
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-  f64 = lambda x: np.asarray(x, np.float64)
-  with jax.enable_x64(True):
-    truth = run(*(jnp.asarray(f64(x)) for x in (q, k, v)), "xla")
-    truth_grads = grads(*(jnp.asarray(f64(x)) for x in (q, k, v)), "xla")
-  out, lse = run(q, k, v, impl)
-  assert out.shape == (B, T, N, dv) and lse.shape == (B, T, N)
-  base, base_lse = run(q, k, v, "xla")
-  assert_within_budget(out, truth[0], base, "o")
-  assert_within_budget(lse, truth[1], base_lse, "lse")
-  for name, g, t, b in zip("qkv", grads(q, k, v, impl), truth_grads, grads(q, k, v, "xla")):
-    assert g.shape == t.shape
-    assert_within_budget(g, t, b, f"d{name}")
+  # Jitted (value_width_case), as users call it: eager, each operation compiles
+  # on its own, the Pallas interpreter's above all.
+  case = value_width_case(rng, 2, 21, 19, 4, 2, dqk, dv, jnp.float32, **kw)
+  check_value_width_case(case, impl)
+  (q, k, v, _), run, _ = case
   # Forward mode: the tangent of the output equals the reverse-mode product.
   tq, tk, tv = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
   tangent = lambda impl: jax.jit(lambda *xs: jax.jvp(lambda q, k, v: run(q, k, v, impl)[0],

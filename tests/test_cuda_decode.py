@@ -9,8 +9,6 @@ GPU, the TMA-loading decode kernel against its cp.async twin bit for bit.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +17,8 @@ import pytest
 import jaxflash
 from jaxflash import _native, _splits
 from cases import MASKS
-from conftest import assert_within_budget, numpy_reference, random_inputs, tiered
+from conftest import (assert_within_budget, check_value_width_case, numpy_reference, random_inputs, tiered,
+                      v_operand, value_width_case)
 from test_cuda_kernels import _poison_allocator
 from test_native import attention, baseline, check_forward
 from test_paged import contiguous, make_cache
@@ -119,12 +118,6 @@ def test_paged_on_gpu(rng, shape, page_size, dtype):
       np.testing.assert_array_equal(np.asarray(paged, np.float32), np.asarray(dense, np.float32))
 
 
-def _v_operand(hlo: str, target: str) -> str:
-  """The type of the v operand (the third) of the traced call of FFI `target`."""
-  call, = [line for line in hlo.splitlines() if target in line]
-  return call.split(" : (")[1].split(")")[0].split(", ")[2]
-
-
 @pytest.mark.parametrize("dqk, dv", [(192, 128), (64, 128), (128, 96)])
 def test_decode_value_width_of_its_own(rng, dqk, dv):
   """MLA-style widths in the decode kernels: v, its pages and O at v's own head dim (the
@@ -154,36 +147,22 @@ def test_decode_value_width_of_its_own(rng, dqk, dv):
       truth = jaxflash.dot_product_attention(f64(q), f64(k), f64(v), implementation="xla", **lengths_kw)
     base = baseline(q, k, v, **lengths_kw)[0]
     paged = lambda q, kp, vp: jaxflash.paged_attention(q, kp, vp, table, kv_lengths)
-    assert _v_operand(jax.jit(paged).lower(q, kp, vp).as_text(), "@jaxflash_paged_fwd").endswith(f"x{dv}xbf16>")
+    assert v_operand(jax.jit(paged).lower(q, kp, vp).as_text(), "@jaxflash_paged_fwd").endswith(f"x{dv}xbf16>")
     assert_within_budget(paged(q, kp, vp), truth, base, f"paged output, page {page}")
     for splits in (1, 4):
       run = lambda q, k, v: jaxflash.dot_product_attention(q, k, v, implementation="native",
                                                            num_splits=splits, **lengths_kw)
-      assert _v_operand(jax.jit(run).lower(q, k, v).as_text(), "@jaxflash_fwd").endswith(f"x{dv}xbf16>")
+      assert v_operand(jax.jit(run).lower(q, k, v).as_text(), "@jaxflash_fwd").endswith(f"x{dv}xbf16>")
       assert_within_budget(run(q, k, v), truth, base, f"output, num_splits={splits}")
 
-  T, S = 4, 500
-  q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.bfloat16)
-  do = jnp.asarray(rng.standard_normal((B, T, N, dv)), jnp.bfloat16)
-  lengths_kw = dict(kw, key_value_seq_lengths=jnp.array([500, 3, 0], jnp.int32))
-
-  @functools.partial(jax.jit, static_argnames="implementation")
-  def grads(q, k, v, implementation):
-    loss = lambda q, k, v: jnp.sum(jaxflash.dot_product_attention(
-        q, k, v, implementation=implementation, **lengths_kw).astype(jnp.float32) * do)
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+  case = value_width_case(rng, B, 4, 500, N, K, dqk, dv, jnp.bfloat16, **kw,
+                          key_value_seq_lengths=jnp.array([500, 3, 0], jnp.int32))
+  (q, k, v, _), _, grads = case
   hlo = grads.lower(q, k, v, "native").as_text()
-  assert _v_operand(hlo, "@jaxflash_fwd").endswith(f"x{dv}xbf16>")
+  assert v_operand(hlo, "@jaxflash_fwd").endswith(f"x{dv}xbf16>")
   pair = getattr(jax.devices()[0], "compute_capability", "") == "9.0" and dqk == 192 and dv <= 128
-  assert _v_operand(hlo, "@jaxflash_bwd").endswith(f"x{dv if pair else max(dqk, dv)}xbf16>")
-  with jax.enable_x64(True):
-    truth_grads = grads(f64(q), f64(k), f64(v), "xla")
-  for name, g, t, b in zip("qkv", grads(q, k, v, "native"), truth_grads, grads(q, k, v, "xla")):
-    assert g.shape == t.shape
-    assert_within_budget(g, t, b, f"d{name}")
+  assert v_operand(hlo, "@jaxflash_bwd").endswith(f"x{dv if pair else max(dqk, dv)}xbf16>")
+  check_value_width_case(case, "native")
 
 
 def _poison_past_lengths(kp, vp, table, lengths, k, v):

@@ -9,7 +9,6 @@ tier still runs every family, dtype, head-dim bucket and mask.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +17,7 @@ import pytest
 
 import jaxflash
 from cases import MASKS
-from conftest import assert_within_budget, random_inputs, tiered
+from conftest import check_value_width_case, random_inputs, tiered, v_operand, value_width_case
 from test_native import attention, check_forward, check_gradients
 
 pytestmark = pytest.mark.gpu
@@ -239,43 +238,16 @@ def test_value_width_of_its_own(rng, dqk, dv):
   gradient against float64 under the tolerance rule (bf16, causal bottom-right, GQA 2,
   ragged lengths, an empty row; 300 queries: past the decode kernels' packed rows). v 64
   leaves the pair's second 64-column block wholly past the tensor (zero-filled, not stored)."""
-  B, T, S, N, K = 2, 300, 333, 4, 2
-  q = jnp.asarray(rng.standard_normal((B, T, N, dqk)), jnp.bfloat16)
-  k = jnp.asarray(rng.standard_normal((B, S, K, dqk)), jnp.bfloat16)
-  v = jnp.asarray(rng.standard_normal((B, S, K, dv)), jnp.bfloat16)
-  do = jnp.asarray(rng.standard_normal((B, T, N, dv)), jnp.bfloat16)
   kw = dict(is_causal=True, causal_alignment="bottom_right",
             key_value_seq_lengths=jnp.array([333, 120], jnp.int32),
             query_seq_lengths=jnp.array([300, 0], jnp.int32))
-
-  @functools.partial(jax.jit, static_argnames="implementation")
-  def run(q, k, v, implementation):
-    return jaxflash.dot_product_attention(q, k, v, implementation=implementation, return_residual=True,
-                                          residual_dtype=jnp.float32, **kw)
-
-  @functools.partial(jax.jit, static_argnames="implementation")
-  def grads(q, k, v, implementation):
-    loss = lambda q, k, v: jnp.sum(run(q, k, v, implementation)[0].astype(jnp.float32) * do)
-    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
+  case = value_width_case(rng, 2, 300, 333, 4, 2, dqk, dv, jnp.bfloat16, **kw)
+  (q, k, v, _), _, grads = case
   own = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
   hlo = grads.lower(q, k, v, "native").as_text()
   for target in ("@jaxflash_fwd", "@jaxflash_bwd"):
-    call, = [line for line in hlo.splitlines() if target in line]
-    v_type = call.split(" : (")[1].split(")")[0].split(", ")[2]  # the operands' types: q, k, v, ...
-    assert v_type.endswith(f"x{dv}xbf16>") == own, (target, v_type)
-  f64 = lambda x: jnp.asarray(np.asarray(x, np.float64))
-  with jax.enable_x64(True):
-    truth = run(f64(q), f64(k), f64(v), "xla")
-    truth_grads = grads(f64(q), f64(k), f64(v), "xla")
-  out, lse = run(q, k, v, "native")
-  base, base_lse = run(q, k, v, "xla")
-  assert out.shape == (B, T, N, dv)
-  assert_within_budget(out, truth[0], base, "o")
-  assert_within_budget(lse, truth[1], base_lse, "lse")
-  for name, g, t, b in zip("qkv", grads(q, k, v, "native"), truth_grads, grads(q, k, v, "xla")):
-    assert g.shape == t.shape
-    assert_within_budget(g, t, b, f"d{name}")
+    assert v_operand(hlo, target).endswith(f"x{dv}xbf16>") == own, target
+  check_value_width_case(case, "native")
 
 
 # ------------------------------------------------------------------ the fused Hopper backward
