@@ -14,9 +14,11 @@
 //          head dim >= head_dim; the kernels zero-pad the rest.
 //   everything else (float32 in particular)
 //       -> SIMT kernels (fp32 arithmetic, every dtype and head dim).
-//   A dense bias or mask (params.h DenseParams) runs the sm80 kernels on
-//   every arch (fp16/bf16 only; no decode, split-KV or SIMT path takes one),
-//   and its bias's gradient the sm80 bias-gradient kernel.
+//   A dense bias or mask (params.h DenseParams): the forward on the sm90
+//   dense tile at D 64 and 128 (without a soft-cap or segment ids), else the
+//   sm80 kernels on every arch (fp16/bf16 only; no decode, split-KV or SIMT
+//   path takes one); the backward on the sm80 kernels, and its bias's
+//   gradient the sm80 bias-gradient kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -123,7 +125,7 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
     return sm90::LaunchForward<T, 192, 128>(p, device, stream);
   }
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90Allowed(p.tile, device) && !dense) {
+  if (Sm90Allowed(p.tile, device) && (!dense || bucket <= 128)) {  // D 64 and 128 have a dense tile
     switch (bucket) {
       case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchForward<T, 128>(p, device, stream);

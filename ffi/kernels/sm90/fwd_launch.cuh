@@ -24,19 +24,26 @@ namespace sm90 {
 // kDv: the value's head dim where a bucket pair has tiles of its own (MLA).
 template <int kD, int kDv = kD>
 struct FwdCandidates;
+// The tile of calls with a dense bias or mask (the last candidate of D 64 and
+// 128; the other buckets leave such calls to the sm80 kernels): 64-key
+// tiles, whose registers leave room for the dense term's; NOT yet measured.
+template <int kD>
+using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 6 : 4, 2, false, true, kD, true>;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
 // (SmallGrid), or -1 where none was measured to win there.
 template <>
 struct FwdCandidates<64> {
   using type = TileList<WsFwdTile<64, 128, 4>, WsFwdTile<64, 128, 4, 2, false>, WsFwdTile<64, 64, 6, 3>,
                         FwdTile<64, 1, 128, 3>, WsFwdTile<64, 128, 4, 2, false, true>,
-                        WsFwdTile<64, 128, 4, 3, false, true>, WsFwdTile<64, 64, 6, 4, false, true>>;
+                        WsFwdTile<64, 128, 4, 3, false, true>, WsFwdTile<64, 64, 6, 4, false, true>,
+                        DenseFwdTile<64>>;
   static constexpr int kSmallGrid = 3;  // the cp.async kernel's 64-row tiles
 };
 template <>
 struct FwdCandidates<128> {
   using type = TileList<WsFwdTile<128, 128, 2, 2, false>, FwdTile<128, 2, 128>,
-                        WsFwdTile<128, 128, 2, 2, false, true>, WsFwdTile<128, 64, 4, 2, false, true>>;
+                        WsFwdTile<128, 128, 2, 2, false, true>, WsFwdTile<128, 64, 4, 2, false, true>,
+                        DenseFwdTile<128>>;
   static constexpr int kSmallGrid = -1;
 };
 // D 192 (q/k of MLA-style models, and any head dim in (128, 192]): beside
@@ -115,10 +122,10 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
   }
 }
 
-// A call with segment ids, a soft-cap or ALiBi slopes runs the pick if that
-// tile takes them (TileTakes), else the first warp-specialised candidate that
-// does, else the first that does (PickTaking); with none, the sm80 kernels,
-// which take everything.
+// A call with segment ids, a soft-cap, ALiBi slopes or a dense term runs the
+// pick if that tile takes them (TileTakes), else the first warp-specialised
+// candidate that does, else the first that does (PickTaking); with none, the
+// sm80 kernels, which take everything.
 template <typename T, int kD, int kDv>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Candidates = typename FwdCandidates<kD, kDv>::type;
@@ -126,7 +133,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   // A cached preference (`python -m jaxflash.tune`) was measured without a cap
   // or segment ids, on grids that fill the GPU: it yields to those; a forced
   // tile does not.
-  bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr;
+  bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr || p.dense.On();
   if (SmallGrid<kD, kDv>(p, device, pick)) {
     pick = FwdCandidates<kD>::kSmallGrid;
     yield = true;

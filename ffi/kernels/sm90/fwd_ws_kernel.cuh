@@ -54,11 +54,21 @@ namespace jaxflash {
 namespace sm90 {
 
 // kDv_: the value's (and the output's) head dim, where it is narrower than
-// the query/key one (MLA-style calls at their own widths).
+// the query/key one (MLA-style calls at their own widths). kDense_: a tile for
+// calls with a dense bias or mask (dense_tile.cuh), which the others leave to
+// the sm80 kernels.
 template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false,
-          int kDv_ = kD_>
+          int kDv_ = kD_, bool kDense_ = false>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
+  // A dense tile reads its bias and mask entry by entry where the scores
+  // land (DenseTile::ApplyRows, after the scale: ScaleAndMask's path), and
+  // records the rows its mask leaves a key (DenseTile::Seen): a row the mask
+  // empties is empty, as the contract says. It takes no soft-cap, segment ids
+  // or ALiBi beside them (such calls run the sm80 kernels): with ALiBi's raw
+  // units its loop held a division's slow-path call among wgmma in flight,
+  // which serialised every wgmma of the kernel (ptxas C7510).
+  static constexpr bool kTakesDense = kDense_;
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
   static_assert(kDv <= kD && kDv % 64 == 0, "O fits Q's buffer, in whole 64-column blocks");
@@ -91,7 +101,7 @@ struct WsFwdTile {
   // docs/performance-log.md). D 256's tiles take it where their epilogue's
   // staging row is unhoisted (kUnhoistedRow, kCapKernel below): hoisted, its
   // addresses spilled 28-212 bytes beside the cap.
-  static constexpr bool kTakesSoftCap = kD >= 128 || (kD == 64 && kConsumers == 2);
+  static constexpr bool kTakesSoftCap = !kTakesDense && (kD >= 128 || (kD == 64 && kConsumers == 2));
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
   // for every tile, for A/B runs: segment calls then take the static walk.
   static constexpr bool kDynamicWalkOn = true;
@@ -105,13 +115,14 @@ struct WsFwdTile {
   // bytes with them, leaves them out (WsWalk::kSegments), so without the
   // dynamic walk it takes none.
   static constexpr bool kTakesSegments =
-      !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3));
+      !kTakesDense && !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
   // scale-folded exponent): not on D 256's 80-key tile (148 bytes of spills
   // with the staging row unhoisted; its 64-key tile takes them), nor at D 64
   // with three or four consumers and O apart, whose consumers it spilled
   // (28-264 bytes).
-  static constexpr bool kTakesAlibi = !((kD == 256 && kN > 64) || (kD == 64 && kConsumers >= 3 && kSeparateO_));
+  static constexpr bool kTakesAlibi =
+      !kTakesDense && !((kD == 256 && kN > 64) || (kD == 64 && kConsumers >= 3 && kSeparateO_));
   // Whether segment ids run a kernel of the dynamic walk (WsWalk): where it
   // builds without spills (with three or four consumers, D 64's O apart and
   // D 256 it spilled 4-144 bytes).
@@ -477,6 +488,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     tc::OnlineSoftmax<1> softmax;
     softmax.Init();
     float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
+    unsigned seen = 0;     // a dense tile's rows that met a key its mask shows (DenseTile::Seen)
 
     if (w.Empty()) {
       more = walk.ConsumerNext(p, sched, walk.ConsumerTake(sm), &next);
@@ -523,6 +535,15 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
+          if constexpr (Tile::kTakesDense) {
+            if (p.dense.On()) {  // scaled first, then the bias (log2 units) and the hidden pairs at -inf
+              const tc::DenseTile dense = tc::DenseTile::Of(p, w.tile.batch, w.tile.head, tc::DenseTile::kMixed);
+              tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
+                               tc::AlibiBias{}, &dense);
+              dense.Seen<1, kNT>(seen, w.pol, r0 + warp_row0, c0, lane);
+              return softmax.Scores<true>(s, alpha);
+            }
+          }
           if constexpr (kCapCode) {
             // The cap is built from the parameters where each factor is used
             // (score_mod.cuh), so neither is held across the other's loop.
@@ -655,7 +676,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     // ---- epilogue
     const int g = lane >> 2, t = lane & 3;
     softmax.Rescale(o, inv);
-    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
+    unsigned rows_seen = ~0u;  // (every lane of the warp is here: QuadSeen's shuffles)
+    if constexpr (Tile::kTakesDense) rows_seen = tc::DenseTile::Of(p, w.tile.batch, w.tile.head).QuadSeen(seen);
+    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane, rows_seen);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + warp_row0 + g + half * 8;
@@ -705,7 +728,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     for (int half = 0; half < 2; ++half) {
       if (!(redo >> half & 1u)) continue;
       const int row = warp_row0 + g + half * 8;
-      tc::ExactOutputLane<T, kDvT, WsWalk<Tile, kDynamic>::kSegments, false, kOwnV>(
+      tc::ExactOutputLane<T, kDvT, WsWalk<Tile, kDynamic>::kSegments, Tile::kTakesDense, kOwnV>(
           p, w.tile.batch, w.tile.head, r0 + row, lse[half], t, [&](int dt, float2 x) {
             StoreShared32(sm.o + PairOffset<OTile>(row, dt, t), tc::ElemTraits<T>::Pack(x.x, x.y));
           });
