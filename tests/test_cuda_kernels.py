@@ -189,7 +189,7 @@ BUCKETS = [32, 64, 96, 128, 192, 256]
 
 
 @pytest.mark.parametrize("sm80", [False, True], ids=["arch", "sm80"])
-@pytest.mark.parametrize("candidate", tiered([1, 2, 3, 4, 5, 6, 7], [1]))
+@pytest.mark.parametrize("candidate", tiered([1, 2, 3, 4, 5, 6, 7, 8], [1]))
 @pytest.mark.parametrize("D", BUCKETS)
 def test_every_tile_candidate(rng, D, candidate, sm80):
   """Each compiled tile shape, not just the table's pick, forward and backward.

@@ -1,7 +1,8 @@
 """A dense `bias` and boolean `mask` in the fused implementations, against float64 truth.
 
-Native on the default backend (the C++ kernels on a CPU; on a GPU the sm80 tensor-core
-kernels in 16-bit types), Pallas (the interpreter on a CPU), each against
+Native on the default backend (the C++ kernels on a CPU; on a GPU the tensor-core kernels
+in 16-bit types: on Hopper the warp-specialised forward's dense tile at D 64 and 128, the
+sm80 kernels elsewhere and for the backward), Pallas (the interpreter on a CPU), each against
 numpy_reference with the bias added after the scores and the mask joining the mask
 rule; the yardstick is xla in the input dtype (tests/conftest.py's tolerance rule). Bias
 and mask shapes cover every broadcast pattern the kernels read with stride 0; masks hide
@@ -173,6 +174,19 @@ def test_gpu_native(rng, dtype):
                                         ((2, 200, 192, 4, 4, 64), ("BNTS", "BNTS"))]:
     check(rng, shape, "none", dtype, "native", bias_axes, mask_axes, bias_dtype=dtype,
           blocks=True)
+
+
+@pytest.mark.gpu
+def test_gpu_native_sm80_family(rng):
+  """The sm80 kernels' dense forward where Hopper runs the warp-specialised dense tile
+  (D 64 and 128), forced: full and broadcast terms, the bias staged and in float32."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  with _native.forced_tile(0, sm80=True):
+    check(rng, (2, 300, 296, 4, 2, 64), "causal", jnp.bfloat16, "native", "BNTS", "BNTS",
+          bias_dtype=jnp.bfloat16)
+    check(rng, (1, 129, 200, 8, 8, 128), "lengths_causal_bottom_right", jnp.bfloat16, "native", "NTS",
+          "BTS")
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@
 //   everything else (float32 in particular)
 //       -> SIMT kernels (fp32 arithmetic, every dtype and head dim).
 //   A dense bias or mask (params.h DenseParams): the forward on the sm90
-//   dense tile at D 64 and 128 (without a soft-cap or segment ids), else the
+//   dense tile at D 64 and 128 (without a soft-cap, ALiBi or segment ids, and
+//   no forced tile), else the
 //   sm80 kernels on every arch (fp16/bf16 only; no decode, split-KV or SIMT
 //   path takes one); the backward on the sm80 kernels, and its bias's
 //   gradient the sm80 bias-gradient kernel.
@@ -125,7 +126,10 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
     return sm90::LaunchForward<T, 192, 128>(p, device, stream);
   }
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90Allowed(p.tile, device) && (!dense || bucket <= 128)) {  // D 64 and 128 have a dense tile
+  // D 64 and 128 have a dense tile; a dense call with a forced tile (tests)
+  // runs that candidate of the sm80 kernels, as before the tile existed.
+  const bool forced = !(p.tile & FwdParams::kTilePreferred) && p.tile % FwdParams::kTileSm80 != 0;
+  if (Sm90Allowed(p.tile, device) && (!dense || (bucket <= 128 && !forced))) {
     switch (bucket) {
       case 64: return sm90::LaunchForward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchForward<T, 128>(p, device, stream);
