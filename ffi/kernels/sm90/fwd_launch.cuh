@@ -26,9 +26,11 @@ template <int kD, int kDv = kD>
 struct FwdCandidates;
 // The tile of calls with a dense bias or mask (the last candidate of D 64 and
 // 128; the other buckets leave such calls to the sm80 kernels): 64-key
-// tiles, whose registers leave room for the dense term's; NOT yet measured.
+// tiles, whose registers leave room for the dense term's, and a staged bias
+// tile a stage (16 KiB): 4 stages and O apart at D 64 (160 KiB), 3 stages
+// and O in Q's buffer at D 128 (176 KiB). NOT yet measured.
 template <int kD>
-using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 6 : 4, 2, false, true, kD, true>;
+using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 4 : 2, 2, false, true, kD, true>;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
 // (SmallGrid), or -1 where none was measured to win there.
 template <>

@@ -149,6 +149,12 @@ struct WsFwdTile {
   using KTile = SwizzledTile<kN, kD>;
   using VTile = SwizzledTile<kN, kDv>;
   using OTile = SwizzledTile<kM, kDv>;  // O's staging: its own buffer, or Q's
+  // A dense tile's 16-bit bias, staged by the producer beside each K tile
+  // (its rows of the work tile x the tile's keys) where DenseTile::Stages
+  // says the layout allows a TMA box; read entry by entry otherwise.
+  using BiasTile = SwizzledTile<kM, kN>;
+  static constexpr size_t kBiasStageBytes = kTakesDense ? size_t(BiasTile::kBytes) : 0;
+  static_assert(!kTakesDense || kN == 64, "a staged bias tile is one 128-byte column block of 64 keys");
   // Registers per thread once the producer has handed its surplus over: 232
   // with two consumers, 160 with three, 112 with four (room for 64-key tiles
   // only).
@@ -162,7 +168,8 @@ struct WsFwdTile {
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
   static constexpr size_t kSmemFixedBytes = size_t(QTile::kBytes) * kQBuffers +
                                             (kSeparateO ? size_t(OTile::kBytes) : 0) +
-                                            kStages * size_t(KTile::kBytes + VTile::kBytes) + 8 * kBarriers + 8 + 1024;
+                                            kStages * (size_t(KTile::kBytes + VTile::kBytes) + kBiasStageBytes) +
+                                            8 * kBarriers + 8 + 1024;
   // (Batch element, row block)s whose order the dynamic walk ranks heaviest
   // first (TileScheduler::Ranked), two 16-bit entries each: up to 2048, as
   // many as the room left holds.
@@ -179,23 +186,26 @@ struct WsFwdTile {
 };
 
 // Where the buffers and barriers of a WsFwdTile sit in shared memory. O's
-// staging buffer is Q's own (its only one) unless the tile has a separate one.
+// staging buffer is Q's own (its only one) unless the tile has a separate one;
+// a dense tile's bias stages follow V's.
 template <typename Tile>
 struct WsFwdSmem {
-  uint32_t q, k, v, o, bars;
+  uint32_t q, k, v, bias, o, bars;
 
   __device__ __forceinline__ static WsFwdSmem At(uint32_t base) {
     WsFwdSmem s;
     s.q = base;
     s.k = s.q + Tile::kQBuffers * Tile::QTile::kBytes;
     s.v = s.k + Tile::kStages * Tile::KTile::kBytes;
-    const uint32_t after_v = s.v + Tile::kStages * Tile::VTile::kBytes;
-    s.o = Tile::kSeparateO ? after_v : s.q;
-    s.bars = Tile::kSeparateO ? after_v + Tile::OTile::kBytes : after_v;
+    s.bias = s.v + Tile::kStages * Tile::VTile::kBytes;
+    const uint32_t after_bias = s.bias + Tile::kStages * Tile::kBiasStageBytes;
+    s.o = Tile::kSeparateO ? after_bias : s.q;
+    s.bars = Tile::kSeparateO ? after_bias + Tile::OTile::kBytes : after_bias;
     return s;
   }
   __device__ __forceinline__ uint32_t K(int stage) const { return k + stage * Tile::KTile::kBytes; }
   __device__ __forceinline__ uint32_t V(int stage) const { return v + stage * Tile::VTile::kBytes; }
+  __device__ __forceinline__ uint32_t Bias(int stage) const { return bias + stage * Tile::kBiasStageBytes; }
   __device__ __forceinline__ uint32_t Q(int b) const { return q + b * Tile::QTile::kBytes; }
   __device__ __forceinline__ uint32_t QFull(int b) const { return bars + 8 * b; }
   __device__ __forceinline__ uint32_t QEmpty(int b) const { return QFull(Tile::kQBuffers + b); }
@@ -369,7 +379,7 @@ template <typename Tile, bool kDynamic>
 __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const WorkClaims& claims,
                                               const CUtensorMap& q_map, const CUtensorMap& k_map,
-                                              const CUtensorMap& v_map) {
+                                              const CUtensorMap& v_map, const CUtensorMap& bias_map) {
   constexpr int kN = Tile::kN, kBlocks = Tile::kD / 64, kVBlocks = Tile::kDv / 64;
   using QTile = typename Tile::QTile;
   using KTile = typename Tile::KTile;
@@ -405,9 +415,16 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
       const bool ragged_tail = w.pol.kv_valid < kv_len && c0 + kN > w.pol.kv_valid;
       if (lane == 0) {
         MBarrier::Wait(sm.KEmpty(s), ring.parity ^ 1);
-        MBarrier::ArriveExpectBytes(sm.KFull(s), KTile::kBytes);
+        // A staged bias tile joins K's barrier (the consumers read it with the scores).
+        const bool bias = Tile::kTakesDense && tc::DenseTile::Stages(p);
+        MBarrier::ArriveExpectBytes(sm.KFull(s), KTile::kBytes + (bias ? uint32_t(Tile::kBiasStageBytes) : 0u));
         for (int b = 0; b < kBlocks; ++b) {
           TmaLoad4d(sm.K(s) + b * KTile::kBlockBytes, k_map, sm.KFull(s), 64 * b, kv_head, c0, batch);
+        }
+        if (bias) {
+          const DenseTerm& t = p.dense.bias;
+          TmaLoad4d(sm.Bias(s), bias_map, sm.KFull(s), c0, w.r0, t.head_stride != 0 ? head : 0,
+                    t.batch_stride != 0 ? batch : 0);
         }
         MBarrier::Wait(sm.VEmpty(s), ring.parity ^ 1);
         const uint32_t bar = ragged_tail ? sm.Tail() : sm.VFull(s);
@@ -431,6 +448,31 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 }
 
 // ------------------------------------------------------------------ consumer
+// Adds a staged bias tile (Tile::BiasTile, 16-bit, swizzled as the TMA wrote
+// it) to a warp's scores in log2 units: the warp's rows from `warp_row0` of
+// the work tile, a lane's pair of keys of each n8 tile one 32-bit word.
+template <typename Tile, int kNT>
+__device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile, int warp_row0, int lane, bool fp16) {
+  const int g = lane >> 2, t = lane & 3;
+  // (No helper lambda: an outlined call among wgmma in flight would have
+  // ptxas serialise every wgmma of the kernel. A bfloat16 is a float's top
+  // half.)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = warp_row0 + g + half * 8;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const uint32_t pair = LoadShared32(tile + PairOffset<typename Tile::BiasTile>(row, nt, t));
+      const float lo = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xffffu)))
+                            : __uint_as_float(pair << 16);
+      const float hi = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16)))
+                            : __uint_as_float(pair & 0xffff0000u);
+      s[nt][2 * half] += lo * tc::kLog2e;
+      s[nt][2 * half + 1] += hi * tc::kLog2e;
+    }
+  }
+}
+
 template <typename T, typename Tile, bool kDynamic, bool kCapped>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
@@ -537,9 +579,23 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           const int c0 = nb * kN;
           if constexpr (Tile::kTakesDense) {
             if (p.dense.On()) {  // scaled first, then the bias (log2 units) and the hidden pairs at -inf
-              const tc::DenseTile dense = tc::DenseTile::Of(p, w.tile.batch, w.tile.head, tc::DenseTile::kMixed);
-              tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
-                               tc::AlibiBias{}, &dense);
+              // Every tile's mask is read entry by entry (no vote: kMixed), where there is one.
+              tc::DenseTile dense = tc::DenseTile::Of(p, w.tile.batch, w.tile.head,
+                                                      p.dense.mask.On() ? tc::DenseTile::kMixed : tc::DenseTile::kShown);
+              if (tc::DenseTile::Stages(p)) {
+                // The bias tile the producer staged with K (released after this read).
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                  for (int i = 0; i < 4; ++i) s[0][nt][i] *= scale_log2;
+                AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, dense.bias_dtype == DType::kFloat16);
+                dense.bias = nullptr;  // the mask's part of ApplyRows only
+                dense.ApplyRows(s, r0 + warp_row0, c0, lane);
+                tc::ScaleAndMask<false>(s, w.pol, !kMasked, r0, warp_row0, c0, lane, 1.f);
+              } else {
+                tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
+                                 tc::SoftCap{}, tc::AlibiBias{}, &dense);
+              }
               dense.Seen<1, kNT>(seen, w.pol, r0 + warp_row0, c0, lane);
               return softmax.Scores<true>(s, alpha);
             }
@@ -593,7 +649,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         pass_turn();
         WgmmaWait<0>();
         FenceAccumulator(s[0]);
-        release(sm.KEmpty(ring.stage));
+        // (A dense tile's K stage holds its staged bias too: freed once read.)
+        if constexpr (!Tile::kTakesDense) release(sm.KEmpty(ring.stage));
         // Tiles all of this warpgroup's rows see whole skip the mask (as in
         // the loops below), the first one too: it has no P·V to hide its
         // softmax under.
@@ -603,6 +660,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         } else {
           softmax_step(nb, std::true_type{}, alpha);
         }
+        if constexpr (Tile::kTakesDense) release(sm.KEmpty(ring.stage));
         tc::PackAFragments<T>(s[0], pa);
         ring.Advance();
         // Steady state: S_n = Q·K_nᵀ and O += P_{n-1}·V_{n-1}; the softmax of
@@ -620,8 +678,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           pass_turn();
           WgmmaWait<1>();  // S is done; P·V may still run
           FenceAccumulator(s[0]);
-          release(sm.KEmpty(ring.stage));
+          if constexpr (!Tile::kTakesDense) release(sm.KEmpty(ring.stage));
           const bool moved = softmax_step(nb, masked, alpha);
+          if constexpr (Tile::kTakesDense) release(sm.KEmpty(ring.stage));
           WgmmaWait<0>();
           FenceAccumulator(o[0]);
           release(sm.VEmpty(prev.stage));
@@ -760,7 +819,8 @@ template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
-                const __grid_constant__ CUtensorMap o_map, int claim_slot) {
+                const __grid_constant__ CUtensorMap o_map, const __grid_constant__ CUtensorMap bias_map,
+                int claim_slot) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
@@ -786,14 +846,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     // S 1k causal ran 1.1% slower (H200).
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
-          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map);
+          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map, bias_map);
         },
         [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, scheduler(), o_map, consumer); });
   } else {
     const TileScheduler sched = scheduler();
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
-          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map);
+          if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map, bias_map);
         },
         [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, sched, o_map, consumer); });
   }
@@ -812,16 +872,19 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
   }
   AttentionShape maps_shape = sh;
   maps_shape.kv_len = sh.kv_len > 0 ? sh.kv_len : 1;  // a map needs a non-empty extent; no key is read then
-  CUtensorMap q_map, k_map, v_map, o_map;
+  CUtensorMap q_map, k_map, v_map, o_map, bias_map{};  // the bias map: a dense tile's staged bias only
   if (!(st = EncodeRowsMap(&q_map, p.q, p.dtype, maps_shape, true, Tile::kM)).ok() ||
       !(st = EncodeRowsMap(&k_map, p.k, p.dtype, maps_shape, false, Tile::kN)).ok() ||
       !(st = EncodeRowsMap(&v_map, p.v, p.dtype, maps_shape, false, Tile::kN, sh.v_dim())).ok() ||
       !(st = EncodeRowsMap(&o_map, p.o, p.dtype, maps_shape, true, 64, sh.v_dim())).ok()) {
     return st;
   }
+  if (Tile::kTakesDense && tc::DenseTile::Stages(p) && !(st = EncodeBiasMap(&bias_map, p.dense.bias, sh, Tile::kM)).ok()) {
+    return st;
+  }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
   WsFwdKernel<T, Tile, kDynamic, kCapped><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
-      p, q_map, k_map, v_map, o_map, kDynamic ? WorkClaims::NextSlot() : 0);
+      p, q_map, k_map, v_map, o_map, bias_map, kDynamic ? WorkClaims::NextSlot() : 0);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
 }
 

@@ -66,5 +66,37 @@ inline Status EncodeRowsMap(CUtensorMap* map, const void* base, DType dtype, con
   return Status::Ok();
 }
 
+// A map over a 16-bit dense bias (params.h DenseTerm) as [batch, heads,
+// q_len, kv_len] with its own strides, whose box is `rows` query rows x 64
+// keys (128 bytes: one 128-byte-swizzled block of SwizzledTile) of one
+// (batch, head). A broadcast batch or head axis (stride 0) is an axis of one
+// element, read at coordinate 0. Only for a bias whose keys are contiguous
+// and whose other strides are whole 16-byte units (DenseTile::Stages); rows
+// and keys past the call are zero-filled.
+inline Status EncodeBiasMap(CUtensorMap* map, const DenseTerm& bias, const AttentionShape& sh, int rows) {
+  EncodeTiledFn encode = TensorMapEncoder();
+  if (encode == nullptr) return Status::Internal("the CUDA driver has no cuTensorMapEncodeTiled");
+  const CUtensorMapDataType type =
+      bias.dtype == DType::kFloat16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  const int64_t q_len = sh.q_len > 0 ? sh.q_len : 1, kv_len = sh.kv_len > 0 ? sh.kv_len : 1;
+  const int64_t row_bytes = bias.row_stride * 2;
+  // A broadcast axis keeps a stride past the axes below it (never stepped along).
+  const int64_t head_bytes = bias.head_stride != 0 ? bias.head_stride * 2 : row_bytes * q_len;
+  const int64_t batch_bytes = bias.batch_stride != 0 ? bias.batch_stride * 2 : head_bytes * sh.q_heads;
+  const cuuint64_t dims[4] = {cuuint64_t(kv_len), cuuint64_t(q_len),
+                              cuuint64_t(bias.head_stride != 0 ? sh.q_heads : 1),
+                              cuuint64_t(bias.batch_stride != 0 ? sh.batch : 1)};
+  const cuuint64_t strides[3] = {cuuint64_t(row_bytes), cuuint64_t(head_bytes), cuuint64_t(batch_bytes)};
+  const cuuint32_t box[4] = {64, cuuint32_t(rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = encode(map, type, 4, const_cast<void*>(bias.data), dims, strides, box, unit,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    return Status::Internal("cuTensorMapEncodeTiled (bias) failed (error " + std::to_string(int(r)) + ")");
+  }
+  return Status::Ok();
+}
+
 }  // namespace sm90
 }  // namespace jaxflash

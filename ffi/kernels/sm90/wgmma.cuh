@@ -322,6 +322,11 @@ __device__ __forceinline__ uint32_t PairOffset(int row, int chunk, int t) {
 __device__ __forceinline__ void StoreShared32(uint32_t addr, uint32_t value) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(value) : "memory");
 }
+__device__ __forceinline__ uint32_t LoadShared32(uint32_t addr) {
+  uint32_t value;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(value) : "r"(addr) : "memory");
+  return value;
+}
 
 // Writes the transpose of a warp's 16 x 16 block held as an mma.sync A
 // fragment (PackAFragment: rows r of the block in a[0], a[2] for r < 8 and
