@@ -574,7 +574,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         // the exponent's FFMA (the usual case), and so does a cap's factor
         // (the scores become tanh: CapAndMask); any other scale is applied
         // first.
-        auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) {
+        // (Inlined by force: the dense tile's staged-bias branch made it large
+        // enough to be called, and a call among wgmma in flight has ptxas
+        // serialise every wgmma of the kernel, C7510.)
+        auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) __attribute__((always_inline)) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
           if constexpr (Tile::kTakesDense) {
