@@ -1,8 +1,9 @@
 """A dense `bias` and boolean `mask` in the fused implementations, against float64 truth.
 
 Native on the default backend (the C++ kernels on a CPU; on a GPU the tensor-core kernels
-in 16-bit types: on Hopper the warp-specialised forward's dense tile at D 64 and 128, the
-sm80 kernels elsewhere and for the backward), Pallas (the interpreter on a CPU), each against
+in 16-bit types: on Hopper the warp-specialised forward's dense tile for a 16-bit bias it
+stages without a mask at D 64 and 128, the sm80 kernels for the other dense calls and the
+backward), Pallas (the interpreter on a CPU), each against
 numpy_reference with the bias added after the scores and the mask joining the mask
 rule; the yardstick is xla in the input dtype (tests/conftest.py's tolerance rule). Bias
 and mask shapes cover every broadcast pattern the kernels read with stride 0; masks hide
@@ -174,6 +175,32 @@ def test_gpu_native(rng, dtype):
                                         ((2, 200, 192, 4, 4, 64), ("BNTS", "BNTS"))]:
     check(rng, shape, "none", dtype, "native", bias_axes, mask_axes, bias_dtype=dtype,
           blocks=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
+def test_gpu_native_staged_bias(rng, dtype):
+  """A 16-bit bias without a mask, its keys contiguous and its rows whole 16-byte units
+  (S a multiple of 8): on Hopper the warp-specialised forward's dense tile (D 64 and 128),
+  which stages the bias beside K by TMA. Full and broadcast biases (stride-0 batch and
+  head axes), rows and keys past the last tile's edge, GQA, every mask rule beside it; a
+  grid of more work tiles than SMs (each CTA walks several, its stages turning over); a
+  NaN in the bias makes its row NaN and no other."""
+  if not HAS_GPU:
+    pytest.skip("needs a GPU")
+  for shape, bias_axes, mask_name in [((2, 300, 296, 4, 2, 64), "BNTS", "causal"),
+                                      ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right"),
+                                      ((2, 200, 136, 4, 1, 128), "TS", "none"),
+                                      ((2, 70, 64, 8, 2, 64), "BTS", "lengths")]:
+    check(rng, shape, mask_name, dtype, "native", bias_axes, None, bias_dtype=dtype)
+  check(rng, (2, 1024, 520, 16, 4, 128), "causal", dtype, "native", "NTS", None, gradients=False,
+        bias_dtype=dtype)
+  B, T, S, N, D = 1, 256, 384, 4, 64
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, dtype)
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), dtype).at[0, 2, 77, 300].set(jnp.nan)
+  out = np.asarray(jaxflash.dot_product_attention(q, k, v, bias, implementation="native"), np.float32)
+  row_nan = np.isnan(out).any(-1)
+  assert row_nan[0, 77, 2] and row_nan.sum() == 1, "the NaN's row, and only it, is NaN"
 
 
 @pytest.mark.gpu

@@ -126,8 +126,9 @@ Status ForwardBucket(FwdParams p, const CudaDevice& device, cudaStream_t stream)
     return sm90::LaunchForward<T, 192, 128>(p, device, stream);
   }
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  // D 64 and 128 have a dense tile; a dense call with a forced tile (tests)
-  // runs that candidate of the sm80 kernels, as before the tile existed.
+  // D 64 and 128 have a dense tile (for the calls it takes: sm90's
+  // LaunchForward); a dense call with a forced tile (tests) runs that
+  // candidate of the sm80 kernels, as before the tile existed.
   const bool forced = !(p.tile & FwdParams::kTilePreferred) && p.tile % FwdParams::kTileSm80 != 0;
   if (Sm90Allowed(p.tile, device) && (!dense || (bucket <= 128 && !forced))) {
     switch (bucket) {

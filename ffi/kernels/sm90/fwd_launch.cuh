@@ -24,13 +24,14 @@ namespace sm90 {
 // kDv: the value's head dim where a bucket pair has tiles of its own (MLA).
 template <int kD, int kDv = kD>
 struct FwdCandidates;
-// The tile of calls with a dense bias or mask (the last candidate of D 64 and
-// 128; the other buckets leave such calls to the sm80 kernels): 64-key
-// tiles, whose registers leave room for the dense term's, and a staged bias
-// tile a stage (16 KiB): 4 stages and O apart at D 64 (160 KiB), 3 stages
-// and O in Q's buffer at D 128 (176 KiB). NOT yet measured.
+// The tile of calls with a dense bias (the last candidate of D 64 and 128;
+// LaunchForward sends it the 16-bit biases it stages, the sm80 kernels the
+// other dense calls): 64-key tiles, whose registers leave room for the bias
+// term, and a staged bias tile a stage (16 KiB) beside K and V: 4 stages and
+// O apart at D 64 (160 KiB), 3 stages and O in Q's buffer at D 128 (176 KiB;
+// O apart, only 2 fit). NOT yet measured.
 template <int kD>
-using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 4 : 2, 2, false, true, kD, true>;
+using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 4 : 3, 2, false, kD == 64, kD, true>;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
 // (SmallGrid), or -1 where none was measured to win there.
 template <>
@@ -142,7 +143,10 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   }
   if (yield && (requested & FwdParams::kTilePreferred)) requested = 0;
   pick = Candidates::PickTaking(pick, p);
-  if (pick < 0 && requested % FwdParams::kTileSm80 == 0) {
+  // The dense tile reads a 16-bit bias the producer stages beside K and no
+  // mask (fwd_ws_kernel.cuh); the sm80 kernels take the other dense calls.
+  const bool dense_elsewhere = p.dense.On() && !(tc::DenseTile::Stages(p) && !p.dense.mask.On());
+  if ((pick < 0 || dense_elsewhere) && requested % FwdParams::kTileSm80 == 0) {
     if constexpr (kDv != kD) {
       return Status::Unimplemented("no sm90 forward tile of this value head dim takes the call");
     } else {

@@ -581,25 +581,19 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
           if constexpr (Tile::kTakesDense) {
-            if (p.dense.On()) {  // scaled first, then the bias (log2 units) and the hidden pairs at -inf
-              // Every tile's mask is read entry by entry (no vote: kMixed), where there is one.
-              tc::DenseTile dense = tc::DenseTile::Of(p, w.tile.batch, w.tile.head,
-                                                      p.dense.mask.On() ? tc::DenseTile::kMixed : tc::DenseTile::kShown);
-              if (tc::DenseTile::Stages(p)) {
-                // The bias tile the producer staged with K (released after this read).
+            if (p.dense.On()) {
+              // Scaled first, then the bias tile the producer staged with K
+              // (log2 units; K's stage is released after this read). The
+              // dispatch sends this tile 16-bit biases it can stage and no mask
+              // (DenseTile::Stages): a branch to read either entry by entry
+              // from global memory here, among wgmma in flight, had ptxas
+              // serialise every wgmma of the kernel (C7510).
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+              for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                  for (int i = 0; i < 4; ++i) s[0][nt][i] *= scale_log2;
-                AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, dense.bias_dtype == DType::kFloat16);
-                dense.bias = nullptr;  // the mask's part of ApplyRows only
-                dense.ApplyRows(s, r0 + warp_row0, c0, lane);
-                tc::ScaleAndMask<false>(s, w.pol, !kMasked, r0, warp_row0, c0, lane, 1.f);
-              } else {
-                tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{},
-                                 tc::SoftCap{}, tc::AlibiBias{}, &dense);
-              }
-              dense.Seen<1, kNT>(seen, w.pol, r0 + warp_row0, c0, lane);
+                for (int i = 0; i < 4; ++i) s[0][nt][i] *= scale_log2;
+              AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, p.dense.bias.dtype == DType::kFloat16);
+              tc::ScaleAndMask<false>(s, w.pol, !kMasked, r0, warp_row0, c0, lane, 1.f);
               return softmax.Scores<true>(s, alpha);
             }
           }
