@@ -122,7 +122,8 @@ struct WsFwdTile {
   // pair addresses at the consumer's start and holds them across the walk,
   // which D 256's registers (128 of O a thread) hold only without a cap or
   // ALiBi. kUnhoistedRow: in every kernel of the tile (D 256's 64-key tile,
-  // which runs calls with ALiBi); kCapKernel: capped calls run a static-walk
+  // which runs calls with ALiBi, and D 192's tiles past 80 keys, whose 96
+  // spilled 80 bytes hoisted); kCapKernel: capped calls run a static-walk
   // kernel of their own (WsFwdKernel's kCapped), which alone carries the
   // cap's code and unhoists the row, so the uncapped kernel stays as it was
   // (D 256's 80-key pick: in one kernel with the row unhoisted, its uncapped
