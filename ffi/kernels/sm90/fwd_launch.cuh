@@ -40,21 +40,26 @@ struct FwdCandidates<128> {
   static constexpr int kSmallGrid = -1;
 };
 // D 192 (q/k of MLA-style models, and any head dim in (128, 192]): beside
-// O's 96 floats a thread, 64- and 80-key tiles build without spills (96-key
-// ones spilled 80 bytes); Q (48 KiB) and two stages of 80 keys, or three of
-// 64, fill 168 and 192 KiB. The pick (FwdTilePick's default, the first): the
-// 80-key tile, 4% faster than 64 x 3 at S 4k causal (H200, fifty-first session).
+// O's 96 floats a thread, 64- and 80-key tiles build without spills, and so
+// do 96- and 112-key ones with the epilogue's staging row unhoisted (hoisted,
+// 96 keys spilled 80 bytes); Q (48 KiB) and two stages of 80, 96 or 112 keys,
+// or three of 64, fill 168, 192, 216 and 192 KiB. The pick (FwdTilePick's
+// default, the first): the 80-key tile, 4% faster than 64 x 3 at S 4k causal
+// (H200, fifty-first session); 96 and 112 keys NOT yet measured.
 template <>
 struct FwdCandidates<192> {
-  using type = TileList<WsFwdTile<192, 80, 2, 2, false>, WsFwdTile<192, 64, 3, 2, false>>;
+  using type = TileList<WsFwdTile<192, 80, 2, 2, false>, WsFwdTile<192, 64, 3, 2, false>, WsFwdTile<192, 96, 2, 2, false>,
+                        WsFwdTile<192, 112, 2, 2, false>>;
   static constexpr int kSmallGrid = -1;
 };
 // q/k 192 with v (and O) of up to 128 columns, MLA's widths: P·V and the
 // epilogue at 128. The narrower V leaves room for a third stage of 80 keys
-// (198 KiB); the 128-key tile spilled 168 bytes.
+// (198 KiB). 112- and 128-key tiles build without spills with the staging
+// row unhoisted (hoisted, 128 keys spilled 168 bytes); NOT yet measured.
 template <>
 struct FwdCandidates<192, 128> {
-  using type = TileList<WsFwdTile<192, 80, 2, 2, false, false, 128>, WsFwdTile<192, 80, 3, 2, false, false, 128>>;
+  using type = TileList<WsFwdTile<192, 80, 2, 2, false, false, 128>, WsFwdTile<192, 80, 3, 2, false, false, 128>,
+                        WsFwdTile<192, 112, 2, 2, false, false, 128>, WsFwdTile<192, 128, 2, 2, false, false, 128>>;
   static constexpr int kSmallGrid = -1;
 };
 template <>
