@@ -51,7 +51,8 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all)")
+  ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all), "
+                  "the decode sweep's by q/k's head dim")
   ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   ap.add_argument("--segments-only", action="store_true",
@@ -63,8 +64,8 @@ def main():
                        "(racecheck of the Hopper kernels: bfloat16 alone runs each kernel once a mask)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
+  dims = {int(d) for d in args.head_dims.split(",") if d}
   if not args.decode_only:
-    dims = {int(d) for d in args.head_dims.split(",") if d}
     masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
              [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.score_mods_only else MASKS)
     dtypes = [jnp.dtype(d) for d in args.dtypes.split(",") if d] or DTYPES
@@ -72,7 +73,7 @@ def main():
     if args.training_only:
       return
     print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
-  print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+  print(f"sanitizer sweep: {decode_sweep(rng, dims)} decode configurations (split-KV, paged)")
 
 
 def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
@@ -143,10 +144,12 @@ DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 
                  (2, 1, 150, 4, 1, 64, 96)]
 
 
-def decode_sweep(rng):
+def decode_sweep(rng, dims=()):
+  """The decode steps of DECODE_SHAPES whose q/k head dim is in `dims` (all when empty)."""
   n = 0
+  shapes = [s for s in DECODE_SHAPES if not dims or s[5] in dims]
   for (B, T, S, N, K, D, *Dv), dtype, splits in itertools.product(
-      DECODE_SHAPES, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
+      shapes, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
     Dv = Dv[0] if Dv else D
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)
