@@ -9,7 +9,6 @@ tier still runs every family, dtype, head-dim bucket and mask.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

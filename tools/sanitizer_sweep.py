@@ -51,33 +51,39 @@ DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 
 def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all)")
+  ap.add_argument("--head-dims", default="", help="comma-separated; only these shapes (default: all), "
+                  "the decode sweep's by q/k's head dim")
   ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
   ap.add_argument("--segments-only", action="store_true",
                   help="the training sweep's calls with segment ids only")
   ap.add_argument("--score-mods-only", "--alibi-only", dest="score_mods_only", action="store_true",
                   help="the training sweep's calls with ALiBi slopes or a soft-cap only")
+  ap.add_argument("--dtypes", default="",
+                  help="comma-separated (bfloat16, float16, float32); the training sweep's only these "
+                       "(racecheck of the Hopper kernels: bfloat16 alone runs each kernel once a mask)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
+  dims = {int(d) for d in args.head_dims.split(",") if d}
   if not args.decode_only:
-    dims = {int(d) for d in args.head_dims.split(",") if d}
     masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
              [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.score_mods_only else MASKS)
-    print(f"sanitizer sweep: {training_sweep(rng, dims, masks)} configurations, forward and backward")
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",") if d] or DTYPES
+    print(f"sanitizer sweep: {training_sweep(rng, dims, masks, dtypes)} configurations, forward and backward")
     if args.training_only:
       return
     print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
-  print(f"sanitizer sweep: {decode_sweep(rng)} decode configurations (split-KV, paged)")
+  print(f"sanitizer sweep: {decode_sweep(rng, dims)} decode configurations (split-KV, paged)")
 
 
-def training_sweep(rng, dims, masks=MASKS):
+def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
   """Forward and backward (default and deterministic) of every shape whose head
-  dim is in `dims` (all when empty), mask of `masks` and dtype; returns the count."""
+  dim is in `dims` (all when empty), mask of `masks` and dtype of `dtypes`;
+  returns the count."""
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   n = 0
   shapes = [s for s in SHAPES if not dims or s[5] in dims]
-  for shape, mask, dtype in itertools.product(shapes, masks, DTYPES):
+  for shape, mask, dtype in itertools.product(shapes, masks, dtypes):
     (B, T, S, N, K, D), Dv = shape[:6], shape[6] if len(shape) > 6 else shape[5]  # Dv: the value's
     if "query_seq_lengths" in mask:
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
@@ -101,7 +107,7 @@ def training_sweep(rng, dims, masks=MASKS):
         q, k, v, implementation="native", deterministic=True, **mask).astype(jnp.float32))
     jax.block_until_ready(jax.grad(f)(q))
     n += 1
-    if n % (len(masks) * len(DTYPES)) == 0:  # progress, so a tool's time limit names the shape it reached
+    if n % (len(masks) * len(dtypes)) == 0:  # progress, so a tool's time limit names the shape it reached
       print(f"sanitizer sweep: shape {shape} done", flush=True)
   return n
 
@@ -138,10 +144,12 @@ DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 
                  (2, 1, 150, 4, 1, 64, 96)]
 
 
-def decode_sweep(rng):
+def decode_sweep(rng, dims=()):
+  """The decode steps of DECODE_SHAPES whose q/k head dim is in `dims` (all when empty)."""
   n = 0
+  shapes = [s for s in DECODE_SHAPES if not dims or s[5] in dims]
   for (B, T, S, N, K, D, *Dv), dtype, splits in itertools.product(
-      DECODE_SHAPES, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
+      shapes, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
     Dv = Dv[0] if Dv else D
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)

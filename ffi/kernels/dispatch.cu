@@ -78,12 +78,14 @@ bool Sm90Allowed(int tile, const CudaDevice& device) {
 #endif
 }
 
-// The decode kernels' tile takes the wider of q/k's and v's head dims.
+// The wider of q/k's and v's head dims: the decode kernels' tile takes it,
+// and it is the one the head-dim limit applies to.
+inline int64_t WidestDim(const AttentionShape& sh) { return sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim; }
+
 template <typename T>
 Status DecodeBucket(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const bool tma = Sm90Allowed(p.tile, device);  // with kTileSm80, the cp.async loader (tests)
-  const AttentionShape& sh = p.shape;
-  switch (HeadDimBucket(sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim)) {
+  switch (HeadDimBucket(WidestDim(p.shape))) {
     case 32: return decode::LaunchDecode<T, 32>(p, device, stream, tma);
     case 64: return decode::LaunchDecode<T, 64>(p, device, stream, tma);
     case 96: return decode::LaunchDecode<T, 96>(p, device, stream, tma);
@@ -111,7 +113,7 @@ bool ForwardTakesValueWidth(const FwdParams& p, const CudaDevice& device) {
   const AttentionShape& sh = p.shape;
   if (decode::UseDecodeKernel(p)) {
     AttentionShape wider = sh;  // the decode tile's width (DecodeBucket)
-    wider.head_dim = sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim;
+    wider.head_dim = WidestDim(sh);
     return TensorCoreRefusal(p.dtype, sh, device).empty() && TensorCoreRefusal(p.dtype, wider, device).empty() &&
            !p.dense.On() && sh.v_dim() % 8 == 0;
   }
@@ -239,7 +241,7 @@ static Status HeadDimRefusal(const AttentionShape& sh, bool own_value_width = fa
     return Status::Unimplemented("the CUDA kernels take one head dim for q, k and v, got " +
                                  std::to_string(sh.head_dim) + " and " + std::to_string(sh.v_dim()));
   }
-  const int64_t widest = sh.v_dim() > sh.head_dim ? sh.v_dim() : sh.head_dim;
+  const int64_t widest = WidestDim(sh);
   if (widest <= kMaxCudaHeadDim) return Status::Ok();
   return Status::Unimplemented("the CUDA kernels support head_dim <= " + std::to_string(kMaxCudaHeadDim) +
                                ", got " + std::to_string(widest));

@@ -427,7 +427,9 @@ struct FusedBwdTile<256> {
 // and three stages of 32 keys the rest; at D = 128 three stages of 64 (128
 // would not fit); at D = 64 128 keys, 9.5% faster than 64, whose 64 x 64
 // steps were as much waiting as products (docs/performance.md,
-// twenty-seventh session).
+// twenty-seventh session). At D = 192 three stages of 48 keys (205 KiB); the
+// MLA pair's narrower dO and V leave room for 64 (201 KiB). Both NOT yet
+// measured against the 32-key steps they replace.
 template <int kD, int kDv = kD>
 struct DqPassTile;
 template <>
@@ -440,11 +442,11 @@ struct DqPassTile<128> {
 };
 template <>
 struct DqPassTile<192> {
-  using type = WsDqTile<192, 32>;
+  using type = WsDqTile<192, 48>;
 };
 template <>
 struct DqPassTile<192, 128> {
-  using type = WsDqTile<192, 32, 3, 2, 128>;
+  using type = WsDqTile<192, 64, 3, 2, 128>;
 };
 template <>
 struct DqPassTile<256> {

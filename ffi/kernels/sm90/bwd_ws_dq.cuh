@@ -83,7 +83,7 @@ struct WsDqTile {
       size_t(QTile::kBytes) + DOTile::kBytes + kStages * size_t(KVTile::kBytes + VTile::kBytes) + 8 * kBarriers + 1024;
   static_assert(kSmemBytes <= kSm90SmemPerCta, "shared memory of one CTA");
   static_assert(kStages >= 3, "a stage is read by S and dP while the one before is read by dQ");
-  static_assert(kN == 32 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
+  static_assert(kN == 32 || kN == 48 || kN == 64 || kN == 128, "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
 };
 

@@ -50,21 +50,28 @@ struct FwdCandidates<128> {
   static constexpr int kSmallGrid = -1;
 };
 // D 192 (q/k of MLA-style models, and any head dim in (128, 192]): beside
-// O's 96 floats a thread, 64- and 80-key tiles build without spills (96-key
-// ones spilled 80 bytes); Q (48 KiB) and two stages of 80 keys, or three of
-// 64, fill 168 and 192 KiB. The pick (FwdTilePick's default, the first): the
-// 80-key tile, 4% faster than 64 x 3 at S 4k causal (H200, fifty-first session).
+// O's 96 floats a thread, 96- and 112-key tiles build without spills with the
+// epilogue's staging row unhoisted (hoisted, 96 keys spilled 80 bytes); Q
+// (48 KiB) and two stages fill 192 and 216 KiB. The pick (FwdTilePick's
+// default, the first): 112 keys, forced-tile call times on an H200 (fifty-third
+// session) 3579 us at S 16k (B 1, H 10) against 3772 for the 80-key tile that
+// led before and 4165 for 64 x 3; causal 1705 against 1954 and 2122; at B 2,
+// S 4k, H 16 causal 96 keys led (406 us, 112 keys 412, 80 keys 451). The 80-
+// and 64-key tiles left the list.
 template <>
 struct FwdCandidates<192> {
-  using type = TileList<WsFwdTile<192, 80, 2, 2, false>, WsFwdTile<192, 64, 3, 2, false>>;
+  using type = TileList<WsFwdTile<192, 112, 2, 2, false>, WsFwdTile<192, 96, 2, 2, false>>;
   static constexpr int kSmallGrid = -1;
 };
 // q/k 192 with v (and O) of up to 128 columns, MLA's widths: P·V and the
-// epilogue at 128. The narrower V leaves room for a third stage of 80 keys
-// (198 KiB); the 128-key tile spilled 168 bytes.
+// epilogue at 128. 128-key tiles build without spills with the staging row
+// unhoisted (hoisted, they spilled 168 bytes); the narrower V leaves room for
+// a third stage of 80 keys (198 KiB). The pick, the first: 128 keys, 344 us a
+// call at B 2, S 4k, H 16 causal against 371 for 80 x 3, 370 for 112 x 2 and
+// 378 for 80 x 2 (H200, fifty-third session); the last two left the list.
 template <>
 struct FwdCandidates<192, 128> {
-  using type = TileList<WsFwdTile<192, 80, 2, 2, false, false, 128>, WsFwdTile<192, 80, 3, 2, false, false, 128>>;
+  using type = TileList<WsFwdTile<192, 128, 2, 2, false, false, 128>, WsFwdTile<192, 80, 3, 2, false, false, 128>>;
   static constexpr int kSmallGrid = -1;
 };
 template <>

@@ -133,13 +133,14 @@ struct WsFwdTile {
   // pair addresses at the consumer's start and holds them across the walk,
   // which D 256's registers (128 of O a thread) hold only without a cap or
   // ALiBi. kUnhoistedRow: in every kernel of the tile (D 256's 64-key tile,
-  // which runs calls with ALiBi); kCapKernel: capped calls run a static-walk
+  // which runs calls with ALiBi, and D 192's tiles past 80 keys, whose 96
+  // spilled 80 bytes hoisted); kCapKernel: capped calls run a static-walk
   // kernel of their own (WsFwdKernel's kCapped), which alone carries the
   // cap's code and unhoists the row, so the uncapped kernel stays as it was
   // (D 256's 80-key pick: in one kernel with the row unhoisted, its uncapped
   // forward ran 0.4% slower at S 4k, 1.0% causal; H200, forty-seventh
   // session in docs/performance-log.md).
-  static constexpr bool kUnhoistedRow = kD == 256 && kN == 64;
+  static constexpr bool kUnhoistedRow = (kD == 256 && kN == 64) || (kD == 192 && kN > 80);
   static constexpr bool kCapKernel = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
@@ -177,7 +178,8 @@ struct WsFwdTile {
   static constexpr int kRankedBlocks = !kDynamicWalk ? 0 : kSmemRoom >= 4 * 2048 ? 2048 : int(kSmemRoom / 4);
   static constexpr size_t kSmemBytes = kSmemFixedBytes + 4 * size_t(kRankedBlocks);
   static_assert(kSmemBytes <= kSm90SmemPerCta, "shared memory of one CTA");
-  static_assert(kN == 64 || kN == 80 || kN == 128 || kN == 176, "score tiles use the compiled wgmma widths");
+  static_assert(kN == 64 || kN == 80 || kN == 96 || kN == 112 || kN == 128 || kN == 176,
+                "score tiles use the compiled wgmma widths");
   static_assert(kM <= 256 && kN <= 256, "a TMA box has at most 256 rows");
   // Named barriers: the consumers' turns, then one per consumer's epilogue.
   static constexpr int kTurnBarrier = 1;

@@ -166,8 +166,9 @@ __device__ __forceinline__ void FenceAccumulator(float (&d)[kTiles][4]) {
 }
 
 // ------------------------------------------------------------ wgmma
-// Compiled for N = 32, 64, 80, 128 and 176 (80 and 176: the forward's key
-// tiles at head dims 256 and 64/128, the widest whose scores fit the registers).
+// Compiled for N = 32, 48, 64, 80, 96, 112, 128 and 176 (80 and 176: the
+// forward's key tiles at head dims 256 and 64/128, the widest whose scores fit
+// the registers; 96 and 112 D 192's; 48 the D 192 dQ pass's key steps).
 // Wgmma<T, N>::SS: d (+)= A·B with A (64 x 16) and B (16 x N) both K-major in
 // shared memory (descriptor low words, see above); RS: d += A·B with A from registers (mma.sync A fragment of
 // this warp's 16 rows) and B MN-major in shared memory. `accumulate` false
@@ -181,6 +182,9 @@ struct Wgmma;
 #define JAXFLASH_ACC64 JAXFLASH_ACC32, JAXFLASH_ACC16(32), JAXFLASH_ACC16(48)
 #define JAXFLASH_ACC40 JAXFLASH_ACC32, JAXFLASH_ACC4(32), JAXFLASH_ACC4(36)
 #define JAXFLASH_ACC88 JAXFLASH_ACC64, JAXFLASH_ACC16(64), JAXFLASH_ACC4(80), JAXFLASH_ACC4(84)
+#define JAXFLASH_ACC24 JAXFLASH_ACC16(0), JAXFLASH_ACC4(16), JAXFLASH_ACC4(20)
+#define JAXFLASH_ACC48 JAXFLASH_ACC32, JAXFLASH_ACC16(32)
+#define JAXFLASH_ACC56 JAXFLASH_ACC48, JAXFLASH_ACC4(48), JAXFLASH_ACC4(52)
 
 // Operand lists: the N/2 accumulators are %0 .. %(N/2 - 1); the other
 // operands follow them.
@@ -189,6 +193,9 @@ struct Wgmma;
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
   "%25,%26,%27,%28,%29,%30,%31}"
 #define JAXFLASH_REGS40 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39}"
+#define JAXFLASH_REGS24 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23}"
+#define JAXFLASH_REGS48 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47}"
+#define JAXFLASH_REGS56 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55}"
 #define JAXFLASH_REGS88 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87}"
 #define JAXFLASH_REGS64                                                                         \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24," \
@@ -234,6 +241,12 @@ JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32"
 JAXFLASH_WGMMA(__half, "f16", 64, JAXFLASH_REGS32, JAXFLASH_ACC32, "%32", "%33", "%34", "{%32,%33,%34,%35}", "%36", "%37")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 80, JAXFLASH_REGS40, JAXFLASH_ACC40, "%40", "%41", "%42", "{%40,%41,%42,%43}", "%44", "%45")
 JAXFLASH_WGMMA(__half, "f16", 80, JAXFLASH_REGS40, JAXFLASH_ACC40, "%40", "%41", "%42", "{%40,%41,%42,%43}", "%44", "%45")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 48, JAXFLASH_REGS24, JAXFLASH_ACC24, "%24", "%25", "%26", "{%24,%25,%26,%27}", "%28", "%29")
+JAXFLASH_WGMMA(__half, "f16", 48, JAXFLASH_REGS24, JAXFLASH_ACC24, "%24", "%25", "%26", "{%24,%25,%26,%27}", "%28", "%29")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 96, JAXFLASH_REGS48, JAXFLASH_ACC48, "%48", "%49", "%50", "{%48,%49,%50,%51}", "%52", "%53")
+JAXFLASH_WGMMA(__half, "f16", 96, JAXFLASH_REGS48, JAXFLASH_ACC48, "%48", "%49", "%50", "{%48,%49,%50,%51}", "%52", "%53")
+JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 112, JAXFLASH_REGS56, JAXFLASH_ACC56, "%56", "%57", "%58", "{%56,%57,%58,%59}", "%60", "%61")
+JAXFLASH_WGMMA(__half, "f16", 112, JAXFLASH_REGS56, JAXFLASH_ACC56, "%56", "%57", "%58", "{%56,%57,%58,%59}", "%60", "%61")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
 JAXFLASH_WGMMA(__half, "f16", 128, JAXFLASH_REGS64, JAXFLASH_ACC64, "%64", "%65", "%66", "{%64,%65,%66,%67}", "%68", "%69")
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89", "%90", "{%88,%89,%90,%91}", "%92", "%93")
@@ -243,11 +256,17 @@ JAXFLASH_WGMMA(__half, "f16", 176, JAXFLASH_REGS88, JAXFLASH_ACC88, "%88", "%89"
 #undef JAXFLASH_WGMMA_SS
 #undef JAXFLASH_DESC_HI
 #undef JAXFLASH_REGS88
+#undef JAXFLASH_REGS48
+#undef JAXFLASH_REGS24
+#undef JAXFLASH_REGS56
 #undef JAXFLASH_REGS64
 #undef JAXFLASH_REGS40
 #undef JAXFLASH_REGS32
 #undef JAXFLASH_REGS16
 #undef JAXFLASH_ACC88
+#undef JAXFLASH_ACC56
+#undef JAXFLASH_ACC48
+#undef JAXFLASH_ACC24
 #undef JAXFLASH_ACC64
 #undef JAXFLASH_ACC40
 #undef JAXFLASH_ACC32
