@@ -151,9 +151,11 @@ struct WsFwdTile {
   using VTile = SwizzledTile<kN, kDv>;
   using OTile = SwizzledTile<kM, kDv>;  // O's staging: its own buffer, or Q's
   // A dense tile's 16-bit bias, staged by the producer beside each K tile
-  // (its rows of the work tile x the tile's keys) where DenseTile::Stages
-  // says the layout allows a TMA box; read entry by entry otherwise.
-  using BiasTile = SwizzledTile<kM, kN>;
+  // (its rows of the work tile x the tile's keys; LaunchForward sends the
+  // tile only biases whose layout allows a TMA box: DenseTile::Stages).
+  // (64 columns where the tile takes no dense term: a swizzled tile is whole
+  // 64-column blocks, and only dense tiles, of 64 keys, use it.)
+  using BiasTile = SwizzledTile<kM, kTakesDense ? kN : 64>;
   static constexpr size_t kBiasStageBytes = kTakesDense ? size_t(BiasTile::kBytes) : 0;
   static_assert(!kTakesDense || kN == 64, "a staged bias tile is one 128-byte column block of 64 keys");
   // Registers per thread once the producer has handed its surplus over: 232
@@ -576,9 +578,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
         // the exponent's FFMA (the usual case), and so does a cap's factor
         // (the scores become tanh: CapAndMask); any other scale is applied
         // first.
-        // (Inlined by force: the dense tile's staged-bias branch made it large
-        // enough to be called, and a call among wgmma in flight has ptxas
-        // serialise every wgmma of the kernel, C7510.)
+        // (Inlined by force, so the dense tile's longer step is never an
+        // outlined call: a call among wgmma in flight has ptxas serialise
+        // every wgmma of the kernel, C7510.)
         auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) __attribute__((always_inline)) {
           constexpr bool kMasked = decltype(masked)::value;
           const int c0 = nb * kN;
