@@ -55,19 +55,20 @@ namespace sm90 {
 
 // kDv_: the value's (and the output's) head dim, where it is narrower than
 // the query/key one (MLA-style calls at their own widths). kDense_: a tile for
-// calls with a dense bias or mask (dense_tile.cuh), which the others leave to
-// the sm80 kernels.
+// calls with a 16-bit dense bias it stages (dense_tile.cuh), which the others
+// leave to the sm80 kernels.
 template <int kD_, int kN_, int kStages_, int kConsumers_ = 2, bool kPingPong_ = true, bool kSeparateO_ = false,
           int kDv_ = kD_, bool kDense_ = false>
 struct WsFwdTile {
   static constexpr bool kWarpSpecialised = true;
-  // A dense tile reads its bias and mask entry by entry where the scores
-  // land (DenseTile::ApplyRows, after the scale: ScaleAndMask's path), and
-  // records the rows its mask leaves a key (DenseTile::Seen): a row the mask
-  // empties is empty, as the contract says. It takes no soft-cap, segment ids
-  // or ALiBi beside them (such calls run the sm80 kernels): with ALiBi's raw
-  // units its loop held a division's slow-path call among wgmma in flight,
-  // which serialised every wgmma of the kernel (ptxas C7510).
+  // A dense tile adds a bias the producer stages beside each K tile
+  // (BiasTile below; AddStagedBias) and takes no mask: LaunchForward sends it
+  // only biases DenseTile::Stages allows, the sm80 kernels every other dense
+  // call. It takes no soft-cap, segment ids or ALiBi beside them either (such
+  // calls run the sm80 kernels): with ALiBi's raw units its loop held a
+  // division's slow-path call among wgmma in flight, which serialised every
+  // wgmma of the kernel (ptxas C7510), as did a branch to entry-by-entry bias
+  // reads.
   static constexpr bool kTakesDense = kDense_;
   static constexpr int kD = kD_;
   static constexpr int kDv = kDv_;
@@ -534,7 +535,6 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     tc::OnlineSoftmax<1> softmax;
     softmax.Init();
     float inv[2], lse[2];  // the row totals (OnlineSoftmax::Totals)
-    unsigned seen = 0;     // a dense tile's rows that met a key its mask shows (DenseTile::Seen)
 
     if (w.Empty()) {
       more = walk.ConsumerNext(p, sched, walk.ConsumerTake(sm), &next);
@@ -587,11 +587,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           if constexpr (Tile::kTakesDense) {
             if (p.dense.On()) {
               // Scaled first, then the bias tile the producer staged with K
-              // (log2 units; K's stage is released after this read). The
-              // dispatch sends this tile 16-bit biases it can stage and no mask
-              // (DenseTile::Stages): a branch to read either entry by entry
-              // from global memory here, among wgmma in flight, had ptxas
-              // serialise every wgmma of the kernel (C7510).
+              // (log2 units; K's stage is released after this read).
 #pragma unroll
               for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -736,9 +732,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
     // ---- epilogue
     const int g = lane >> 2, t = lane & 3;
     softmax.Rescale(o, inv);
-    unsigned rows_seen = ~0u;  // (every lane of the warp is here: QuadSeen's shuffles)
-    if constexpr (Tile::kTakesDense) rows_seen = tc::DenseTile::Of(p, w.tile.batch, w.tile.head).QuadSeen(seen);
-    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane, rows_seen);
+    const unsigned redo = tc::FinishRows(o, lse, w.pol, r0 + warp_row0, lane);
     float* gLse = p.lse + (int64_t(w.tile.batch) * sh.q_heads + w.tile.head) * sh.q_len;
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + warp_row0 + g + half * 8;
