@@ -15,11 +15,11 @@
 //   everything else (float32 in particular)
 //       -> SIMT kernels (fp32 arithmetic, every dtype and head dim).
 //   A dense bias or mask (params.h DenseParams): the forward on the sm90
-//   dense tile at D 64 and 128 (without a soft-cap, ALiBi or segment ids, and
-//   no forced tile), else the
-//   sm80 kernels on every arch (fp16/bf16 only; no decode, split-KV or SIMT
-//   path takes one); the backward on the sm80 kernels, and its bias's
-//   gradient the sm80 bias-gradient kernel.
+//   dense tile at D 64 and 128 for a 16-bit bias it stages without a mask
+//   (no soft-cap, ALiBi, segment ids or forced tile), else on the sm80
+//   kernels on every arch (fp16/bf16 only; no decode, split-KV or SIMT path
+//   takes one); the backward on the sm80 kernels, and its bias's gradient the
+//   sm80 bias-gradient kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
