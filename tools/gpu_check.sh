@@ -46,7 +46,7 @@
 # sanitize    compute-sanitizer memcheck, racecheck and synccheck over tools/sanitizer_sweep.py; the
 #             whole sweep under the three tools ran past one call's 10 minutes on an H100 (sixteenth
 #             session: memcheck and racecheck ~9 min): split it with SANITIZE_TOOLS (a subset of the
-#             three) and SANITIZE_ARGS (the sweep's --training-only / --decode-only / --head-dims)
+#             three) and SANITIZE_ARGS (the sweep's --training-only / --decode-only / --dense-only / --head-dims)
 # BENCH_ARGS are passed to benchmarks/bench_attention.py, DECODE_ARGS to
 # benchmarks/bench_decode.py, PYTEST_K to pytest -k.
 # On an H100 (2026-11-21): build 20 s, sanitizer sweep ~2 min (since grown: see sanitize), a D=128

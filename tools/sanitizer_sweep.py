@@ -7,7 +7,8 @@ compute-sanitizer. Run as
 (the platform allocator gives each buffer its own allocation, so an
 out-of-bounds access is not hidden inside XLA's pool). `--head-dims 128
 --training-only` narrows it to the forward and backward of those head dims
-(a quick check of one kernel under the three tools). Each configuration
+(a quick check of one kernel under the three tools); `--dense-only` runs the
+dense bias and mask calls alone. Each configuration
 runs the backward twice: as a default call, which takes the fused backward
 where it exists (switched on here), and deterministic, which takes the two
 kernels.
@@ -55,6 +56,7 @@ def main():
                   "the decode sweep's by q/k's head dim")
   ap.add_argument("--training-only", action="store_true", help="skip the tile-candidate and decode sweeps")
   ap.add_argument("--decode-only", action="store_true", help="only the decode sweep (split-KV, paged)")
+  ap.add_argument("--dense-only", action="store_true", help="only the dense bias and mask sweep")
   ap.add_argument("--segments-only", action="store_true",
                   help="the training sweep's calls with segment ids only")
   ap.add_argument("--score-mods-only", "--alibi-only", dest="score_mods_only", action="store_true",
@@ -65,6 +67,9 @@ def main():
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   dims = {int(d) for d in args.head_dims.split(",") if d}
+  if args.dense_only:
+    print(f"sanitizer sweep: {dense_sweep(rng, dims)} dense bias / mask configurations, forward and backward")
+    return
   if not args.decode_only:
     masks = ([m for m in MASKS if "segments" in m] if args.segments_only else
              [m for m in MASKS if "alibi" in m or "logits_soft_cap" in m] if args.score_mods_only else MASKS)
@@ -73,6 +78,7 @@ def main():
     if args.training_only:
       return
     print(f"sanitizer sweep: {candidate_sweep(rng)} forward tile candidates on many work tiles")
+    print(f"sanitizer sweep: {dense_sweep(rng, dims)} dense bias / mask configurations, forward and backward")
   print(f"sanitizer sweep: {decode_sweep(rng, dims)} decode configurations (split-KV, paged)")
 
 
@@ -109,6 +115,33 @@ def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
     n += 1
     if n % (len(masks) * len(dtypes)) == 0:  # progress, so a tool's time limit names the shape it reached
       print(f"sanitizer sweep: shape {shape} done", flush=True)
+  return n
+
+
+# Dense terms (16-bit): a bias the Hopper forward's dense tile stages (keys
+# contiguous, S a multiple of 8; full and broadcast over batch and heads) and,
+# on the sm80 kernels, a bias beside a mask, a mask alone and a bias whose
+# rows are not whole 16-byte copies (S 86): forward, dQ and the bias's gradient.
+DENSE_SHAPES = [(2, 300, 296, 4, 2, 64), (1, 129, 200, 8, 8, 128), (1, 100, 88, 4, 1, 256),
+                (1, 70, 86, 4, 2, 128)]
+DENSE_TERMS = [("BNTS", False), ("NTS", False), ("TS", True), (None, True)]
+
+
+def dense_sweep(rng, dims=()):
+  """Each dense term of DENSE_TERMS on each shape of DENSE_SHAPES whose head dim is
+  in `dims` (all when empty), causal; returns the count."""
+  n = 0
+  for (B, T, S, N, K, D), (axes, with_mask) in itertools.product(
+      [s for s in DENSE_SHAPES if not dims or s[5] in dims], DENSE_TERMS):
+    q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
+    size = lambda axes: tuple(m if a in axes else 1 for a, m in zip("BNTS", (B, N, T, S)))
+    bias = None if axes is None else jnp.asarray(rng.standard_normal(size(axes)), jnp.bfloat16)
+    mask = jnp.asarray(rng.random((B, 1, T, S)) < 0.7) if with_mask else None
+    loss = lambda q, bias: jnp.sum(jaxflash.dot_product_attention(
+        q, k, v, bias, mask, implementation="native", is_causal=True).astype(jnp.float32))
+    jax.block_until_ready(jax.grad(loss, argnums=(0, 1) if bias is not None else 0)(q, bias))
+    n += 1
   return n
 
 
