@@ -205,12 +205,13 @@ def test_gpu_native_staged_bias(rng, dtype):
 
 @pytest.mark.gpu
 def test_gpu_native_sm80_family(rng):
-  """The sm80 kernels' dense forward where Hopper runs the warp-specialised dense tile
-  (D 64 and 128), forced: full and broadcast terms, the bias staged and in float32."""
+  """The sm80 kernels' dense forward, forced, on the calls Hopper gives the warp-specialised
+  dense tile (a 16-bit bias without a mask, D 64) and beside a mask (D 128): full and
+  broadcast terms, the bias staged and in float32."""
   if not HAS_GPU:
     pytest.skip("needs a GPU")
   with _native.forced_tile(0, sm80=True):
-    check(rng, (2, 300, 296, 4, 2, 64), "causal", jnp.bfloat16, "native", "BNTS", "BNTS",
+    check(rng, (2, 300, 296, 4, 2, 64), "causal", jnp.bfloat16, "native", "BNTS", None,
           bias_dtype=jnp.bfloat16)
     check(rng, (1, 129, 200, 8, 8, 128), "lengths_causal_bottom_right", jnp.bfloat16, "native", "NTS",
           "BTS")
