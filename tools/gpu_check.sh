@@ -2,7 +2,7 @@
 # One call on the GPU machine: build, GPU tests, sanitizer sweep, benchmark.
 #
 #   tools/gpu_check.sh [build] [tests] [tests-slow] [tests-slow-rest] [tests-slow-mods] [fuzz] [long] [sanitize] [bench]
-#                      [decode] [main] [fused] [sharding] [ab] [newest-jax]
+#                      [decode] [dense] [main] [fused] [sharding] [ab] [newest-jax]
 #                      (default: build tests newest-jax sanitize bench decode main)
 #
 # tests       the fast GPU tier, -m "gpu and not slow" (every family, dtype, head-dim bucket and
@@ -32,6 +32,9 @@
 #             on sampled rows; sizes that do not fit in the GPU's memory are skipped
 # decode      the decode kernels (split-KV, GQA packing, paged K/V): their tests on this GPU, then
 #             benchmarks/bench_decode.py
+# dense       the dense bias and mask: tests/test_dense.py's GPU tests (the Hopper forward's staged
+#             bias tile, the sm80 kernels, Pallas), memcheck of sanitizer_sweep.py --dense-only, then
+#             benchmarks/bench_dense.py
 # fused       the one-pass Hopper backward: its GPU tests, forward+backward rates of
 #             native (as dispatched), native_two_kernel, native_fused and cuDNN in one run, then ncu of
 #             the fused kernel (warp-specialised at D = 64 and 128) and of the two-kernel backward's dK/dV
@@ -228,6 +231,16 @@ if has decode; then
       "$nonfinite::test_padding_never_leaks_split_gpu"
   script_stage "decode benchmark" 300 decode.log python3 "$repo/benchmarks/bench_decode.py" \
       --csv "$OUT/decode.csv" --png "$OUT/decode.png" ${DECODE_ARGS:-}
+fi
+
+if has dense; then
+  pytest_stage "dense tests" 300 dense_tests.log -n 8 -m gpu "$repo/tests/test_dense.py"
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform run_py timeout 240 compute-sanitizer --tool memcheck \
+      --kernel-name kns=jaxflash --error-exitcode 99 python3 "$repo/tools/sanitizer_sweep.py" --dense-only \
+      > "$OUT/dense_sanitizer.log" 2>&1
+  rc=$?
+  note "dense memcheck: exit $rc, $(grep -E 'ERROR SUMMARY' "$OUT/dense_sanitizer.log" | tail -n 1)"
+  script_stage "dense benchmark" 240 dense_bench.log python3 "$repo/benchmarks/bench_dense.py"
 fi
 
 if has fused; then
