@@ -82,14 +82,18 @@ def main():
   print(f"sanitizer sweep: {decode_sweep(rng, dims)} decode configurations (split-KV, paged)")
 
 
+def with_head_dims(shapes, dims):
+  """The (B, T, S, N, K, D, ...) shapes whose q/k head dim D is in `dims` (all when empty)."""
+  return [s for s in shapes if not dims or s[5] in dims]
+
+
 def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
   """Forward and backward (default and deterministic) of every shape whose head
   dim is in `dims` (all when empty), mask of `masks` and dtype of `dtypes`;
   returns the count."""
   os.environ.setdefault("JAXFLASH_FUSED_BACKWARD", "1")   # read when each call is traced
   n = 0
-  shapes = [s for s in SHAPES if not dims or s[5] in dims]
-  for shape, mask, dtype in itertools.product(shapes, masks, dtypes):
+  for shape, mask, dtype in itertools.product(with_head_dims(SHAPES, dims), masks, dtypes):
     (B, T, S, N, K, D), Dv = shape[:6], shape[6] if len(shape) > 6 else shape[5]  # Dv: the value's
     if "query_seq_lengths" in mask:
       mask = dict(mask, query_seq_lengths=rng.integers(0, T + 1, B).astype(np.int32))
@@ -131,8 +135,7 @@ def dense_sweep(rng, dims=()):
   """Each dense term of DENSE_TERMS on each shape of DENSE_SHAPES whose head dim is
   in `dims` (all when empty), causal; returns the count."""
   n = 0
-  for (B, T, S, N, K, D), (axes, with_mask) in itertools.product(
-      [s for s in DENSE_SHAPES if not dims or s[5] in dims], DENSE_TERMS):
+  for (B, T, S, N, K, D), (axes, with_mask) in itertools.product(with_head_dims(DENSE_SHAPES, dims), DENSE_TERMS):
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((B, S, K, D)), jnp.bfloat16) for _ in range(2))
     size = lambda axes: tuple(m if a in axes else 1 for a, m in zip("BNTS", (B, N, T, S)))
@@ -180,9 +183,8 @@ DECODE_SHAPES = [(2, 1, 100, 8, 8, 64), (1, 3, 333, 16, 2, 128), (2, 16, 70, 8, 
 def decode_sweep(rng, dims=()):
   """The decode steps of DECODE_SHAPES whose q/k head dim is in `dims` (all when empty)."""
   n = 0
-  shapes = [s for s in DECODE_SHAPES if not dims or s[5] in dims]
   for (B, T, S, N, K, D, *Dv), dtype, splits in itertools.product(
-      shapes, [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
+      with_head_dims(DECODE_SHAPES, dims), [jnp.bfloat16, jnp.float32], [1, 3, 20, 40]):
     Dv = Dv[0] if Dv else D
     q = jnp.asarray(rng.standard_normal((B, T, N, D)), dtype)
     k = jnp.asarray(rng.standard_normal((B, S, K, D)), dtype)

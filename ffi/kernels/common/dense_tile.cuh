@@ -230,16 +230,13 @@ struct DenseTile {
   template <bool kRowsAreQueries, int kT>
   __device__ __forceinline__ void AddStagedBias(float (&s)[kT][4], int half, int row, int col0) const {
     const bool fp16 = bias_dtype == DType::kFloat16;
-    const auto to_float = [&](uint16_t h) {
-      return fp16 ? __half2float(__ushort_as_half(h)) : __bfloat162float(__ushort_as_bfloat16(h));
-    };
     if constexpr (kRowsAreQueries) {
       const unsigned char* at = staged + 2 * ((row - staged_r0) * staged_pitch + (col0 - staged_c0));
 #pragma unroll
       for (int nt = 0; nt < kT; ++nt) {
-        const uint32_t w = *reinterpret_cast<const uint32_t*>(at + 16 * nt);
-        s[nt][2 * half] += to_float(static_cast<uint16_t>(w)) * kLog2e;
-        s[nt][2 * half + 1] += to_float(static_cast<uint16_t>(w >> 16)) * kLog2e;
+        const float2 x = PairLog2Units(*reinterpret_cast<const uint32_t*>(at + 16 * nt), fp16);
+        s[nt][2 * half] += x.x;
+        s[nt][2 * half + 1] += x.y;
       }
     } else {
       const uint16_t* at = reinterpret_cast<const uint16_t*>(staged) + (col0 - staged_r0) * staged_pitch +
@@ -247,8 +244,22 @@ struct DenseTile {
 #pragma unroll
       for (int nt = 0; nt < kT; ++nt)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += to_float(at[(nt * 8 + j) * staged_pitch]) * kLog2e;
+        for (int j = 0; j < 2; ++j) s[nt][2 * half + j] += Log2Units(at[(nt * 8 + j) * staged_pitch], fp16);
     }
+  }
+  // A staged 16-bit bias entry (float16 where `fp16`, else bfloat16) in the
+  // scores' log2 units, and a 32-bit word of two (the lower one in x; also
+  // the Hopper forward's, sm90 AddStagedBias). A bfloat16 is a float's top
+  // half: a shift or a mask, where a conversion of each half took two.
+  __device__ __forceinline__ static float Log2Units(uint16_t h, bool fp16) {
+    return (fp16 ? __half2float(__ushort_as_half(h)) : __bfloat162float(__ushort_as_bfloat16(h))) * kLog2e;
+  }
+  __device__ __forceinline__ static float2 PairLog2Units(uint32_t w, bool fp16) {
+    const float lo = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)))
+                          : __uint_as_float(w << 16);
+    const float hi = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)))
+                          : __uint_as_float(w & 0xffff0000u);
+    return make_float2(lo * kLog2e, hi * kLog2e);
   }
 
   // Both on a query-major score tile of kMT m16 row slabs (the forward's):

@@ -338,8 +338,7 @@ struct WsWalk {
   __device__ __forceinline__ int ConsumerTake(const WsFwdSmem<Tile>& sm) {
     if constexpr (!kDynamic) return 0;
     MBarrier::Wait(sm.WorkFull(passed & 1), (passed >> 1) & 1);
-    int at;
-    asm volatile("ld.shared.s32 %0, [%1];\n" : "=r"(at) : "r"(sm.WorkSlot(passed & 1)) : "memory");
+    const int at = static_cast<int>(LoadShared32(sm.WorkSlot(passed & 1)));
     // Every consumer thread arrives (a lane-0 branch here cost registers).
     MBarrier::Arrive(sm.WorkEmpty(passed & 1));
     ++passed;
@@ -459,21 +458,15 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 template <typename Tile, int kNT>
 __device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile, int warp_row0, int lane, bool fp16) {
   const int g = lane >> 2, t = lane & 3;
-  // (No helper lambda: an outlined call among wgmma in flight would have
-  // ptxas serialise every wgmma of the kernel. A bfloat16 is a float's top
-  // half.)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = warp_row0 + g + half * 8;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const uint32_t pair = LoadShared32(tile + PairOffset<typename Tile::BiasTile>(row, nt, t));
-      const float lo = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(pair & 0xffffu)))
-                            : __uint_as_float(pair << 16);
-      const float hi = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(pair >> 16)))
-                            : __uint_as_float(pair & 0xffff0000u);
-      s[nt][2 * half] += lo * tc::kLog2e;
-      s[nt][2 * half + 1] += hi * tc::kLog2e;
+      const float2 x =
+          tc::DenseTile::PairLog2Units(LoadShared32(tile + PairOffset<typename Tile::BiasTile>(row, nt, t)), fp16);
+      s[nt][2 * half] += x.x;
+      s[nt][2 * half + 1] += x.y;
     }
   }
 }
