@@ -32,7 +32,9 @@ log, scale c, sums over visible keys j):
 The transpose with respect to tB is the bias gradient dB = dS = P (dP - delta)
 reduced over the bias's broadcast axes (`bias_gradient`): the kernels compute
 dQ, dK and dV, a pass of their own dB where they have one (else this blockwise
-one), and only when the bias is differentiated.
+one), and only when the bias is differentiated. Kernels that emit dS beside dQ,
+dK and dV (`emits_ds`: the native Hopper dense tile) give it with no pass of its
+own where both are wanted (`_joint_backward`).
 """
 
 from __future__ import annotations
@@ -373,15 +375,18 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
   bias gradient where the bias is differentiated."""
   ct_o, ct_lse = (ad.instantiate_zeros(ct) for ct in cts)
   extras = _extras(q_table, kv_table, slopes, bias, mask)
+  args = (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, q_table, kv_table, slopes, bias, mask)
+  wanted = [ad.is_undefined_primal(t) for t in (tq, tk, tv, t_bias)]
+  if (all(wanted) and getattr(kernels, "emits_ds", lambda *a, **kw: False)(q, k, v, spec, **extras)
+      and not _explicitly_sharded(args)):
+    return [None] * 12 + list(_joint_backward(kernels, spec)(*args))
   grads = [None] * 3
-  if any(ad.is_undefined_primal(t) for t in (tq, tk, tv)):
+  if any(wanted[:3]):
     grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
                             extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
   d_bias = None
-  if ad.is_undefined_primal(t_bias):
-    d_bias = _outside_explicit_axes(_bias_gradient_of(kernels, spec, bias.shape[-1]),
-                                    (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,
-                                     q_table, kv_table, slopes, bias, mask), bias)
+  if wanted[3]:
+    d_bias = _outside_explicit_axes(_bias_gradient_of(kernels, spec, bias.shape[-1]), args, bias)
   return [None] * 12 + [g if ad.is_undefined_primal(t) else None
                         for g, t in zip(grads, (tq, tk, tv))] + [d_bias]
 
@@ -409,16 +414,49 @@ def _bias_gradient_of(kernels, spec, keys: int):
   return fn
 
 
-def _outside_explicit_axes(fn, args, like):
-  """fn(*args), with the mesh's explicit axes made automatic where an argument's type is
-  sharded over them (a blockwise jnp pass over sequence-sharded operands is refused
-  there), its result typed like `like`."""
+def _joint_backward(kernels, spec):
+  """fn(q, k, v, o, lse, do, dlse, lengths, tables, slopes, bias, mask) -> (dQ, dK, dV, dB)
+  from one kernel pass that emits dS beside dQ, dK and dV, dB its sum over the bias's
+  broadcast axes in float32; vmapped and differentiated as the separate passes."""
+  def separate(*xs):
+    extras = _extras(*xs[9:])
+    grads = kernel_backward(*xs[:9], extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
+    return (*grads, _bias_gradient_of(kernels, spec, xs[12].shape[-1])(*xs))
+
+  @jax.custom_batching.custom_vmap
+  def run(*xs):
+    q, bias = xs[0], xs[12]
+    *grads, ds = kernels.backward(*xs[:5], xs[5].astype(q.dtype), xs[6].astype(jnp.float32),
+                                  *xs[7:9], spec, with_ds=True, **_extras(*xs[9:]))
+    return (*grads, _dense.reduce_to(ds.astype(jnp.float32), bias.shape).astype(bias.dtype))
+
+  @run.def_vmap
+  def _vmap(axis_size, in_batched, *xs):
+    del axis_size
+    return jax.vmap(separate, in_axes=[0 if b else None for b in in_batched])(*xs), (True,) * 4
+
+  fn = jax.custom_jvp(lambda *xs: run(*xs))
+  fn.defjvp(lambda primals, tangents: jax.jvp(separate, primals, tangents))
+  return fn
+
+
+def _explicitly_sharded(args) -> bool:
+  """Whether an argument's type is sharded over a mesh's explicit axes."""
   for x in args:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if (any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
         and any(e is not None for e in sharding.spec)):
-      return jax.sharding.auto_axes(fn, out_sharding=jax.typeof(like).sharding)(*args)
+      return True
+  return False
+
+
+def _outside_explicit_axes(fn, args, like):
+  """fn(*args), with the mesh's explicit axes made automatic where an argument's type is
+  sharded over them (a blockwise jnp pass over sequence-sharded operands is refused
+  there), its result typed like `like`."""
+  if _explicitly_sharded(args):
+    return jax.sharding.auto_axes(fn, out_sharding=jax.typeof(like).sharding)(*args)
   return fn(*args)
 
 

@@ -483,9 +483,19 @@ def partitioned(kernels):
         o, lse = run(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
       return reference.varying_like(o, q), reference.varying_like(lse, q)
 
+    if hasattr(kernels, "emits_ds"):
+      # dS beside dQ, dK and dV (derivatives._joint_backward, which vmaps it itself): the
+      # kernels' call, on one device only.
+      @staticmethod
+      def emits_ds(*args, **kw):
+        return jax.device_count() == 1 and kernels.emits_ds(*args, **kw)
+
     @staticmethod
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
-                 alibi=None, dense=None):
+                 alibi=None, dense=None, with_ds=False):
+      if with_ds:  # (emits_ds: one device)
+        return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
+                                segments=segments, alibi=alibi, dense=dense, with_ds=True)
       if jax.device_count() == 1 and dense is not None:
         extra = _Extras.of(segments, alibi, dense)
         call = _vmappable(_call(True, extra), kernels, spec, extra.bias + extra.mask)

@@ -204,6 +204,34 @@ def test_gpu_native_staged_bias(rng, dtype):
 
 
 @pytest.mark.gpu
+def test_gpu_native_dense_backward_emits_ds(rng):
+  """On Hopper a 16-bit bias the dense tile stages, differentiated with q, k and v, takes one
+  backward call that emits dS beside dQ, dK and dV (the jaxflash_bwd_ds_v1 target, no
+  bias-gradient pass) where dS costs at most twice the bias's memory; dB is its sum over the
+  bias's broadcast axes. Every broadcast pattern (the wider ones by the separate pass),
+  rows and keys past a step's and a key tile's edge, ragged lengths (dS of the pairs the walk
+  leaves out zeroed), GQA, head dim 112, a float16 bias beside bfloat16 inputs."""
+  if not HAS_GPU or getattr(jax.devices()[0], "compute_capability", "") != "9.0":
+    pytest.skip("needs an sm90 GPU")
+  B, T, S, N, D = 2, 200, 264, 4, 128
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)
+  loss = lambda *x: jaxflash.dot_product_attention(*x, implementation="native").astype(jnp.float32).sum()
+  targets = lambda b: jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(q, k, v, b).as_text()
+  hlo = targets(bias)
+  assert _native.DS_TARGET in hlo and _native.BIAS_GRADIENT_TARGET not in hlo
+  # A bias shared by every head and batch element: dS would be 8x its memory, so the pass.
+  hlo = targets(bias[:, :1])
+  assert _native.DS_TARGET not in hlo and _native.BIAS_GRADIENT_TARGET in hlo
+  for shape, bias_axes, mask_name, bias_dtype in [
+      ((2, 200, 264, 4, 4, 128), "BNTS", "none", jnp.bfloat16),
+      ((2, 130, 136, 8, 2, 128), "BTS", "lengths", jnp.bfloat16),
+      ((3, 64, 520, 4, 1, 112), "TS", "causal", jnp.float16),
+      ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right", jnp.bfloat16)]:
+    check(rng, shape, mask_name, jnp.bfloat16, "native", bias_axes, None, bias_dtype=bias_dtype)
+
+
+@pytest.mark.gpu
 def test_gpu_native_sm80_family(rng):
   """The sm80 kernels' dense forward, forced, on the calls Hopper gives the warp-specialised
   dense tile (a 16-bit bias without a mask, D 64) and beside a mask (D 128): full and

@@ -473,6 +473,16 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   return ffi::Error::Success();
 }
 
+// The dS result of the dense backward with dS (jaxflash_bwd_ds_v1, CUDA):
+// [batch..., q_heads, q_len, kv_len] in the input dtype (BwdParams::ds).
+inline ffi::Error DecodeScoreGradient(ffi::Result<ffi::AnyBuffer> ds, const ffi::AnyBuffer& q, BwdParams* p) {
+  if (ds->element_type() != q.element_type()) return Invalid("ds must have the query's dtype");
+  JAXFLASH_RETURN_IF_ERROR(
+      ExpectShape("ds", ds->dimensions(), {p->shape.q_heads, p->shape.q_len, p->shape.kv_len}, p->shape.batch));
+  p->ds = ds->untyped_data();
+  return ffi::Error::Success();
+}
+
 // The bias gradient's target (jaxflash_bias_grad_v1, CPU): the backward v5's
 // operands, results dB (float32, the bias's shape) and delta (workspace).
 inline ffi::Error DecodeBiasGradient(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dbias,
@@ -648,21 +658,35 @@ auto BindBackwardOperands(Binding&& binding) {
   });
 }
 
-template <int kVersion, typename Binding>
+// The backward's attributes, after its results.
+template <typename Binding>
+auto BindBackwardAttributes(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right")
+      .template Attr<bool>("deterministic")
+      .template Attr<int64_t>("tile");
+}
+
+// kWithDs: jaxflash_bwd_ds_v1, the v5 backward with a dS result after dq_accum.
+template <int kVersion, bool kWithDs = false, typename Binding>
 auto BindBackward(Binding binding) {
   return WithSoftcap<kVersion>([&] {
-    return BindBackwardOperands<kVersion>(std::move(binding))
-        .template Ret<ffi::AnyBuffer>()  // dq
-        .template Ret<ffi::AnyBuffer>()  // dk
-        .template Ret<ffi::AnyBuffer>()  // dv
-        .template Ret<ffi::AnyBuffer>()  // delta (workspace)
-        .template Ret<ffi::AnyBuffer>()  // dq_accum (workspace, may be empty)
-        .template Attr<float>("scale")
-        .template Attr<int64_t>("window_left")
-        .template Attr<int64_t>("window_right")
-        .template Attr<bool>("bottom_right")
-        .template Attr<bool>("deterministic")
-        .template Attr<int64_t>("tile");
+    auto results = [&] {
+      return BindBackwardOperands<kVersion>(std::move(binding))
+          .template Ret<ffi::AnyBuffer>()   // dq
+          .template Ret<ffi::AnyBuffer>()   // dk
+          .template Ret<ffi::AnyBuffer>()   // dv
+          .template Ret<ffi::AnyBuffer>()   // delta (workspace)
+          .template Ret<ffi::AnyBuffer>();  // dq_accum (workspace, may be empty)
+    };
+    if constexpr (kWithDs) {
+      return BindBackwardAttributes(results().template Ret<ffi::AnyBuffer>());  // ds
+    } else {
+      return BindBackwardAttributes(results());
+    }
   });
 }
 

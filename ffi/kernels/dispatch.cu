@@ -161,7 +161,11 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
     return sm90::LaunchBackward<T, 192, 128>(p, device, stream);
   }
   const int bucket = HeadDimBucket(p.shape.head_dim);
-  if (Sm90Allowed(p.tile, device) && !p.dense.On()) {
+  const bool sm90 = Sm90Allowed(p.tile, device);
+  if (p.ds != nullptr && !(sm90 && sm90::TakesDenseBackward(p))) {
+    return Status::InvalidArgument("dS out was asked of a backward call the Hopper dense tile does not take");
+  }
+  if (sm90 && (!p.dense.On() || sm90::TakesDenseBackward(p))) {
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);

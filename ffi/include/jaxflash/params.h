@@ -319,6 +319,11 @@ struct BwdParams {
   // contiguous [Bb, Nb, Tb, Sb], each axis the call's, or 1 where the bias's
   // stride is 0 (broadcast).
   float* dbias = nullptr;
+  // dS = P (dP - delta), the score's gradient, out of the Hopper backward with a
+  // staged bias (sm90/bwd_ws_kernel.cuh): [batch, q_heads, q_len, kv_len] in the
+  // input dtype, which the caller sums over the bias's broadcast axes into dB.
+  // Null: not emitted (the separate bias-gradient pass computes dB).
+  void* ds = nullptr;
 };
 
 }  // namespace jaxflash

@@ -5,5 +5,11 @@ namespace jaxflash {
 namespace sm90 {
 template Status LaunchBackward<__half, 128>(const BwdParams&, const CudaDevice&, cudaStream_t);
 template Status LaunchBackward<__nv_bfloat16, 128>(const BwdParams&, const CudaDevice&, cudaStream_t);
+
+bool TakesDenseBackward(const BwdParams& p) {
+  const AttentionShape& sh = p.shape;
+  return sh.head_dim > 96 && sh.head_dim <= 128 && sh.v_dim() == sh.head_dim && tc::DenseTile::Stages(p) &&
+         !p.dense.mask.On() && TileTakes<FusedBwdTile<128>::dense>(p) && tc::UseFusedBackward(p);
+}
 }  // namespace sm90
 }  // namespace jaxflash

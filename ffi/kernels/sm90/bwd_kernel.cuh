@@ -403,6 +403,8 @@ struct FusedBwdTile<128> {
   // Capped calls: the same tile without the early dV (kForCap), whose
   // 240-register peak left no room for the cap (24 bytes of spills).
   using capped = WsBwdTile<128, 2, 64, 2, true, true>;
+  // Calls with a bias it stages (TakesDenseBackward).
+  using dense = WsBwdTile<128, 2, 64, 2, true, false, true>;
 };
 template <>
 struct FusedBwdTile<192> {
@@ -467,9 +469,30 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
       [&] { return RunWsDqPass<T, DqTile>(p, stream); });
 }
 
+// The dense tile's backward (TakesDenseBackward), with dS out where asked:
+// where the walk leaves pairs out (a mask rule, lengths), their dS is zeroed
+// first.
+template <typename T>
+Status LaunchDenseBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  const AttentionShape& sh = p.shape;
+  const MaskParams& m = p.mask;
+  const bool every_pair = m.window_left < 0 && m.window_right < 0 && m.diag_offsets == nullptr &&
+                          p.q_lengths == nullptr && p.kv_lengths == nullptr;
+  if (p.ds != nullptr && !every_pair) {
+    const size_t bytes = size_t(sh.batch) * sh.q_heads * sh.q_len * sh.kv_len * sizeof(T);
+    const cudaError_t err = cudaMemsetAsync(p.ds, 0, bytes, stream);
+    if (err != cudaSuccess) return Status::Internal(std::string("cudaMemsetAsync (dS): ") + cudaGetErrorString(err));
+  }
+  return LaunchWsBackward<T, typename FusedBwdTile<128>::dense>(p, device, stream);
+}
+
 template <typename T, int kD, int kDv>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD, kDv>::type;
+  if (p.dense.On()) {  // the dispatch sends only calls TakesDenseBackward allows
+    if constexpr (kD == 128 && kDv == kD) return LaunchDenseBackward<T>(p, device, stream);
+    return Status::Internal("a dense call reached an sm90 backward without a dense tile");
+  }
   // A logit soft-cap or segment ids run the first of the passes below whose
   // tiles take them (TileTakes: a cap at D 64 the fused pass of two
   // consumers, at D 128 the fused kForCap pass, at D 256 the column tile's

@@ -46,6 +46,8 @@ struct WsBwdColumnTile {
   static constexpr bool kTakesSoftCap = true;  // (with 0 bytes of spills: D 256's consumers hold 64 x 32 tiles)
   static constexpr bool kTakesSegments = true;
   static constexpr bool kTakesAlibi = true;
+  static constexpr bool kTakesDense = false;
+  static constexpr size_t kBiasBytes = 0;
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = false;
   static constexpr bool kFlagWriter = true;  // as WsBwdTile's

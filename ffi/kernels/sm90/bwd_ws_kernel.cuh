@@ -66,8 +66,20 @@ namespace sm90 {
 // kWithDq = false: dK and dV only (the deterministic backward's first pass,
 // before the dQ kernel): no dS tile, no dQ staging, no writer. kForCap: the
 // tile for calls with a logit soft-cap (no early dV, which frees registers).
-template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true, bool kForCap_ = false>
+// kDense: the tile for calls with a staged bias (kTakesDense, below).
+template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWithDq_ = true, bool kForCap_ = false,
+          bool kDense_ = false>
 struct WsBwdTile {
+  // A dense tile adds a 16-bit bias that the producer stages beside each
+  // step's Q and dO (BiasTile: the step's kM rows x the CTA's keys, one TMA
+  // box a consumer; AddStagedBiasKeyMajor) and takes no mask, soft-cap,
+  // segment ids or ALiBi (LaunchBackward sends it only biases
+  // DenseTile::Stages allows, as the forward's dense tile). Where the caller
+  // asks for dS (BwdParams::ds), the dQ writer stores each step's dS tile,
+  // which the consumers put in shared memory for dQ anyway, with the TMA: the
+  // bias's gradient is its sum over the broadcast axes, with no pass of its
+  // own. Its stage's third box takes the room of the second dQ buffer.
+  static constexpr bool kTakesDense = kDense_;
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
   // 128 dK/dV passes without dQ, the fused D 64 pass of two consumers
@@ -75,12 +87,13 @@ struct WsBwdTile {
   // the fused D 128 pass without the early dV (with it the cap's code
   // spilled 24 bytes). Capped calls without such a tile take the pass
   // without dQ, then the dQ pass (LaunchBackward).
-  static constexpr bool kTakesSoftCap = kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2) || kForCap_);
+  static constexpr bool kTakesSoftCap =
+      !kDense_ && kD_ <= 128 && (!kWithDq_ || (kD_ == 64 && kConsumers_ == 2) || kForCap_);
   // Whether a capped step keeps its tanh for the slope (score_mod.cuh's
   // KeptTanh: 16 registers more, one special-function op a score fewer).
   static constexpr bool kKeepsTanh = kTakesSoftCap && kD_ == 64;  // (the D 128 pass spilled 32 bytes with it)
-  static constexpr bool kTakesSegments = true;
-  static constexpr bool kTakesAlibi = !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
+  static constexpr bool kTakesSegments = !kDense_;
+  static constexpr bool kTakesAlibi = !kDense_ && !(kD_ == 128 && !kWithDq_);  // that pass spilled 8 bytes with it
   static constexpr bool kWithDq = kWithDq_;
   static constexpr bool kStagedDq = kWithDq;  // dQ through the staging tile and the writer warp
   // Whether a warp asks each step's mask ahead (WsBwdFlagWriter), else each
@@ -113,6 +126,8 @@ struct WsBwdTile {
   using VTile = KVTile;
   using DOTile = QTile;
   using DsTile = SwizzledTile<kM, kN>;
+  using BiasTile = SwizzledTile<kM, kN>;  // queries x keys, as dS
+  static constexpr size_t kBiasBytes = kDense_ ? BiasTile::kBytes : 0;  // a stage's
   // dQ staging: kM rows of kD floats in 128-byte-swizzled blocks of 32
   // columns (SwizzledTile counts 16-bit columns), each the box of one bulk
   // tensor reduction. One reduction per 512-byte row instead (64 per step)
@@ -123,7 +138,7 @@ struct WsBwdTile {
   // have read the tile of two steps before, not of the step before (with one,
   // the dQ writer's DqEmpty wait was 2.8% of the fused D 128 kernel's stall
   // samples).
-  static constexpr int kDqBuffers = kWithDq ? 2 : 1;
+  static constexpr int kDqBuffers = kWithDq && !kDense_ ? 2 : 1;
   static constexpr size_t kDqBytes = kWithDq ? kDqBuffers * DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
   // Barriers: K/V full, K/V tail, Q tail, dQ full and dQ empty per dQ
@@ -205,9 +220,16 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     constexpr bool kLseFirst = Tile::kConsumers == 2;
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
+    // A dense tile's bias: this consumer's box of the stage (its 64 keys).
+    std::conditional_t<Tile::kTakesDense, StagedBiasKeyMajor, NoStagedBias> bias;
+    if constexpr (Tile::kTakesDense) {
+      bias = {WarpUniform(in.d_o + Tile::DOTile::kBytes + consumer * Tile::BiasTile::kBlockBytes), warp, lane,
+              scale_log2, p.dense.bias.dtype == DType::kFloat16};
+    }
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst, Tile::kLseLog2>(
         st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0() + key_w, [&] { return StepIsFull(w, in); },
-        in.lse, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept);
+        in.lse, lane, Tile::kTakesDense ? 1.f : scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept,
+        bias);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {
       tc::PackAFragments<T>(st, pa);
@@ -298,7 +320,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsBwdKernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap do_map, const __grid_constant__ CUtensorMap k_map,
                 const __grid_constant__ CUtensorMap v_map, const __grid_constant__ CUtensorMap dq_map,
-                const __grid_constant__ CUtensorMap dk_map, const __grid_constant__ CUtensorMap dv_map) {
+                const __grid_constant__ CUtensorMap dk_map, const __grid_constant__ CUtensorMap dv_map,
+                const __grid_constant__ CUtensorMap bias_map, const __grid_constant__ CUtensorMap ds_map) {
 #if defined(JAXFLASH_SM90A)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t base = (tc::SmemAddr(smem_raw) + 1023u) & ~1023u;
@@ -314,9 +337,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
         if (warp == 0) {
-          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map);
+          WsBwdProducer<Tile>(p, sm, WsBwdWork<Tile>::At(p, sm.place), stats_base, q_map, do_map, k_map, v_map,
+                              bias_map);
         } else if (warp == 1) {
-          if constexpr (Tile::kStagedDq) WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map);
+          if constexpr (Tile::kStagedDq) {
+            WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map, ds_map, p.ds != nullptr);
+          }
         } else if (warp == 2) {
           if constexpr (Tile::kFlagWriter) WsBwdFlagWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), stats_base);
         }
@@ -337,7 +363,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 // it only on non-empty extents, which a map needs. Without staged dQ the
 // sums' map is not encoded (deterministic calls have no sums; the column
 // consumers add their dQ themselves) and the kernel's slot for it takes Q's
-// map, which it never reads.
+// map, which it never reads; so do the bias's and dS's slots of tiles
+// without them.
 template <typename T, typename Tile>
 Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   Status st = EnsureDynamicSmem<WsBwdKernel<T, Tile>>(WsBwdSmem<Tile>::kLaunchBytes, device);
@@ -364,11 +391,24 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   } else if (!(st = EncodeRowsMap(&dq_map, p.dq_accum, DType::kFloat32, sh, true, Tile::kM)).ok()) {
     return st;
   }
+  CUtensorMap bias_map = q_map, ds_map = q_map;
+  if constexpr (Tile::kTakesDense) {
+    if (!(st = EncodeBiasMap(&bias_map, p.dense.bias, sh, Tile::kM)).ok()) return st;
+    if (p.ds != nullptr) {  // dS: [batch, q_heads, q_len, kv_len], contiguous, in the input dtype
+      DenseTerm ds;
+      ds.data = p.ds;
+      ds.dtype = p.dtype;
+      ds.key_stride = 1;
+      ds.row_stride = sh.kv_len;
+      ds.head_stride = sh.q_len * sh.kv_len;
+      ds.batch_stride = sh.q_heads * ds.head_stride;
+      if (!(st = EncodeBiasMap(&ds_map, ds, sh, Tile::kM)).ok()) return st;
+    }
+  }
   const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
                   static_cast<unsigned>(sh.batch));
-  WsBwdKernel<T, Tile><<<grid, Tile::kThreads, WsBwdSmem<Tile>::kLaunchBytes, stream>>>(p, q_map, do_map, k_map,
-                                                                                             v_map, dq_map, dk_map,
-                                                                                             dv_map);
+  WsBwdKernel<T, Tile><<<grid, Tile::kThreads, WsBwdSmem<Tile>::kLaunchBytes, stream>>>(
+      p, q_map, do_map, k_map, v_map, dq_map, dk_map, dv_map, bias_map, ds_map);
   return CheckLaunch(Tile::kWithDq ? "attention backward (sm90, warp-specialised: dK, dV and dQ sums)"
                                    : "attention backward (sm90, warp-specialised: dK, dV)");
 }

@@ -26,11 +26,12 @@ namespace sm90 {
 
 template <typename Tile>
 struct WsBwdSmem {
-  // Per stage Q and dO (whole swizzle periods), the dS buffers and the dQ
+  // Per stage Q and dO (and a dense tile's bias: Tile::kBiasBytes), whole
+  // swizzle periods, the dS buffers and the dQ
   // staging (also swizzled), then per stage kM LSE and kM delta values and
   // the step's mask flag (StepIsFull; padded to 16 bytes): kept out of
   // the stages, so that at D 256 none is rounded up to 1024 bytes.
-  static constexpr size_t kStageBytes = size_t(Tile::QTile::kBytes) + Tile::DOTile::kBytes;
+  static constexpr size_t kStageBytes = size_t(Tile::QTile::kBytes) + Tile::DOTile::kBytes + Tile::kBiasBytes;
   static constexpr int kStatsFloats = 2 * Tile::kM + (Tile::kFlagWriter ? 4 : 0);
   static constexpr size_t kStatsBytes = Tile::kStages * kStatsFloats * sizeof(float);
   static constexpr size_t kKvBytes = size_t(Tile::KTile::kBytes) + Tile::VTile::kBytes;
@@ -57,6 +58,7 @@ struct WsBwdSmem {
   }
   __device__ __forceinline__ uint32_t Q(int stage) const { return stages + stage * uint32_t(kStageBytes); }
   __device__ __forceinline__ uint32_t DO(int stage) const { return Q(stage) + Tile::QTile::kBytes; }
+  __device__ __forceinline__ uint32_t Bias(int stage) const { return DO(stage) + Tile::DOTile::kBytes; }
   // A stage's LSE (then delta, then the flag) values as a pointer, from the
   // first stage's.
   __device__ __forceinline__ static float* StatsPointer(float* first, int stage) {
@@ -296,7 +298,7 @@ template <typename Tile>
 __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSmem<Tile>& sm,
                                               const WsBwdWork<Tile>& w, float* stats_base, const CUtensorMap& q_map,
                                               const CUtensorMap& do_map, const CUtensorMap& k_map,
-                                              const CUtensorMap& v_map) {
+                                              const CUtensorMap& v_map, const CUtensorMap& bias_map) {
   constexpr int kM = Tile::kM, kN = Tile::kN;
   using QTile = typename Tile::QTile;
   using DOTile = typename Tile::DOTile;
@@ -311,6 +313,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     PrefetchTensorMap(do_map);
     PrefetchTensorMap(k_map);
     PrefetchTensorMap(v_map);
+    if constexpr (Tile::kTakesDense) PrefetchTensorMap(bias_map);
   }
   // K and V of the CTA's keys, once. A full barrier of the producer's
   // completes with its 32 lanes' arrivals and the copied bytes: lane 0 issues
@@ -355,12 +358,21 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
     const bool q_tail = w.pol.q_valid < q_len && r0 + kM > w.pol.q_valid;
     if (lane == 0) {
       const uint32_t bar = q_tail ? sm.QTail() : sm.Full(s);
-      MBarrier::ArriveExpectBytes(bar, QTile::kBytes + DOTile::kBytes);
+      MBarrier::ArriveExpectBytes(bar, QTile::kBytes + DOTile::kBytes + Tile::kBiasBytes);
       for (int b = 0; b < QTile::kBlocks; ++b) {
         TmaLoad4d(sm.Q(s) + b * QTile::kBlockBytes, q_map, bar, 64 * b, head, r0, w.Batch());
       }
       for (int b = 0; b < DOTile::kBlocks; ++b) {
         TmaLoad4d(sm.DO(s) + b * DOTile::kBlockBytes, do_map, bar, 64 * b, head, r0, w.Batch());
+      }
+      if constexpr (Tile::kTakesDense) {  // the bias of the step's rows and the CTA's keys, 64 keys a box
+        using BiasTile = typename Tile::BiasTile;
+        const DenseTerm& bias = p.dense.bias;  // (a broadcast axis is one element long in the map)
+        const int bias_head = bias.head_stride != 0 ? head : 0, bias_batch = bias.batch_stride != 0 ? w.Batch() : 0;
+        for (int b = 0; b < BiasTile::kBlocks; ++b) {
+          TmaLoad4d(sm.Bias(s) + b * BiasTile::kBlockBytes, bias_map, bar, w.C0() + 64 * b, r0, bias_head,
+                    bias_batch);
+        }
       }
     }
     if (q_tail) {  // padding queries: zero Q and dO rows (a NaN there would reach dK, dV)
@@ -370,6 +382,7 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
       const int first = MaxInt(w.pol.q_valid - r0, 0);
       ZeroTileRows<QTile>(sm.Q(s), first, lane);
       ZeroTileRows<DOTile>(sm.DO(s), first, lane);
+      if constexpr (Tile::kTakesDense) ZeroTileRows<typename Tile::BiasTile>(sm.Bias(s), first, lane);
       FenceSharedForAsyncProxy();
     }
     if (q_tail || lane != 0) MBarrier::Arrive(sm.Full(s));  // the stats (and zeroed rows) are written
@@ -403,27 +416,47 @@ __device__ __forceinline__ void WsBwdFlagWriter(const WsBwdSmem<Tile>& sm, const
 // rows) with one bulk tensor reduction per 32-column block; the tile is free
 // once the copy engine has read it. Rows past q_len are clipped by the map;
 // rows in [q_valid, q_len) (padding queries) add into sums DqFromSumsKernel
-// never reads.
+// never reads. With `emit_ds` (a dense tile's, BwdParams::ds) the step's dS
+// tile, complete since every consumer staged its dQ after the step's dS
+// barrier, is stored beside, one box of 64 keys at a time (rows and keys past
+// the call clipped; masked pairs hold dS = 0); the consumers overwrite that
+// dS buffer two steps later, past their wait for this step's dQ buffer, which
+// the writer frees only once the copy engine has read both.
 template <typename Tile>
 __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
-                                              const CUtensorMap& dq_map) {
+                                              const CUtensorMap& dq_map, const CUtensorMap& ds_map, bool emit_ds) {
   using DqStage = typename Tile::DqStage;
-  static_assert(Tile::kStagedDq && Tile::kDqBuffers == 2, "a tile with two dQ staging buffers");
+  constexpr int kBuffers = Tile::kDqBuffers;
+  static_assert(Tile::kStagedDq && (kBuffers == 2 || Tile::kTakesDense), "two dQ staging buffers, or a dense tile's one");
   if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
+  if (emit_ds) PrefetchTensorMap(ds_map);
   auto step = w.FirstStep();
   for (int it = 0; it < w.steps; ++it, step.Next()) {
-    const int buf = it & 1;
-    MBarrier::Wait(sm.DqFull(buf), (it >> 1) & 1);
+    const int buf = it % kBuffers;
+    MBarrier::Wait(sm.DqFull(buf), (it / kBuffers) & 1);
 #pragma unroll
     for (int b = 0; b < DqStage::kBlocks; ++b) {
       TmaReduceAdd4d(dq_map, sm.Dq(buf) + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
     }
+    if constexpr (Tile::kTakesDense) {
+      using DsTile = typename Tile::DsTile;
+      if (emit_ds) {
+        for (int b = 0; b < DsTile::kBlocks; ++b) {
+          TmaStore4d(ds_map, sm.Ds(it) + b * DsTile::kBlockBytes, w.C0() + 64 * b, step.Row0(), step.head, w.Batch());
+        }
+      }
+    }
     TmaStoreCommit();
-    // The step before's tile has been read (this step's reductions stay in
-    // flight): free its buffer.
-    TmaStoreWaitRead<1>();
-    if (it > 0) MBarrier::Arrive(sm.DqEmpty(buf ^ 1));
+    if constexpr (kBuffers == 1) {  // this step's tiles read: free them
+      TmaStoreWaitRead<0>();
+      MBarrier::Arrive(sm.DqEmpty(0));
+    } else {
+      // The step before's tile has been read (this step's reductions stay in
+      // flight): free its buffer.
+      TmaStoreWaitRead<1>();
+      if (it > 0) MBarrier::Arrive(sm.DqEmpty(buf ^ 1));
+    }
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires (no step waits for the last buffer)
 }

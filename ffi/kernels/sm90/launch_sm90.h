@@ -20,5 +20,12 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 template <typename T, int kD, int kDv = kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
+// Whether the backward's dense tile (bucket 128's, bwd_ws_kernel.cuh) takes a
+// call with a dense term: a 16-bit bias it stages (DenseTile::Stages), no
+// mask, soft-cap, segment ids or ALiBi, one head dim, the fused pass
+// (UseFusedBackward). Every other dense call runs the sm80 kernels, and only
+// this one emits dS (BwdParams::ds).
+bool TakesDenseBackward(const BwdParams& p);
+
 }  // namespace sm90
 }  // namespace jaxflash
