@@ -22,7 +22,7 @@ struct NoStagedBias {
 
 // A staged bias box (kQT * 8 query rows x 64 keys, 16-bit, float16 where
 // `fp16`, swizzled as the TMA wrote it) added to a warp's key-major scores Sᵀ
-// (its 16 keys from 16 `warp` of the box), which leave in log2 units:
+// (its 16 keys from key 16 · `warp` of the box), which leave in log2 units:
 // s · scale_log2 + bias · log2(e). ldmatrix .trans reads the box's
 // query-major 8 x 8 blocks straight into the accumulator's key-major layout
 // (two queries of one key a 32-bit word): four blocks an instruction, one

@@ -72,7 +72,7 @@ template <int kD_, int kConsumers_ = 2, int kM_ = 64, int kStages_ = 2, bool kWi
 struct WsBwdTile {
   // A dense tile adds a 16-bit bias that the producer stages beside each
   // step's Q and dO (BiasTile: the step's kM rows x the CTA's keys, one TMA
-  // box a consumer; AddStagedBiasKeyMajor) and takes no mask, soft-cap,
+  // box a consumer; StagedBiasKeyMajor) and takes no mask, soft-cap,
   // segment ids or ALiBi (LaunchBackward sends it only biases
   // DenseTile::Stages allows, as the forward's dense tile). Where the caller
   // asks for dS (BwdParams::ds), the dQ writer stores each step's dS tile,
