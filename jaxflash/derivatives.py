@@ -377,9 +377,10 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
   extras = _extras(q_table, kv_table, slopes, bias, mask)
   args = (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, q_table, kv_table, slopes, bias, mask)
   wanted = [ad.is_undefined_primal(t) for t in (tq, tk, tv, t_bias)]
-  if (all(wanted) and getattr(kernels, "emits_ds", lambda *a, **kw: False)(q, k, v, spec, **extras)
-      and not _explicitly_sharded(args)):
-    return [None] * 12 + list(_joint_backward(kernels, spec)(*args))
+  if (any(wanted[:3]) and wanted[3] and not _explicitly_sharded(args)
+      and getattr(kernels, "emits_ds", lambda *a, **kw: False)(q, k, v, spec, **extras)):
+    grads = _joint_backward(kernels, spec)(*args)   # (dQ, dK, dV: computed together anyway)
+    return [None] * 12 + [g if w else None for g, w in zip(grads, wanted)]
   grads = [None] * 3
   if any(wanted[:3]):
     grads = kernel_backward(q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxflash
-from jaxflash import _native
+from jaxflash import _core, _native
 from cases import mask_kwargs, numpy_mask
 from conftest import HAS_GPU, assert_within_budget, max_abs, numpy_reference, random_inputs
 from test_native import attention, finite_baseline
@@ -229,6 +229,29 @@ def test_gpu_native_dense_backward_emits_ds(rng):
       ((3, 64, 520, 4, 1, 112), "TS", "causal", jnp.float16),
       ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right", jnp.bfloat16)]:
     check(rng, shape, mask_name, jnp.bfloat16, "native", bias_axes, None, bias_dtype=bias_dtype)
+
+
+def test_joint_backward_lowering(monkeypatch, rng):
+  """Where the native kernels give dB beside dQ, dK and dV (the Hopper dense tile; forced
+  here on the CPU, for tracing only), a gradient over the bias and any of q, k, v lowers to
+  one dense backward with dB (jaxflash_bwd_ds_v1) and no bias-gradient pass; one over the
+  bias alone keeps the pass; vmap and a jvp of the gradient trace (as the separate passes)."""
+  if HAS_GPU:
+    pytest.skip("traced on the CPU (test_gpu_native_dense_backward_emits_ds runs it on Hopper)")
+  monkeypatch.setattr(_core.NativeKernels, "emits_ds", staticmethod(lambda *a, **kw: True))
+  B, T, S, N, D = 2, 64, 64, 2, 128
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)
+  loss = lambda *x: jaxflash.dot_product_attention(*x, implementation="native").astype(jnp.float32).sum()
+  for argnums, joint in [((0, 1, 2, 3), True), ((0, 3), True), ((3,), False), ((0, 1, 2), False)]:
+    hlo = jax.jit(jax.grad(loss, argnums)).lower(q, k, v, bias).as_text()
+    assert (_native.DS_TARGET in hlo) == joint, argnums
+    assert (_native.BIAS_GRADIENT_TARGET in hlo) == (3 in argnums and not joint), argnums
+  grad = jax.grad(loss, (0, 3))
+  batched = jax.eval_shape(jax.vmap(grad), *(jnp.stack([x, x]) for x in (q, k, v, bias)))
+  assert batched[1].shape == (2, *bias.shape)
+  _, tangents = jax.eval_shape(lambda t: jax.jvp(lambda q: grad(q, k, v, bias), (q,), (t,)), q)
+  assert tangents[1].shape == bias.shape
 
 
 @pytest.mark.gpu

@@ -125,7 +125,9 @@ def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
 # Dense terms (16-bit): a bias the Hopper forward's dense tile stages (keys
 # contiguous, S a multiple of 8; full and broadcast over batch and heads) and,
 # on the sm80 kernels, a bias beside a mask, a mask alone and a bias whose
-# rows are not whole 16-byte copies (S 86): forward, dQ and the bias's gradient.
+# rows are not whole 16-byte copies (S 86): forward, dQ and the bias's gradient
+# (at D 128 on Hopper, of a bias shared by at most two items, the dense
+# backward's one pass with dS out).
 DENSE_SHAPES = [(2, 300, 296, 4, 2, 64), (1, 129, 200, 8, 8, 128), (1, 100, 88, 4, 1, 256),
                 (1, 70, 86, 4, 2, 128)]
 DENSE_TERMS = [("BNTS", False), ("NTS", False), ("TS", True), (None, True)]
