@@ -332,7 +332,7 @@ class NativeKernels:
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
-    ds = [jax.ShapeDtypeStruct((*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3]), q.dtype)][:with_ds]
+    ds = [jax.ShapeDtypeStruct((*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3]), q.dtype)] if with_ds else []
     target, dense_operands = cls._target(1, dense)
     call = jax.ffi.ffi_call(_native.DS_TARGET if with_ds else target, (*out_types, *ds), vmap_method="broadcast_all")
     dq, dk, dv, _, _, *ds = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
