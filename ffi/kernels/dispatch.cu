@@ -162,10 +162,11 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
   }
   const int bucket = HeadDimBucket(p.shape.head_dim);
   const bool sm90 = Sm90Allowed(p.tile, device);
-  if (p.ds != nullptr && !(sm90 && sm90::TakesDenseBackward(p))) {
+  const bool sm90_dense = sm90 && p.dense.On() && sm90::TakesDenseBackward(p);
+  if (p.ds != nullptr && !sm90_dense) {
     return Status::InvalidArgument("dS out was asked of a backward call the Hopper dense tile does not take");
   }
-  if (sm90 && (!p.dense.On() || sm90::TakesDenseBackward(p))) {
+  if (sm90 && (!p.dense.On() || sm90_dense)) {
     switch (bucket) {
       case 64: return sm90::LaunchBackward<T, 64>(p, device, stream);
       case 128: return sm90::LaunchBackward<T, 128>(p, device, stream);

@@ -236,6 +236,10 @@ struct DenseTerm {
   JAXFLASH_HD int64_t RowOffset(int64_t b, int64_t head, int64_t row) const {
     return b * batch_stride + head * head_stride + row * row_stride;
   }
+  // The term's own batch element and head of the call's (0 on a broadcast
+  // axis): its coordinates in a tensor map of its own extent (sm90 EncodeBiasMap).
+  JAXFLASH_HD int OwnBatch(int b) const { return batch_stride != 0 ? b : 0; }
+  JAXFLASH_HD int OwnHead(int head) const { return head_stride != 0 ? head : 0; }
 };
 struct DenseParams {
   DenseTerm bias, mask;

@@ -223,8 +223,8 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // A dense tile's bias: this consumer's box of the stage (its 64 keys).
     std::conditional_t<Tile::kTakesDense, StagedBiasKeyMajor, NoStagedBias> bias;
     if constexpr (Tile::kTakesDense) {
-      bias = {WarpUniform(in.d_o + Tile::DOTile::kBytes + consumer * Tile::BiasTile::kBlockBytes), warp, lane,
-              scale_log2, p.dense.bias.dtype == DType::kFloat16};
+      bias = {WarpUniform(sm.Bias(ring.stage) + consumer * Tile::BiasTile::kBlockBytes), warp, lane, scale_log2,
+              p.dense.bias.dtype == DType::kFloat16};
     }
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst, Tile::kLseLog2>(
         st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0() + key_w, [&] { return StepIsFull(w, in); },

@@ -367,11 +367,10 @@ __device__ __forceinline__ void WsBwdProducer(const BwdParams& p, const WsBwdSme
       }
       if constexpr (Tile::kTakesDense) {  // the bias of the step's rows and the CTA's keys, 64 keys a box
         using BiasTile = typename Tile::BiasTile;
-        const DenseTerm& bias = p.dense.bias;  // (a broadcast axis is one element long in the map)
-        const int bias_head = bias.head_stride != 0 ? head : 0, bias_batch = bias.batch_stride != 0 ? w.Batch() : 0;
+        const DenseTerm& bias = p.dense.bias;
         for (int b = 0; b < BiasTile::kBlocks; ++b) {
-          TmaLoad4d(sm.Bias(s) + b * BiasTile::kBlockBytes, bias_map, bar, w.C0() + 64 * b, r0, bias_head,
-                    bias_batch);
+          TmaLoad4d(sm.Bias(s) + b * BiasTile::kBlockBytes, bias_map, bar, w.C0() + 64 * b, r0, bias.OwnHead(head),
+                    bias.OwnBatch(w.Batch()));
         }
       }
     }

@@ -427,8 +427,7 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
         }
         if (bias) {
           const DenseTerm& t = p.dense.bias;
-          TmaLoad4d(sm.Bias(s), bias_map, sm.KFull(s), c0, w.r0, t.head_stride != 0 ? head : 0,
-                    t.batch_stride != 0 ? batch : 0);
+          TmaLoad4d(sm.Bias(s), bias_map, sm.KFull(s), c0, w.r0, t.OwnHead(head), t.OwnBatch(batch));
         }
         MBarrier::Wait(sm.VEmpty(s), ring.parity ^ 1);
         const uint32_t bar = ragged_tail ? sm.Tail() : sm.VFull(s);
