@@ -244,6 +244,12 @@ struct DenseTerm {
 struct DenseParams {
   DenseTerm bias, mask;
   JAXFLASH_HD bool On() const { return bias.On() || mask.On(); }
+  // Every term present is broadcast over the batch: the batch elements of one
+  // (head, tile) read the same bytes of it, so the tile orders run them side
+  // by side and all but the first read it from L2 (grid_order.cuh).
+  JAXFLASH_HD bool SharedByBatch() const {
+    return On() && (!bias.On() || bias.batch_stride == 0) && (!mask.On() || mask.batch_stride == 0);
+  }
 };
 
 struct FwdParams {

@@ -93,7 +93,7 @@ struct FwdBlock {
   // kSegments: as MaskPolicy::For's (false in tiles that take no segment ids).
   template <int kM, int kN, bool kSegments = true, typename Params>  // FwdParams or BwdParams
   __device__ __forceinline__ static FwdBlock OfGrid(const Params& p) {
-    const GridTile t = OrderedGridTile<HeavyTiles::kLast>(p.mask);
+    const GridTile t = OrderedGridTile<HeavyTiles::kLast>(p);
     return At<kM, kN, kSegments>(p, t.tile, t.y, t.z);
   }
   template <int kM, int kN, bool kSegments = true, typename Params>

@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) DkDvKernel(const BwdParams 
   unsigned char* sBias = reinterpret_cast<unsigned char*>(sDelta + 2 * kM);  // [2][kBiasStage], when staged
 
   const AttentionShape& sh = p.shape;
-  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p);
   const int n_block = at.tile;
   const int kv_head = at.y;
   const int batch = at.z / Tile::kSplits;

@@ -93,7 +93,7 @@ __global__ void __launch_bounds__(Tile::kThreads, Tile::kCtasPerSm) DkDvKernel(c
   };
 
   const AttentionShape& sh = p.shape;
-  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p);
   const int kv_head = at.y;
   const int batch = at.z / Tile::kSplits;
   const int d_base = (at.z % Tile::kSplits) * kDOut;

@@ -357,7 +357,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsDqSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kLast>(p.mask);
+  const tc::GridTile at = tc::OrderedGridTile<tc::HeavyTiles::kLast>(p);
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
       [&](int warp) {
         if (warp == 0) WsDqProducer<T, Tile>(p, sm, at, q_map, do_map, k_map, v_map);

@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     sm.InitBarriers();
     *reinterpret_cast<tc::GridTile*>(smem_raw + (sm.place - tc::SmemAddr(smem_raw))) =
-        tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p.mask);
+        tc::OrderedGridTile<tc::HeavyTiles::kFirst>(p);
   }
   __syncthreads();
   RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(

@@ -813,7 +813,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const auto sm = WsFwdSmem<Tile>::At((tc::SmemAddr(smem_raw) + 1023u) & ~1023u);
   if (threadIdx.x == 0) sm.InitBarriers();
   __syncthreads();
-  auto scheduler = [&] { return TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic); };
+  auto scheduler = [&] { return TileScheduler::For(p.shape, p.mask, Tile::kM, gridDim.x, sizeof(T), kDynamic,
+                                                      Tile::kTakesDense && p.dense.SharedByBatch());
+  };  // (the other tiles' producers have no register to spare for one more flag)
   const WorkClaims claims{claim_slot};
   if constexpr (kDynamic) {
     {

@@ -28,6 +28,11 @@
 //                 pairs that fill their rounds less than 90% (fewer pairs
 //                 than CTAs, a last round mostly empty: small problems, whose
 //                 tiles mostly run at once anyway).
+//   dense term    a bias or mask broadcast over the batch (no diagonal):
+//   shared by     the batch elements of a (head, row block) are adjacent,
+//   the batch     so they read its bias rows at once and all but one from
+//                 L2; with the (batch, head)s outermost they ran a batch
+//                 element apart and each read its own copy from HBM.
 //   segment ids   a row block's work is its place in its document, which no
 //                 fixed assignment can know: packed rows of random documents
 //                 (bench_packed.py's) left the paired walk's busiest CTA with
@@ -105,6 +110,7 @@ struct TileScheduler {
   int positions;  // the walk's length: a position may hold no tile (paired order)
   bool heavy_first;  // a diagonal mask: row blocks differ in work
   bool paired;
+  bool batch_inner;  // a dense term shared by the batch: its batch elements side by side
   int chunk_heads;  // > 0: the segment ids' walk, (batch, head)s per chunk
 
   // Work tiles of a launch (the host sizes the grid by them).
@@ -121,14 +127,16 @@ struct TileScheduler {
   }
 
   // `dynamic`: the segment ids' walk, its positions claimed (WorkClaims).
+  // `shared_by_batch`: DenseParams::SharedByBatch.
   __host__ __device__ static TileScheduler For(const AttentionShape& sh, const MaskParams& mask, int rows, int ctas,
-                                               int dtype_bytes, bool dynamic) {
+                                               int dtype_bytes, bool dynamic, bool shared_by_batch = false) {
     TileScheduler s;
     s.m_blocks = static_cast<int>((sh.q_len + rows - 1) / rows);
     s.heads = static_cast<int>(sh.q_heads);
     s.batches = static_cast<int>(sh.batch);
     s.ctas = ctas;
     s.heavy_first = mask.window_right >= 0;
+    s.batch_inner = shared_by_batch && !s.heavy_first && sh.batch > 1;
     s.chunk_heads = dynamic ? ChunkHeads(sh, dtype_bytes) : 0;
     if (s.chunk_heads > 0) {
       s.paired = false;
@@ -201,6 +209,12 @@ struct TileScheduler {
       if (bh >= heads * batches) return false;  // past the last pair, in the last round
       const int j = unit % pairs;
       w->m_block = round % 2 == 0 ? m_blocks - 1 - j : j;  // heavy, then light
+    } else if (batch_inner) {  // (head, row block) outermost, its batch elements together
+      w->batch = index % batches;
+      const int rest = index / batches;
+      w->m_block = rest % m_blocks;
+      w->head = rest / m_blocks;
+      return true;
     } else if (heavy_first) {  // row block outermost, the last block first
       const int per_block = heads * batches;
       w->m_block = m_blocks - 1 - index / per_block;
