@@ -285,7 +285,7 @@ class NativeKernels:
                 softcap=np.float32(spec.softcap))
 
   takes_value_width = staticmethod(_native.takes_value_width)   # v at its own head dim (else padded)
-  emits_ds = staticmethod(_native.emits_ds)   # backward(..., with_ds=True) gives dS after dV
+  emits_db = staticmethod(_native.emits_db)   # backward(..., with_db=True) gives dB after dV
 
   @staticmethod
   def out_types(q, splits: int, v_dim: int | None = None):
@@ -321,26 +321,26 @@ class NativeKernels:
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None, alibi=None, dense=None, with_ds=False):
+               offsets=None, segments=None, alibi=None, dense=None, with_db=False):
     if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
       pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
       g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,
                        spec, offsets, segments, alibi, dense)
       return tuple(d[..., :x.shape[-1]] for d, x in zip(g, (q, k, v)))
-    # Results dQ, dK, dV, two workspaces (delta, and float32 dQ sums like q or of last dim 0), [dS]
+    # Results dQ, dK, dV, two workspaces (delta, and float32 dQ sums like q or of last dim 0), [dB]
     sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))
-    ds = [jax.ShapeDtypeStruct((*q.shape[:-3], q.shape[-2], q.shape[-3], k.shape[-3]), q.dtype)] if with_ds else []
+    db = [jax.ShapeDtypeStruct(dense.bias.shape, dense.bias.dtype)] if with_db else []
     target, dense_operands = cls._target(1, dense)
-    call = jax.ffi.ffi_call(_native.DS_TARGET if with_ds else target, (*out_types, *ds), vmap_method="broadcast_all")
-    dq, dk, dv, _, _, *ds = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
+    call = jax.ffi.ffi_call(_native.DB_TARGET if with_db else target, (*out_types, *db), vmap_method="broadcast_all")
+    dq, dk, dv, _, _, *db = call(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                          reference.per_batch_operand(offsets),
                          *_segments.operands(segments), reference.alibi_operand(alibi),
                          *dense_operands, **cls._attrs(spec), deterministic=bool(spec.deterministic),
                          tile=np.int64(_native.tile_attr("bwd", q.shape[-1], spec.window_right >= 0)))
-    return (dq, dk, dv, *ds)
+    return (dq, dk, dv, *db)
 
   @classmethod
   def bias_gradient(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec: MaskSpec,
@@ -452,7 +452,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
   The orders are measured on plain calls. A dense term on a GPU puts Pallas first (sm80: 2.4x /
-  2.0x slower, H200) unless Hopper's dense tiles take both ways (`_native.emits_ds`). A decode
+  2.0x slower, H200) unless Hopper's dense tiles take both ways (`_native.emits_db`). A decode
   step with ids or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes 2.3x).
   Past the CUDA kernels' head dims, Pallas (D 512: 3.4x / 1.3x xla's speed, H200). A small CPU call
   that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax then keeps the kernels'
@@ -467,7 +467,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
                        call.spec.window_right >= 0, call.q.shape[-3], small)
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))
-  if call.dense is not None and platform() != "cpu" and not _native.call_emits_ds(call):
+  if call.dense is not None and platform() != "cpu" and not _native.call_emits_db(call):
     order = tuple(sorted(order, key=lambda name: name != "pallas"))
   return order
 

@@ -33,11 +33,14 @@ LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3",
                   "jaxflash_paged_fwd_v1")
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
 SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
-# The dense backward with dS out (the backward v5's operands; results dQ, dK, dV, the two
-# workspaces, dS): the Hopper dense tile's, on the GPU only (`emits_ds`).
-DS_TARGET = "jaxflash_bwd_ds_v1"
+# The dense backward with dB out (the backward v5's operands; results dQ, dK, dV, the two
+# workspaces, dB): the Hopper dense tile's, on the GPU only (`emits_db`).
+DB_TARGET = "jaxflash_bwd_db_v1"
+# Its predecessor (results dQ, dK, dV, the workspaces and the whole dS, which its caller
+# summed): registered so that exported programs load.
+LEGACY_CUDA_TARGETS = ("jaxflash_bwd_ds_v1",)
 CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + DENSE_TARGETS + (BIAS_GRADIENT_TARGET,) + LEGACY_TARGETS
-TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET, DS_TARGET)
+TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET, DB_TARGET) + LEGACY_CUDA_TARGETS
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
 # (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
@@ -124,15 +127,15 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def emits_ds(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
-  """Whether a native backward being traced runs the Hopper dense tile with dS out
-  (DS_TARGET), so the bias's gradient is dS summed over its broadcast axes, with no pass of
-  its own: a 16-bit bias on whole rows and keys (S a multiple of 8), no mask, soft-cap,
-  segment ids or ALiBi, head dims 97-128 alike, the fused backward on an sm90 GPU. The
-  device side asks the same (sm90 TakesDenseBackward) and refuses a dS it cannot give. dS is
-  a [B, N, T, S] scratch, (B N) / (Bb Nb) times the bias: taken where that is at most 2 (at
-  most the bias and its gradient once more); a bias shared more widely keeps its memory and
-  takes the separate bias-gradient pass."""
+def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
+  """Whether a native backward being traced runs the Hopper dense tile with dB out
+  (DB_TARGET), so the bias's gradient comes from the same pass: a bias in the query's 16-bit
+  dtype on whole rows and keys (S a multiple of 8), no mask, soft-cap, segment ids or ALiBi,
+  head dims 97-128 alike, the fused backward on an sm90 GPU. The device side asks the same
+  (sm90 TakesDenseBackward) and refuses a dB it cannot give. Each step's dS tile is stored
+  into dB, or added there by the copy engine in 16 bits where two (batch, head)s share an
+  entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's); a bias shared more
+  widely takes the separate bias-gradient pass, which sums in float32."""
   bias = None if dense is None else dense.bias
   if (bias is None or dense.mask is not None or segments is not None or alibi is not None
       or spec.softcap > 0 or v.shape[-1] != q.shape[-1] or tile_cache.bucket(q.shape[-1]) != 128):
@@ -140,14 +143,14 @@ def emits_ds(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   T, S = q.shape[-3], k.shape[-3]
   device = jax.devices()[0]
   return (device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-          and np.dtype(bias.dtype).itemsize == 2 and bias.shape[-2:] == (T, S) and T > 1 and S > 1
+          and np.dtype(bias.dtype).itemsize == 2 and bias.dtype == q.dtype and bias.shape[-2:] == (T, S) and T > 1 and S > 1
           and S % 8 == 0 and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(bias.shape[:-2])
           and dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic)))
 
 
-def call_emits_ds(call) -> bool:
-  """`emits_ds` of a _core.Call (its ids and slopes, or None)."""
-  return emits_ds(call.q, call.k, call.v, call.spec, call.segments, call.alibi, call.dense)
+def call_emits_db(call) -> bool:
+  """`emits_db` of a _core.Call (its ids and slopes, or None)."""
+  return emits_db(call.q, call.k, call.v, call.spec, call.segments, call.alibi, call.dense)
 
 
 def takes_value_width(call=None) -> bool:

@@ -32,8 +32,8 @@ log, scale c, sums over visible keys j):
 The transpose with respect to tB is the bias gradient dB = dS = P (dP - delta)
 reduced over the bias's broadcast axes (`bias_gradient`): the kernels compute
 dQ, dK and dV, a pass of their own dB where they have one (else this blockwise
-one), and only when the bias is differentiated. Kernels that emit dS beside dQ,
-dK and dV (`emits_ds`: the native Hopper dense tile) give it with no pass of its
+one), and only when the bias is differentiated. Kernels that emit dB beside dQ,
+dK and dV (`emits_db`: the native Hopper dense tile) give it with no pass of its
 own where both are wanted (`_joint_backward`).
 """
 
@@ -378,7 +378,7 @@ def _tangent_transpose(cts, q, k, v, o, lse, q_lengths, kv_lengths, q_table, kv_
   args = (q, k, v, o, lse, ct_o, ct_lse, q_lengths, kv_lengths, q_table, kv_table, slopes, bias, mask)
   wanted = [ad.is_undefined_primal(t) for t in (tq, tk, tv, t_bias)]
   if (any(wanted[:3]) and wanted[3] and not _explicitly_sharded(args)
-      and getattr(kernels, "emits_ds", lambda *a, **kw: False)(q, k, v, spec, **extras)):
+      and getattr(kernels, "emits_db", lambda *a, **kw: False)(q, k, v, spec, **extras)):
     grads = _joint_backward(kernels, spec)(*args)   # (dQ, dK, dV: computed together anyway)
     return [None] * 12 + [g if w else None for g, w in zip(grads, wanted)]
   grads = [None] * 3
@@ -417,8 +417,8 @@ def _bias_gradient_of(kernels, spec, keys: int):
 
 def _joint_backward(kernels, spec):
   """fn(q, k, v, o, lse, do, dlse, lengths, tables, slopes, bias, mask) -> (dQ, dK, dV, dB)
-  from one kernel pass that emits dS beside dQ, dK and dV, dB its sum over the bias's
-  broadcast axes in float32; vmapped and differentiated as the separate passes."""
+  from one kernel pass that emits dB beside dQ, dK and dV; vmapped and differentiated
+  as the separate passes."""
   def separate(*xs):
     extras = _extras(*xs[9:])
     grads = kernel_backward(*xs[:9], extras["segments"], extras["alibi"], extras["dense"], kernels, spec)
@@ -426,10 +426,9 @@ def _joint_backward(kernels, spec):
 
   @jax.custom_batching.custom_vmap
   def run(*xs):
-    q, bias = xs[0], xs[12]
-    *grads, ds = kernels.backward(*xs[:5], xs[5].astype(q.dtype), xs[6].astype(jnp.float32),
-                                  *xs[7:9], spec, with_ds=True, **_extras(*xs[9:]))
-    return (*grads, _dense.reduce_to(ds.astype(jnp.float32), bias.shape).astype(bias.dtype))
+    q = xs[0]
+    return kernels.backward(*xs[:5], xs[5].astype(q.dtype), xs[6].astype(jnp.float32),
+                            *xs[7:9], spec, with_db=True, **_extras(*xs[9:]))
 
   @run.def_vmap
   def _vmap(axis_size, in_batched, *xs):

@@ -483,19 +483,19 @@ def partitioned(kernels):
         o, lse = run(q, k, v, q_lengths, kv_lengths, *_Extras.operands(segments, alibi, dense))
       return reference.varying_like(o, q), reference.varying_like(lse, q)
 
-    if hasattr(kernels, "emits_ds"):
-      # dS beside dQ, dK and dV (derivatives._joint_backward, which vmaps it itself): the
+    if hasattr(kernels, "emits_db"):
+      # dB beside dQ, dK and dV (derivatives._joint_backward, which vmaps it itself): the
       # kernels' call, on one device only.
       @staticmethod
-      def emits_ds(*args, **kw):
-        return jax.device_count() == 1 and kernels.emits_ds(*args, **kw)
+      def emits_db(*args, **kw):
+        return jax.device_count() == 1 and kernels.emits_db(*args, **kw)
 
     @staticmethod
     def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, segments=None,
-                 alibi=None, dense=None, with_ds=False):
-      if with_ds:  # (emits_ds: one device)
+                 alibi=None, dense=None, with_db=False):
+      if with_db:  # (emits_db: one device)
         return kernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,
-                                segments=segments, alibi=alibi, dense=dense, with_ds=True)
+                                segments=segments, alibi=alibi, dense=dense, with_db=True)
       if jax.device_count() == 1 and dense is not None:
         extra = _Extras.of(segments, alibi, dense)
         call = _vmappable(_call(True, extra), kernels, spec, extra.bias + extra.mask)

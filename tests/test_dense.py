@@ -204,13 +204,14 @@ def test_gpu_native_staged_bias(rng, dtype):
 
 
 @pytest.mark.gpu
-def test_gpu_native_dense_backward_emits_ds(rng):
-  """On Hopper a 16-bit bias the dense tile stages, differentiated with q, k and v, takes one
-  backward call that emits dS beside dQ, dK and dV (the jaxflash_bwd_ds_v1 target, no
-  bias-gradient pass) where dS costs at most twice the bias's memory; dB is its sum over the
-  bias's broadcast axes. Every broadcast pattern (the wider ones by the separate pass),
-  rows and keys past a step's and a key tile's edge, ragged lengths (dS of the pairs the walk
-  leaves out zeroed), GQA, head dim 112, a float16 bias beside bfloat16 inputs."""
+def test_gpu_native_dense_backward_emits_db(rng):
+  """On Hopper a bias in the inputs' 16-bit dtype that the dense tile stages, differentiated
+  with q, k and v, takes one backward call that gives dB beside dQ, dK and dV (the
+  jaxflash_bwd_db_v1 target, no bias-gradient pass) where at most two (batch, head)s share
+  an entry: dS tiles stored into dB, or added there in 16 bits over the batch or the heads.
+  Wider sharing and a float16 bias beside bfloat16 inputs take the separate pass. Rows and
+  keys past a step's and a key tile's edge, ragged lengths (dB of the pairs the walk leaves
+  out zeroed), GQA, head dim 112."""
   if not HAS_GPU or getattr(jax.devices()[0], "compute_capability", "") != "9.0":
     pytest.skip("needs an sm90 GPU")
   B, T, S, N, D = 2, 200, 264, 4, 128
@@ -219,12 +220,14 @@ def test_gpu_native_dense_backward_emits_ds(rng):
   loss = lambda *x: jaxflash.dot_product_attention(*x, implementation="native").astype(jnp.float32).sum()
   targets = lambda b: jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(q, k, v, b).as_text()
   hlo = targets(bias)
-  assert _native.DS_TARGET in hlo and _native.BIAS_GRADIENT_TARGET not in hlo
-  # A bias shared by every head and batch element: dS would be 8x its memory, so the pass.
+  assert _native.DB_TARGET in hlo and _native.BIAS_GRADIENT_TARGET not in hlo
+  # A bias shared by every head and batch element: 8 terms an entry, so the float32 pass.
   hlo = targets(bias[:, :1])
-  assert _native.DS_TARGET not in hlo and _native.BIAS_GRADIENT_TARGET in hlo
+  assert _native.DB_TARGET not in hlo and _native.BIAS_GRADIENT_TARGET in hlo
   for shape, bias_axes, mask_name, bias_dtype in [
       ((2, 200, 264, 4, 4, 128), "BNTS", "none", jnp.bfloat16),
+      ((2, 130, 136, 4, 2, 128), "NTS", "lengths", jnp.bfloat16),
+      ((1, 129, 200, 2, 2, 128), "BTS", "lengths_causal_bottom_right", jnp.bfloat16),
       ((2, 130, 136, 8, 2, 128), "BTS", "lengths", jnp.bfloat16),
       ((3, 64, 520, 4, 1, 112), "TS", "causal", jnp.float16),
       ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right", jnp.bfloat16)]:
@@ -234,18 +237,18 @@ def test_gpu_native_dense_backward_emits_ds(rng):
 def test_joint_backward_lowering(monkeypatch, rng):
   """Where the native kernels give dB beside dQ, dK and dV (the Hopper dense tile; forced
   here on the CPU, for tracing only), a gradient over the bias and any of q, k, v lowers to
-  one dense backward with dB (jaxflash_bwd_ds_v1) and no bias-gradient pass; one over the
+  one dense backward with dB (jaxflash_bwd_db_v1) and no bias-gradient pass; one over the
   bias alone keeps the pass; vmap and a jvp of the gradient trace (as the separate passes)."""
   if HAS_GPU:
-    pytest.skip("traced on the CPU (test_gpu_native_dense_backward_emits_ds runs it on Hopper)")
-  monkeypatch.setattr(_core.NativeKernels, "emits_ds", staticmethod(lambda *a, **kw: True))
+    pytest.skip("traced on the CPU (test_gpu_native_dense_backward_emits_db runs it on Hopper)")
+  monkeypatch.setattr(_core.NativeKernels, "emits_db", staticmethod(lambda *a, **kw: True))
   B, T, S, N, D = 2, 64, 64, 2, 128
   q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.bfloat16)
   bias = jnp.asarray(rng.standard_normal((1, N, T, S)), jnp.bfloat16)
   loss = lambda *x: jaxflash.dot_product_attention(*x, implementation="native").astype(jnp.float32).sum()
   for argnums, joint in [((0, 1, 2, 3), True), ((0, 3), True), ((3,), False), ((0, 1, 2), False)]:
     hlo = jax.jit(jax.grad(loss, argnums)).lower(q, k, v, bias).as_text()
-    assert (_native.DS_TARGET in hlo) == joint, argnums
+    assert (_native.DB_TARGET in hlo) == joint, argnums
     assert (_native.BIAS_GRADIENT_TARGET in hlo) == (3 in argnums and not joint), argnums
   grad = jax.grad(loss, (0, 3))
   batched = jax.eval_shape(jax.vmap(grad), *(jnp.stack([x, x]) for x in (q, k, v, bias)))

@@ -52,13 +52,14 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                         ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dq_accum,
                         float scale, int64_t window_left, int64_t window_right, bool bottom_right,
                         bool deterministic, int64_t tile, float softcap,
-                        ffi::Result<ffi::AnyBuffer>* ds = nullptr) {
+                        ffi::Result<ffi::AnyBuffer>* dbias = nullptr, ffi::Result<ffi::AnyBuffer>* ds = nullptr) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets, extras},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
+  if (dbias != nullptr) JAXFLASH_RETURN_IF_ERROR(DecodeStagedBiasGradient(*dbias, q, *extras.bias, &p));
   if (ds != nullptr) JAXFLASH_RETURN_IF_ERROR(DecodeScoreGradient(*ds, q, &p));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
@@ -116,15 +117,17 @@ constexpr auto CudaBackwardV5 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf
   return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
                       ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
 };
-// The v5 backward with dS out (the dense tile's, BwdParams::ds).
-constexpr auto CudaBackwardDs = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse,
-                                   Buf ql, Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
-                                   ffi::Result<Buf> dq, ffi::Result<Buf> dk, ffi::Result<Buf> dv,
-                                   ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> ds,
-                                   auto... attrs) {
+// The v5 backward with dS out of the dense tile (BwdParams::ds_out): dB in the
+// bias's layout, or the whole dS (kWholeDs: the older target's).
+template <bool kWholeDs>
+constexpr auto CudaBackwardDsOut = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse,
+                                      Buf ql, Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
+                                      ffi::Result<Buf> dq, ffi::Result<Buf> dk, ffi::Result<Buf> dv,
+                                      ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> out,
+                                      auto... attrs) {
   return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
                       ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, dq, dk, dv, delta, dq_accum, attrs...,
-                      &ds);
+                      kWholeDs ? nullptr : &out, kWholeDs ? &out : nullptr);
 };
 constexpr auto CudaForwardV4 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
@@ -175,7 +178,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForwardV5, CudaForwardV5,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardV5, CudaBackwardV5,
                               BindBackward<5>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardDs, CudaBackwardDs,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardDb, CudaBackwardDsOut<false>,
+                              (BindBackward<5, true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardDs, CudaBackwardDsOut<true>,
                               (BindBackward<5, true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBiasGradient, CudaBiasGradientHandler,

@@ -473,13 +473,47 @@ inline ffi::Error DecodeBackward(const BackwardBuffers& in, ffi::Result<ffi::Any
   return ffi::Error::Success();
 }
 
-// The dS result of the dense backward with dS (jaxflash_bwd_ds_v1, CUDA):
-// [batch..., q_heads, q_len, kv_len] in the input dtype (BwdParams::ds).
+// A bias gradient has the bias's shape.
+inline ffi::Error ExpectBiasShape(const ffi::AnyBuffer& dbias, const ffi::AnyBuffer& bias) {
+  const auto want = bias.dimensions();
+  const auto got = dbias.dimensions();
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < got.size(); ++i) same = got[i] == want[i];
+  if (!same) {
+    return Invalid("the bias gradient has shape " + ShapeString(got) + ", expected the bias's " + ShapeString(want));
+  }
+  return ffi::Error::Success();
+}
+
+// The dB result of the dense backward with dB (jaxflash_bwd_db_v1, CUDA): the
+// bias's shape and dtype, which is the input's (BwdParams::ds_out in the
+// bias's layout).
+inline ffi::Error DecodeStagedBiasGradient(ffi::Result<ffi::AnyBuffer> dbias, const ffi::AnyBuffer& q,
+                                           const ffi::AnyBuffer& bias, BwdParams* p) {
+  if (!p->dense.bias.On()) return Invalid("the bias gradient needs a dense bias");
+  if (dbias->element_type() != q.element_type() || bias.element_type() != q.element_type()) {
+    return Invalid("dB out of the backward needs the bias and dB in the query's dtype");
+  }
+  JAXFLASH_RETURN_IF_ERROR(ExpectBiasShape(*dbias, bias));
+  p->ds_out = p->dense.bias;
+  p->ds_out.data = dbias->untyped_data();
+  return ffi::Error::Success();
+}
+
+// The dS result of the older dense backward with dS (jaxflash_bwd_ds_v1, CUDA;
+// kept so that exported programs load): [batch..., q_heads, q_len, kv_len] in
+// the input dtype, which the caller sums over the bias's broadcast axes.
 inline ffi::Error DecodeScoreGradient(ffi::Result<ffi::AnyBuffer> ds, const ffi::AnyBuffer& q, BwdParams* p) {
   if (ds->element_type() != q.element_type()) return Invalid("ds must have the query's dtype");
-  JAXFLASH_RETURN_IF_ERROR(
-      ExpectShape("ds", ds->dimensions(), {p->shape.q_heads, p->shape.q_len, p->shape.kv_len}, p->shape.batch));
-  p->ds = ds->untyped_data();
+  const AttentionShape& sh = p->shape;
+  JAXFLASH_RETURN_IF_ERROR(ExpectShape("ds", ds->dimensions(), {sh.q_heads, sh.q_len, sh.kv_len}, sh.batch));
+  DenseTerm& out = p->ds_out;
+  out.data = ds->untyped_data();
+  out.dtype = p->dtype;
+  out.key_stride = 1;
+  out.row_stride = sh.kv_len;
+  out.head_stride = sh.q_len * sh.kv_len;
+  out.batch_stride = sh.q_heads * out.head_stride;
   return ffi::Error::Success();
 }
 
@@ -491,13 +525,7 @@ inline ffi::Error DecodeBiasGradient(const BackwardBuffers& in, ffi::Result<ffi:
   JAXFLASH_RETURN_IF_ERROR(DecodeBackwardInputs(in, delta, scale, window_left, window_right, bottom_right, p));
   if (!p->dense.bias.On()) return Invalid("the bias gradient needs a dense bias");
   if (dbias->element_type() != ffi::DataType::F32) return Invalid("the bias gradient must be float32");
-  const auto want = in.extras.bias->dimensions();
-  const auto got = dbias->dimensions();
-  bool same = got.size() == want.size();
-  for (size_t i = 0; same && i < got.size(); ++i) same = got[i] == want[i];
-  if (!same) {
-    return Invalid("the bias gradient has shape " + ShapeString(got) + ", expected the bias's " + ShapeString(want));
-  }
+  JAXFLASH_RETURN_IF_ERROR(ExpectBiasShape(*dbias, *in.extras.bias));
   p->dbias = static_cast<float*>(dbias->untyped_data());
   return ffi::Error::Success();
 }
@@ -670,8 +698,9 @@ auto BindBackwardAttributes(Binding&& binding) {
       .template Attr<int64_t>("tile");
 }
 
-// kWithDs: jaxflash_bwd_ds_v1, the v5 backward with a dS result after dq_accum.
-template <int kVersion, bool kWithDs = false, typename Binding>
+// kWithDb: jaxflash_bwd_db_v1 (and the older _ds_v1), the v5 backward with a dB
+// (dS) result after dq_accum.
+template <int kVersion, bool kWithDb = false, typename Binding>
 auto BindBackward(Binding binding) {
   return WithSoftcap<kVersion>([&] {
     auto results = [&] {
@@ -682,8 +711,8 @@ auto BindBackward(Binding binding) {
           .template Ret<ffi::AnyBuffer>()   // delta (workspace)
           .template Ret<ffi::AnyBuffer>();  // dq_accum (workspace, may be empty)
     };
-    if constexpr (kWithDs) {
-      return BindBackwardAttributes(results().template Ret<ffi::AnyBuffer>());  // ds
+    if constexpr (kWithDb) {
+      return BindBackwardAttributes(results().template Ret<ffi::AnyBuffer>());  // dbias (ds)
     } else {
       return BindBackwardAttributes(results());
     }

@@ -36,6 +36,7 @@ XLA_FFI_Error* JaxflashCudaSegmentTables(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBiasGradient(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBackwardDb(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardDs(XLA_FFI_CallFrame* call_frame);
 #endif
 }

@@ -72,8 +72,9 @@ NB_MODULE(_jaxflash, m) {
     d["jaxflash_fwd_v5"] = Capsule(JaxflashCudaForwardV5);
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCudaBackwardV5);
     d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCudaBiasGradient);
-    // The v5 backward with dS out (CUDA only: the Hopper dense tile's).
-    d["jaxflash_bwd_ds_v1"] = Capsule(JaxflashCudaBackwardDs);
+    // The v5 backward with dB out (CUDA only: the Hopper dense tile's).
+    d["jaxflash_bwd_db_v1"] = Capsule(JaxflashCudaBackwardDb);
+    d["jaxflash_bwd_ds_v1"] = Capsule(JaxflashCudaBackwardDs);  // the older dense backward with dS out
     return d;
 #else
     return nb::dict();

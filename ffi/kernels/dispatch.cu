@@ -163,8 +163,8 @@ Status BackwardBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t
   const int bucket = HeadDimBucket(p.shape.head_dim);
   const bool sm90 = Sm90Allowed(p.tile, device);
   const bool sm90_dense = sm90 && p.dense.On() && sm90::TakesDenseBackward(p);
-  if (p.ds != nullptr && !sm90_dense) {
-    return Status::InvalidArgument("dS out was asked of a backward call the Hopper dense tile does not take");
+  if (p.ds_out.On() && !sm90_dense) {
+    return Status::InvalidArgument("dB out was asked of a backward call the Hopper dense tile does not take");
   }
   if (sm90 && (!p.dense.On() || sm90_dense)) {
     switch (bucket) {

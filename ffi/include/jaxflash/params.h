@@ -240,6 +240,11 @@ struct DenseTerm {
   // axis): its coordinates in a tensor map of its own extent (sm90 EncodeBiasMap).
   JAXFLASH_HD int OwnBatch(int b) const { return batch_stride != 0 ? b : 0; }
   JAXFLASH_HD int OwnHead(int head) const { return head_stride != 0 ? head : 0; }
+  // The call's (batch, head) items that read each entry (more than one on a
+  // broadcast axis).
+  JAXFLASH_HD int64_t Sharers(const AttentionShape& sh) const {
+    return (batch_stride == 0 ? sh.batch : 1) * (head_stride == 0 ? sh.q_heads : 1);
+  }
 };
 struct DenseParams {
   DenseTerm bias, mask;
@@ -329,11 +334,16 @@ struct BwdParams {
   // contiguous [Bb, Nb, Tb, Sb], each axis the call's, or 1 where the bias's
   // stride is 0 (broadcast).
   float* dbias = nullptr;
-  // dS = P (dP - delta), the score's gradient, out of the Hopper backward with a
-  // staged bias (sm90/bwd_ws_kernel.cuh): [batch, q_heads, q_len, kv_len] in the
-  // input dtype, which the caller sums over the bias's broadcast axes into dB.
-  // Null: not emitted (the separate bias-gradient pass computes dB).
-  void* ds = nullptr;
+  // dS = P (dP - delta) out of the Hopper backward with a staged bias
+  // (sm90/bwd_ws_kernel.cuh), in the input dtype, into the entries of the
+  // layout its strides give (stride 0: a broadcast axis): each step's dS tile
+  // is stored where an entry has one (batch, head) of the call, and added by
+  // the copy engine where it has two (zeroed first: two 16-bit terms added once
+  // round as their float32 sum does). In the bias's own layout that is dB
+  // (jaxflash_bwd_db_v1); the whole [batch, q_heads, q_len, kv_len] dS is the
+  // older jaxflash_bwd_ds_v1's, which its caller sums. Off: not emitted (the
+  // separate bias-gradient pass computes dB).
+  DenseTerm ds_out;
 };
 
 }  // namespace jaxflash

@@ -469,19 +469,23 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
       [&] { return RunWsDqPass<T, DqTile>(p, stream); });
 }
 
-// The dense tile's backward (TakesDenseBackward), with dS out where asked:
-// where the walk leaves pairs out (a mask rule, lengths), their dS is zeroed
-// first.
+// The dense tile's backward (TakesDenseBackward), with dB out where asked:
+// zeroed first where the walk leaves pairs out (a mask rule, lengths) or two
+// (batch, head)s add into each entry.
 template <typename T>
 Status LaunchDenseBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const MaskParams& m = p.mask;
   const bool every_pair = m.window_left < 0 && m.window_right < 0 && m.diag_offsets == nullptr &&
                           p.q_lengths == nullptr && p.kv_lengths == nullptr;
-  if (p.ds != nullptr && !every_pair) {
-    const size_t bytes = size_t(sh.batch) * sh.q_heads * sh.q_len * sh.kv_len * sizeof(T);
-    const cudaError_t err = cudaMemsetAsync(p.ds, 0, bytes, stream);
-    if (err != cudaSuccess) return Status::Internal(std::string("cudaMemsetAsync (dS): ") + cudaGetErrorString(err));
+  const int64_t sharers = p.ds_out.Sharers(sh);
+  if (p.ds_out.On() && sharers > 2) {  // (the 16-bit adds would round more than a float32 sum)
+    return Status::InvalidArgument("dB out of the backward is for biases of at most two (batch, head)s an entry");
+  }
+  if (p.ds_out.On() && (!every_pair || sharers > 1)) {
+    const size_t bytes = size_t(sh.batch) * sh.q_heads * sh.q_len * sh.kv_len / sharers * sizeof(T);
+    const cudaError_t err = cudaMemsetAsync(const_cast<void*>(p.ds_out.data), 0, bytes, stream);
+    if (err != cudaSuccess) return Status::Internal(std::string("cudaMemsetAsync (dB): ") + cudaGetErrorString(err));
   }
   return LaunchWsBackward<T, typename FusedBwdTile<128>::dense>(p, device, stream);
 }

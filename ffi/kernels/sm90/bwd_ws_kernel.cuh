@@ -75,10 +75,10 @@ struct WsBwdTile {
   // box a consumer; StagedBiasKeyMajor) and takes no mask, soft-cap,
   // segment ids or ALiBi (LaunchBackward sends it only biases
   // DenseTile::Stages allows, as the forward's dense tile). Where the caller
-  // asks for dS (BwdParams::ds), the dQ writer stores each step's dS tile,
-  // which the consumers put in shared memory for dQ anyway, with the TMA: the
-  // bias's gradient is its sum over the broadcast axes, with no pass of its
-  // own. Its stage's third box takes the room of the second dQ buffer.
+  // asks for dB (BwdParams::ds_out), the dQ writer puts each step's dS tile,
+  // which the consumers put in shared memory for dQ anyway, into dB with the
+  // TMA: the bias's gradient with no pass of its own. Its stage's third box
+  // takes the room of the second dQ buffer.
   static constexpr bool kTakesDense = kDense_;
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
                               bias_map);
         } else if (warp == 1) {
           if constexpr (Tile::kStagedDq) {
-            WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map, ds_map, p.ds != nullptr);
+            WsBwdDqWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), dq_map, ds_map, p);
           }
         } else if (warp == 2) {
           if constexpr (Tile::kFlagWriter) WsBwdFlagWriter<Tile>(sm, WsBwdWork<Tile>::At(p, sm.place), stats_base);
@@ -394,16 +394,7 @@ Status RunWsPass(const BwdParams& p, const CudaDevice& device, cudaStream_t stre
   CUtensorMap bias_map = q_map, ds_map = q_map;
   if constexpr (Tile::kTakesDense) {
     if (!(st = EncodeBiasMap(&bias_map, p.dense.bias, sh, Tile::kM)).ok()) return st;
-    if (p.ds != nullptr) {  // dS: [batch, q_heads, q_len, kv_len], contiguous, in the input dtype
-      DenseTerm ds;
-      ds.data = p.ds;
-      ds.dtype = p.dtype;
-      ds.key_stride = 1;
-      ds.row_stride = sh.kv_len;
-      ds.head_stride = sh.q_len * sh.kv_len;
-      ds.batch_stride = sh.q_heads * ds.head_stride;
-      if (!(st = EncodeBiasMap(&ds_map, ds, sh, Tile::kM)).ok()) return st;
-    }
+    if (p.ds_out.On() && !(st = EncodeBiasMap(&ds_map, p.ds_out, sh, Tile::kM)).ok()) return st;
   }
   const dim3 grid(static_cast<unsigned>(CeilDiv(sh.kv_len, Tile::kN)), static_cast<unsigned>(sh.kv_heads),
                   static_cast<unsigned>(sh.batch));

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <type_traits>
 
 #include "common/bwd_blocks.cuh"
 #include "common/grid_order.cuh"
@@ -415,47 +416,65 @@ __device__ __forceinline__ void WsBwdFlagWriter(const WsBwdSmem<Tile>& sm, const
 // rows) with one bulk tensor reduction per 32-column block; the tile is free
 // once the copy engine has read it. Rows past q_len are clipped by the map;
 // rows in [q_valid, q_len) (padding queries) add into sums DqFromSumsKernel
-// never reads. With `emit_ds` (a dense tile's, BwdParams::ds) the step's dS
+// never reads. With dS out (a dense tile's, BwdParams::ds_out) the step's dS
 // tile, complete since every consumer staged its dQ after the step's dS
-// barrier, is stored beside, one box of 64 keys at a time (rows and keys past
-// the call clipped; masked pairs hold dS = 0); the consumers overwrite that
-// dS buffer two steps later, past their wait for this step's dQ buffer, which
-// the writer frees only once the copy engine has read both.
+// barrier, goes into its entries there beside, one box of 64 keys at a time
+// (rows and keys past the call clipped; masked pairs hold dS = 0): stored,
+// or added where another (batch, head) adds there too. The consumers
+// overwrite that dS buffer two steps later, past their wait for this step's
+// dQ buffer, which the writer frees only once the copy engine has read both.
+// (Store or add is chosen once, outside the loop: a branch between the two in
+// the loop cost the producers' few registers a spill.)
 template <typename Tile>
 __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const WsBwdWork<Tile>& w,
-                                              const CUtensorMap& dq_map, const CUtensorMap& ds_map, bool emit_ds) {
+                                              const CUtensorMap& dq_map, const CUtensorMap& ds_map,
+                                              const BwdParams& p) {
   using DqStage = typename Tile::DqStage;
   constexpr int kBuffers = Tile::kDqBuffers;
   static_assert(Tile::kStagedDq && (kBuffers == 2 || Tile::kTakesDense), "two dQ staging buffers, or a dense tile's one");
   if ((threadIdx.x & 31) != 0 || w.steps == 0) return;
   PrefetchTensorMap(dq_map);
-  if (emit_ds) PrefetchTensorMap(ds_map);
-  auto step = w.FirstStep();
-  for (int it = 0; it < w.steps; ++it, step.Next()) {
-    const int buf = it % kBuffers;
-    MBarrier::Wait(sm.DqFull(buf), (it / kBuffers) & 1);
+  const DenseTerm& ds_out = p.ds_out;
+  if (Tile::kTakesDense && ds_out.On()) PrefetchTensorMap(ds_map);
+  auto steps = [&](auto adds_ds) {
+    auto step = w.FirstStep();
+    for (int it = 0; it < w.steps; ++it, step.Next()) {
+      const int buf = it % kBuffers;
+      MBarrier::Wait(sm.DqFull(buf), (it / kBuffers) & 1);
 #pragma unroll
-    for (int b = 0; b < DqStage::kBlocks; ++b) {
-      TmaReduceAdd4d(dq_map, sm.Dq(buf) + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
-    }
-    if constexpr (Tile::kTakesDense) {
-      using DsTile = typename Tile::DsTile;
-      if (emit_ds) {
-        for (int b = 0; b < DsTile::kBlocks; ++b) {
-          TmaStore4d(ds_map, sm.Ds(it) + b * DsTile::kBlockBytes, w.C0() + 64 * b, step.Row0(), step.head, w.Batch());
+      for (int b = 0; b < DqStage::kBlocks; ++b) {
+        TmaReduceAdd4d(dq_map, sm.Dq(buf) + b * DqStage::kBlockBytes, 32 * b, step.head, step.Row0(), w.Batch());
+      }
+      if constexpr (Tile::kTakesDense) {
+        using DsTile = typename Tile::DsTile;
+        if (ds_out.On()) {
+          const int head = ds_out.OwnHead(step.head), batch = ds_out.OwnBatch(w.Batch());
+          for (int b = 0; b < DsTile::kBlocks; ++b) {
+            const uint32_t box = sm.Ds(it) + b * DsTile::kBlockBytes;
+            if constexpr (decltype(adds_ds)::value) {
+              TmaReduceAdd4d(ds_map, box, w.C0() + 64 * b, step.Row0(), head, batch);
+            } else {
+              TmaStore4d(ds_map, box, w.C0() + 64 * b, step.Row0(), head, batch);
+            }
+          }
         }
       }
+      TmaStoreCommit();
+      if constexpr (kBuffers == 1) {  // this step's tiles read: free them
+        TmaStoreWaitRead<0>();
+        MBarrier::Arrive(sm.DqEmpty(0));
+      } else {
+        // The step before's tile has been read (this step's reductions stay in
+        // flight): free its buffer.
+        TmaStoreWaitRead<1>();
+        if (it > 0) MBarrier::Arrive(sm.DqEmpty(buf ^ 1));
+      }
     }
-    TmaStoreCommit();
-    if constexpr (kBuffers == 1) {  // this step's tiles read: free them
-      TmaStoreWaitRead<0>();
-      MBarrier::Arrive(sm.DqEmpty(0));
-    } else {
-      // The step before's tile has been read (this step's reductions stay in
-      // flight): free its buffer.
-      TmaStoreWaitRead<1>();
-      if (it > 0) MBarrier::Arrive(sm.DqEmpty(buf ^ 1));
-    }
+  };
+  if (Tile::kTakesDense && ds_out.On() && ds_out.Sharers(p.shape) > 1) {
+    steps(std::true_type{});
+  } else {
+    steps(std::false_type{});
   }
   TmaStoreWait<0>();  // the sums are complete before the CTA retires (no step waits for the last buffer)
 }
