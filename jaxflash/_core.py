@@ -345,14 +345,14 @@ class NativeKernels:
   @classmethod
   def bias_gradient(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec: MaskSpec,
                     dense, offsets=None, segments=None, alibi=None):
-    """The dense bias's gradient (the CPU kernels' dS summed over its broadcast axes, with a
-    delta workspace), in its dtype; derivatives.bias_gradient is the definition."""
-    out_types = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (dense.bias, lse))
+    """The dense bias's gradient (dS summed over its broadcast axes in float32, stored in the
+    bias's dtype; with a delta workspace); derivatives.bias_gradient is the definition."""
+    out_types = (jax.ShapeDtypeStruct(dense.bias.shape, dense.bias.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
     dbias, _ = jax.ffi.ffi_call(_native.BIAS_GRADIENT_TARGET, out_types)(
         q, k, v, o, lse, do.astype(q.dtype), dlse.astype(jnp.float32), q_lengths, kv_lengths,
         reference.per_batch_operand(offsets), *_segments.operands(segments),
         reference.alibi_operand(alibi), *_dense.operands(dense), **cls._attrs(spec))
-    return dbias.astype(dense.bias.dtype)
+    return dbias
 
 
 class PallasKernels:

@@ -26,11 +26,11 @@ from jaxflash import _splits, tile_cache
 FORWARD_TARGET = "jaxflash_fwd_v4"
 BACKWARD_TARGET = "jaxflash_bwd_v4"
 DENSE_TARGETS = ("jaxflash_fwd_v5", "jaxflash_bwd_v5")  # (forward, backward) of calls with a bias or mask
-BIAS_GRADIENT_TARGET = "jaxflash_bias_grad_v1"   # the dense bias's gradient alone (the backward v5's operands)
+BIAS_GRADIENT_TARGET = "jaxflash_bias_grad_v2"   # the dense bias's gradient alone, in its dtype (v5's operands)
 PAGED_TARGET = "jaxflash_paged_fwd_v4"
 LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3", "jaxflash_paged_fwd_v2",
                   "jaxflash_fwd_v2", "jaxflash_bwd_v2", "jaxflash_fwd_v1", "jaxflash_bwd_v1",
-                  "jaxflash_paged_fwd_v1")
+                  "jaxflash_paged_fwd_v1", "jaxflash_bias_grad_v1")
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
 SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
 # The dense backward with dB out (the backward v5's operands; results dQ, dK, dV, the two

@@ -234,6 +234,67 @@ def test_gpu_native_dense_backward_emits_db(rng):
     check(rng, shape, mask_name, jnp.bfloat16, "native", bias_axes, None, bias_dtype=bias_dtype)
 
 
+def _native_backward_inputs(rng, B, T, S, N, D, bias_shape):
+  """A native forward with a bf16 bias, and what its backward takes: (q, k, v, o, lse, dO,
+  dLSE, no lengths), dense, spec."""
+  from jaxflash import dense as _dense, reference
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.bfloat16)
+  bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.bfloat16)
+  dense, spec, none = _dense.make(bias, None), _core.MaskSpec(scale=float(D) ** -0.5), reference.no_lengths()
+  o, lse = _core.NativeKernels.forward(q, k, v, none, none, spec, dense=dense)
+  do = jnp.asarray(rng.standard_normal(o.shape), jnp.bfloat16)
+  dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+  return (q, k, v, o, lse, do, dlse, none, none), dense, spec
+
+
+def _legacy_call(target, out_types, args, dense, spec, **attrs):
+  """An older target (kept registered so exported programs load) on the backward v5's operands."""
+  from jaxflash import dense as _dense, reference
+  return jax.ffi.ffi_call(target, out_types)(
+      *args, reference.per_batch_operand(None), *_core._segments.operands(None), reference.alibi_operand(None),
+      *_dense.operands(dense), **_core.NativeKernels._attrs(spec), **attrs)
+
+
+def test_bias_gradient_legacy_target(rng):
+  """jaxflash_bias_grad_v1 (dB in float32) gives the sums whose rounding to the bias's dtype is
+  jaxflash_bias_grad_v2's dB (summed in float32, stored in the bias's dtype)."""
+  args, dense, spec = _native_backward_inputs(rng, 2, 40, 72, 4, 64, (1, 4, 40, 72))
+  assert "jaxflash_bias_grad_v1" in _native.LEGACY_TARGETS
+  db = _core.NativeKernels.bias_gradient(*args, spec=spec, dense=dense)
+  out_types = (jax.ShapeDtypeStruct(dense.bias.shape, jnp.float32), jax.ShapeDtypeStruct(args[4].shape, jnp.float32))
+  db32, _ = _legacy_call("jaxflash_bias_grad_v1", out_types, args, dense, spec)
+  assert db.dtype == dense.bias.dtype and db.shape == dense.bias.shape
+  np.testing.assert_array_equal(np.asarray(db32.astype(db.dtype), np.float32), np.asarray(db, np.float32))
+
+
+@pytest.mark.gpu
+def test_gpu_legacy_dense_ds_target(rng):
+  """The older jaxflash_bwd_ds_v1 (the whole dS [B, N, T, S], which its caller summed) gives
+  the dQ, dK and dV of jaxflash_bwd_db_v1 and a dS whose sum over the batch is its dB (two
+  bf16 terms: one rounding either way)."""
+  if not HAS_GPU or getattr(jax.devices()[0], "compute_capability", "") != "9.0":
+    pytest.skip("needs an sm90 GPU")
+  B, T, S, N, D = 2, 136, 200, 2, 128
+  args, dense, spec = _native_backward_inputs(rng, B, T, S, N, D, (1, N, T, S))
+  q = args[0]
+  *grads, db = _core.NativeKernels.backward(*args, spec, dense=dense, with_db=True)
+  sums = _native.dq_sums_room(q.dtype, q.shape, S, False)
+  out_types = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[:3]),
+               jax.ShapeDtypeStruct(args[4].shape, jnp.float32),
+               jax.ShapeDtypeStruct((*q.shape[:-1], D if sums else 0), jnp.float32),
+               jax.ShapeDtypeStruct((B, N, T, S), q.dtype))
+  dq, dk, dv, _, _, ds = _legacy_call(_native.LEGACY_CUDA_TARGETS[0], out_types, args, dense, spec,
+                                      deterministic=False, tile=np.int64(_native.tile_attr("bwd", D, False)))
+  # dK and dV alike bit for bit; dQ's float32 sums are added in any order (a bf16 ulp apart).
+  for name, got, want in zip("dq dk dv".split(), (dq, dk, dv), grads):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    rtol = 2.0 ** -7 if name == "dq" else 0.0
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max(), err_msg=name)
+  summed = np.asarray(jnp.sum(ds.astype(jnp.float32), axis=0, keepdims=True).astype(jnp.bfloat16), np.float32)
+  db = np.asarray(db, np.float32)
+  np.testing.assert_allclose(summed, db, rtol=2.0 ** -7, atol=2.0 ** -7 * np.abs(db).max())
+
+
 def test_joint_backward_lowering(monkeypatch, rng):
   """Where the native kernels give dB beside dQ, dK and dV (the Hopper dense tile; forced
   here on the CPU, for tracing only), a gradient over the bias and any of q, k, v lowers to

@@ -105,6 +105,7 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 
+template <int kVersion>
 ffi::Error CpuBiasGradientHandler(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                                   ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
@@ -113,9 +114,10 @@ ffi::Error CpuBiasGradientHandler(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::A
                                   ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                                   int64_t window_right, bool bottom_right, float softcap) {
   BwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeBiasGradient({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
-                                               ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
-                                              dbias, delta, scale, window_left, window_right, bottom_right, &p));
+  JAXFLASH_RETURN_IF_ERROR(
+      DecodeBiasGradient<kVersion>({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
+                                    ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
+                                   dbias, delta, scale, window_left, window_right, bottom_right, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   return ToFfiError(CpuBiasGradient(p, PoolRunner(&pool)));
 }
@@ -177,7 +179,9 @@ constexpr auto CpuBackwardV1 = [](auto... args) { return CpuBackwardV2(args..., 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBiasGradient, CpuBiasGradientHandler,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBiasGradient, CpuBiasGradientHandler<1>,
+                              BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBiasGradientV2, CpuBiasGradientHandler<2>,
                               BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV5, CpuForwardV5,
                               BindForward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));

@@ -74,6 +74,7 @@ ffi::Error CudaBackward(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   return ToFfiError(CudaAttentionBackward(p, p.delta, device, stream));
 }
 
+template <int kVersion>
 ffi::Error CudaBiasGradientHandler(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                    ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer dout, ffi::AnyBuffer dlse,
                                    ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths, ffi::AnyBuffer diag_offsets,
@@ -82,9 +83,10 @@ ffi::Error CudaBiasGradientHandler(cudaStream_t stream, ffi::AnyBuffer q, ffi::A
                                    ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                                    int64_t window_right, bool bottom_right, float softcap) {
   BwdParams p;
-  JAXFLASH_RETURN_IF_ERROR(DecodeBiasGradient({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
-                                               ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
-                                              dbias, delta, scale, window_left, window_right, bottom_right, &p));
+  JAXFLASH_RETURN_IF_ERROR(
+      DecodeBiasGradient<kVersion>({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths, diag_offsets,
+                                    ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}},
+                                   dbias, delta, scale, window_left, window_right, bottom_right, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
   CudaDevice device;
   JAXFLASH_RETURN_IF_ERROR(ToFfiError(CudaCurrentDevice(&device)));
@@ -184,7 +186,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardDb, CudaBackwardDsOut<false>,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBackwardDs, CudaBackwardDsOut<true>,
                               (BindBackward<5, true>(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>())),
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBiasGradient, CudaBiasGradientHandler,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBiasGradient, CudaBiasGradientHandler<1>,
+                              BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaBiasGradientV2, CudaBiasGradientHandler<2>,
                               BindBiasGradient(ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>()),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCudaForward, CudaForwardV4,

@@ -517,16 +517,25 @@ inline ffi::Error DecodeScoreGradient(ffi::Result<ffi::AnyBuffer> ds, const ffi:
   return ffi::Error::Success();
 }
 
-// The bias gradient's target (jaxflash_bias_grad_v1, CPU): the backward v5's
-// operands, results dB (float32, the bias's shape) and delta (workspace).
+// The bias gradient's targets (jaxflash_bias_grad_v2 and v1): the backward
+// v5's operands, results dB (the bias's shape; v2 in the bias's dtype, v1 in
+// float32) and delta (workspace).
+template <int kVersion>
 inline ffi::Error DecodeBiasGradient(const BackwardBuffers& in, ffi::Result<ffi::AnyBuffer> dbias,
                                      ffi::Result<ffi::AnyBuffer> delta, float scale, int64_t window_left,
                                      int64_t window_right, bool bottom_right, BwdParams* p) {
+  static_assert(kVersion == 1 || kVersion == 2, "bias gradient v1 or v2");
   JAXFLASH_RETURN_IF_ERROR(DecodeBackwardInputs(in, delta, scale, window_left, window_right, bottom_right, p));
   if (!p->dense.bias.On()) return Invalid("the bias gradient needs a dense bias");
-  if (dbias->element_type() != ffi::DataType::F32) return Invalid("the bias gradient must be float32");
+  if (kVersion == 1 && dbias->element_type() != ffi::DataType::F32) {
+    return Invalid("the bias gradient must be float32");
+  }
+  if (kVersion == 2 && dbias->element_type() != in.extras.bias->element_type()) {
+    return Invalid("the bias gradient must have the bias's dtype");
+  }
   JAXFLASH_RETURN_IF_ERROR(ExpectBiasShape(*dbias, *in.extras.bias));
-  p->dbias = static_cast<float*>(dbias->untyped_data());
+  p->dbias = dbias->untyped_data();
+  if (!DecodeDType(dbias->element_type(), &p->dbias_dtype)) return Invalid("the bias gradient's dtype is not float");
   return ffi::Error::Success();
 }
 
@@ -719,7 +728,7 @@ auto BindBackward(Binding binding) {
   });
 }
 
-// jaxflash_bias_grad_v1: the operands of the backward v5, results dB and delta,
+// jaxflash_bias_grad_v2 and v1: the operands of the backward v5, results dB and delta,
 // the backward's attributes but `deterministic` and `tile`.
 template <typename Binding>
 auto BindBiasGradient(Binding binding) {

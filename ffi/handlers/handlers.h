@@ -7,6 +7,7 @@ extern "C" {
 XLA_FFI_Error* JaxflashCpuForwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBiasGradient(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuBiasGradientV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForward(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuPagedForwardV3(XLA_FFI_CallFrame* call_frame);
@@ -36,6 +37,7 @@ XLA_FFI_Error* JaxflashCudaSegmentTables(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaForwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBiasGradient(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCudaBiasGradientV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardDb(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCudaBackwardDs(XLA_FFI_CallFrame* call_frame);
 #endif

@@ -57,7 +57,9 @@ NB_MODULE(_jaxflash, m) {
     // using v4 on both platforms.
     d["jaxflash_fwd_v5"] = Capsule(JaxflashCpuForwardV5);
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCpuBackwardV5);
-    // The bias's gradient alone (the backward v5's operands; result dB).
+    // The bias's gradient alone (the backward v5's operands; result dB: v2 in
+    // the bias's dtype, v1 in float32).
+    d["jaxflash_bias_grad_v2"] = Capsule(JaxflashCpuBiasGradientV2);
     d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCpuBiasGradient);
     return d;
   });
@@ -71,6 +73,7 @@ NB_MODULE(_jaxflash, m) {
     d["jaxflash_segment_tables_v1"] = Capsule(JaxflashCudaSegmentTables);
     d["jaxflash_fwd_v5"] = Capsule(JaxflashCudaForwardV5);
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCudaBackwardV5);
+    d["jaxflash_bias_grad_v2"] = Capsule(JaxflashCudaBiasGradientV2);
     d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCudaBiasGradient);
     // The v5 backward with dB out (CUDA only: the Hopper dense tile's).
     d["jaxflash_bwd_db_v1"] = Capsule(JaxflashCudaBackwardDb);

@@ -330,10 +330,13 @@ struct BwdParams {
   // CPU kernels their three passes (with it, their one pass: deterministic too).
   float* dq_accum = nullptr;
   DenseParams dense;  // as FwdParams::dense
-  // The bias gradient of CpuBiasGradient (the backward kernels leave it): float32,
-  // contiguous [Bb, Nb, Tb, Sb], each axis the call's, or 1 where the bias's
-  // stride is 0 (broadcast).
-  float* dbias = nullptr;
+  // The bias gradient of the bias-gradient pass (CpuBiasGradient,
+  // CudaBiasGradient; the backward kernels leave it): contiguous [Bb, Nb, Tb,
+  // Sb], each axis the call's, or 1 where the bias's stride is 0 (broadcast),
+  // summed in float32 and stored in dbias_dtype (jaxflash_bias_grad_v2: the
+  // bias's own; v1: float32).
+  void* dbias = nullptr;
+  DType dbias_dtype = DType::kFloat32;
   // dS = P (dP - delta) out of the Hopper backward with a staged bias
   // (sm90/bwd_ws_kernel.cuh), in the input dtype, into the entries of the
   // layout its strides give (stride 0: a broadcast axis): each step's dS tile

@@ -400,8 +400,9 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
   // This item's rows of dB: one row tile, or the single row of a bias broadcast over rows.
   const int out_r0 = grid.rows == 1 ? 0 : static_cast<int>((item % row_items) * kRowsPerTile);
   const int out_rows = grid.rows == 1 ? 1 : static_cast<int>(std::min<int64_t>(kRowsPerTile, sh.q_len - out_r0));
-  float* out = p.dbias + (bb * grid.heads + hb) * grid.rows * grid.keys;
-  std::fill(out + out_r0 * grid.keys, out + (out_r0 + out_rows) * grid.keys, 0.f);
+  // Summed in float32 here, then stored in dB's dtype.
+  thread_local std::vector<float> sums;
+  sums.assign(size_t(out_rows) * grid.keys, 0.f);
   BackwardTile& t = Scratch();
 
   const int64_t b_end = grid.batches == 1 ? sh.batch : bb + 1;
@@ -418,7 +419,7 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
           // dS of the pairs the rows see (hidden ones may hold NaN unless the tile is plain).
           for (int r = 0; r < valid_rows; ++r) {
             const float* ds = t.ds + r * kKeysPerTile;
-            float* dst = out + (grid.rows == 1 ? 0 : r0 + r) * grid.keys;
+            float* dst = sums.data() + (grid.rows == 1 ? 0 : r0 + r - out_r0) * grid.keys;
             const VisibleSpan span = vis.plain ? VisibleSpan{0, cols, true} : vis.ColsOf(r, cols);
             float sum = 0.f;
             for (int c = span.begin; c < span.end; ++c) {
@@ -435,6 +436,8 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
       }
     }
   }
+  StoreRows(p.dbias, ((bb * grid.heads + hb) * grid.rows + out_r0) * grid.keys, grid.keys, out_rows,
+            static_cast<int>(grid.keys), p.dbias_dtype, sums.data());
 }
 
 }  // namespace

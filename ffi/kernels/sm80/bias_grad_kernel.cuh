@@ -54,6 +54,17 @@ struct BiasExtent {
   }
 };
 
+// Entry `at` of dB, in its dtype (BwdParams::dbias_dtype).
+__device__ __forceinline__ void StoreBiasGrad(const BwdParams& p, int64_t at, float x) {
+  switch (p.dbias_dtype) {
+    case DType::kFloat16: static_cast<__half*>(p.dbias)[at] = tc::ElemTraits<__half>::FromFloat(x); break;
+    case DType::kBFloat16:
+      static_cast<__nv_bfloat16*>(p.dbias)[at] = tc::ElemTraits<__nv_bfloat16>::FromFloat(x);
+      break;
+    default: static_cast<float*>(p.dbias)[at] = x;
+  }
+}
+
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdParams p) {
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
@@ -191,7 +202,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
         for (int j = 0; j < 2; ++j) acc[nt][j] = sCols[nt * 8 + 2 * t + j];
     }
 
-    float* dst = p.dbias + int64_t(item) * ext.rows * ext.keys;
+    const int64_t dst = int64_t(item) * ext.rows * ext.keys;  // dB's first entry of this item
     const int row_base = all_rows ? 0 : own_rt * kM + row_w;
     const int col_base = all_keys ? 0 : own_kt * kN;
 #pragma unroll
@@ -199,7 +210,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
       const int row = row_base + g + half * 8;
       if (all_rows ? (warp != 0 || g != 0 || half != 0) : row >= ext.rows) continue;
       if (all_keys) {
-        if (t == 0) dst[row] = acc[0][2 * half];
+        if (t == 0) StoreBiasGrad(p, dst + row, acc[0][2 * half]);
         continue;
       }
 #pragma unroll
@@ -207,7 +218,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int col = col_base + nt * 8 + 2 * t + j;
-          if (col < ext.keys) dst[int64_t(row) * ext.keys + col] = acc[nt][2 * half + j];
+          if (col < ext.keys) StoreBiasGrad(p, dst + int64_t(row) * ext.keys + col, acc[nt][2 * half + j]);
         }
     }
     __syncthreads();  // (the next item reuses the column sums and the tiles)
