@@ -1,13 +1,16 @@
 """A dense bias and a block-sparse mask: jaxflash against jax.nn (cuDNN and xla), one run.
 
     python benchmarks/bench_dense.py [--seq 4096] [--heads 16] [--head-dim 128] [--batch 2]
-                                     [--dtype bfloat16]
+                                     [--dtype bfloat16] [--bias-axes NTS]
 
-Prints, for bf16 inputs (by default) and a bias [1, N, T, S] (one per head, shared by the batch):
+Prints, for bf16 inputs (by default) and a bias [1, N, T, S] (one per head, shared by the batch;
+--bias-axes names the axes it has, BTS for [B, 1, T, S]):
 forward and forward+backward times (the backward differentiates the bias too) of
 `jaxflash.dot_product_attention` as users call it (implementation=None) and with native and
 pallas named, jax.nn's cuDNN and xla paths, and the default's ratios to each; then the time of a mask that hides half of the 128 x 128
-tiles (a checkerboard) against an all-visible one, and each call's scratch memory.
+tiles (a checkerboard) against an all-visible one, and each call's scratch memory (XLA's temporary
+buffers: the arguments, the bias among them, and the results, its gradient among them, are not
+counted), beside the default's scratch for the same call without a bias.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ def main():
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--batch", type=int, default=2)
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+  parser.add_argument("--bias-axes", default="NTS", choices=["NTS", "BTS", "BNTS", "TS"])
   args = parser.parse_args()
   B, T, N, D = args.batch, args.seq, args.heads, args.head_dim
   dtype = jnp.dtype(args.dtype)
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((B, T, N, D)), dtype) for _ in range(3))
-  bias = jnp.asarray(rng.standard_normal((1, N, T, T)), dtype)
+  shape = tuple(n if a in args.bias_axes else 1 for a, n in zip("BNTS", (B, N, T, T)))
+  bias = jnp.asarray(rng.standard_normal(shape), dtype)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}; {dtype.name} B {B} S {T} N {N} "
-        f"D {D}, bias [1, N, T, S]")
+        f"D {D}, bias {list(shape)} ({bias.nbytes / 2**20:.0f} MiB)")
 
   def attend(impl):
     if impl in ("jaxflash", "native", "pallas"):   # jaxflash: the default, as users call it
@@ -64,6 +69,12 @@ def main():
     print(f"{name:9s} forward {ms(fwd):>10s} (scratch {mib(fwd_mem)}), forward+backward "
           f"{ms(both):>10s} (scratch {mib(both_mem)})")
   ours = results["jaxflash"]
+  plain = jax.grad(lambda q, k, v: jaxflash.dot_product_attention(q, k, v).astype(jnp.float32).sum(),
+                   argnums=(0, 1, 2))
+  _, plain_mem = timed(plain, (q, k, v))
+  if isinstance(plain_mem, int) and isinstance(ours[1][1], int):
+    print(f"jaxflash forward+backward scratch: {ours[1][1] / 2**20:.0f} MiB with the bias, "
+          f"{plain_mem / 2**20:.0f} MiB without")
   for peer in ("native", "pallas", "cudnn", "xla"):
     for i, what in enumerate(("forward", "forward+backward")):
       a, b = ours[i][0], results[peer][i][0]
