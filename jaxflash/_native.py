@@ -143,8 +143,8 @@ def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   T, S = q.shape[-3], k.shape[-3]
   device = jax.devices()[0]
   return (device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-          and np.dtype(bias.dtype).itemsize == 2 and bias.dtype == q.dtype and bias.shape[-2:] == (T, S) and T > 1 and S > 1
-          and S % 8 == 0 and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(bias.shape[:-2])
+          and np.dtype(bias.dtype).itemsize == 2 and bias.dtype == q.dtype and bias.shape[-2:] == (T, S)
+          and T > 1 and S > 1 and S % 8 == 0 and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(bias.shape[:-2])
           and dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic)))
 
 

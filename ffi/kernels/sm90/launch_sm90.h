@@ -24,7 +24,7 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
 // call with a dense term: a 16-bit bias it stages (DenseTile::Stages), no
 // mask, soft-cap, segment ids or ALiBi, one head dim, the fused pass
 // (UseFusedBackward). Every other dense call runs the sm80 kernels, and only
-// this one emits dS (BwdParams::ds).
+// this one emits dS into dB (BwdParams::ds_out).
 bool TakesDenseBackward(const BwdParams& p);
 
 }  // namespace sm90
