@@ -640,21 +640,28 @@ auto WithSegments(Make make) {
   }
 }
 
+// The mask rule's attributes, which every attention target takes after its
+// results (the paged forward, without `bottom_right`, spells its own).
+template <typename Binding>
+auto WithMaskAttributes(Binding&& binding) {
+  return std::forward<Binding>(binding)
+      .template Attr<float>("scale")
+      .template Attr<int64_t>("window_left")
+      .template Attr<int64_t>("window_right")
+      .template Attr<bool>("bottom_right");
+}
+
 template <int kVersion, typename Binding>
 auto BindForward(Binding binding) {
   return WithSoftcap<kVersion>([&] {
-    return WithForwardResults(WithSegments<kVersion>([&] {
+    return WithMaskAttributes(WithForwardResults(WithSegments<kVersion>([&] {
              return std::move(binding).template Arg<ffi::AnyBuffer>()  // q
                  .template Arg<ffi::AnyBuffer>()                       // k
                  .template Arg<ffi::AnyBuffer>()                       // v
                  .template Arg<ffi::AnyBuffer>()                       // query_seq_lengths
                  .template Arg<ffi::AnyBuffer>()                       // key_value_seq_lengths
                  .template Arg<ffi::AnyBuffer>();                      // diagonal_offsets
-           }))
-        .template Attr<float>("scale")
-        .template Attr<int64_t>("window_left")
-        .template Attr<int64_t>("window_right")
-        .template Attr<bool>("bottom_right")
+           })))
         .template Attr<int64_t>("tile")
         .template Attr<int64_t>("num_splits");
   });
@@ -698,11 +705,7 @@ auto BindBackwardOperands(Binding&& binding) {
 // The backward's attributes, after its results.
 template <typename Binding>
 auto BindBackwardAttributes(Binding&& binding) {
-  return std::forward<Binding>(binding)
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
+  return WithMaskAttributes(std::forward<Binding>(binding))
       .template Attr<bool>("deterministic")
       .template Attr<int64_t>("tile");
 }
@@ -732,13 +735,9 @@ auto BindBackward(Binding binding) {
 // the backward's attributes but `deterministic` and `tile`.
 template <typename Binding>
 auto BindBiasGradient(Binding binding) {
-  return BindBackwardOperands<5>(std::move(binding))
-      .template Ret<ffi::AnyBuffer>()  // dbias
-      .template Ret<ffi::AnyBuffer>()  // delta (workspace)
-      .template Attr<float>("scale")
-      .template Attr<int64_t>("window_left")
-      .template Attr<int64_t>("window_right")
-      .template Attr<bool>("bottom_right")
+  return WithMaskAttributes(BindBackwardOperands<5>(std::move(binding))
+                                .template Ret<ffi::AnyBuffer>()   // dbias
+                                .template Ret<ffi::AnyBuffer>())  // delta (workspace)
       .template Attr<float>("softcap");
 }
 
