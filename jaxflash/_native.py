@@ -131,14 +131,15 @@ def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   """Whether a native backward being traced runs the Hopper dense tile with dB out
   (DB_TARGET), so the bias's gradient comes from the same pass: a bias in the query's 16-bit
   dtype on whole rows and keys (S a multiple of 8), no mask, soft-cap, segment ids or ALiBi,
-  head dims 97-128 alike, the fused backward on an sm90 GPU. The device side asks the same
+  a positive scale, head dims 97-128 alike, the fused backward on an sm90 GPU. The device side asks the same
   (sm90 TakesDenseBackward) and refuses a dB it cannot give. Each step's dS tile is stored
   into dB, or added there by the copy engine in 16 bits where two (batch, head)s share an
   entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's); a bias shared more
   widely takes the separate bias-gradient pass, which sums in float32."""
   bias = None if dense is None else dense.bias
   if (bias is None or dense.mask is not None or segments is not None or alibi is not None
-      or spec.softcap > 0 or v.shape[-1] != q.shape[-1] or tile_cache.bucket(q.shape[-1]) != 128):
+      or spec.softcap > 0 or spec.scale <= 0 or v.shape[-1] != q.shape[-1]
+      or tile_cache.bucket(q.shape[-1]) != 128):
     return False
   T, S = q.shape[-3], k.shape[-3]
   device = jax.devices()[0]

@@ -255,11 +255,15 @@ struct DenseTile {
     return (fp16 ? __half2float(__ushort_as_half(h)) : __bfloat162float(__ushort_as_bfloat16(h))) * kLog2e;
   }
   __device__ __forceinline__ static float2 PairLog2Units(uint32_t w, bool fp16) {
+    const float2 x = Pair(w, fp16);
+    return make_float2(x.x * kLog2e, x.y * kLog2e);
+  }
+  __device__ __forceinline__ static float2 Pair(uint32_t w, bool fp16) {  // (as they are)
     const float lo = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)))
                           : __uint_as_float(w << 16);
     const float hi = fp16 ? __half2float(__ushort_as_half(static_cast<unsigned short>(w >> 16)))
                           : __uint_as_float(w & 0xffff0000u);
-    return make_float2(lo * kLog2e, hi * kLog2e);
+    return make_float2(lo, hi);
   }
 
   // Both on a query-major score tile of kMT m16 row slabs (the forward's):

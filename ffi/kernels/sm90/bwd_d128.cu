@@ -8,8 +8,9 @@ template Status LaunchBackward<__nv_bfloat16, 128>(const BwdParams&, const CudaD
 
 bool TakesDenseBackward(const BwdParams& p) {
   const AttentionShape& sh = p.shape;
+  // (A positive scale: the staged bias is added in raw units, StagedBiasKeyMajor.)
   return sh.head_dim > 96 && sh.head_dim <= 128 && sh.v_dim() == sh.head_dim && tc::DenseTile::Stages(p) &&
-         !p.dense.mask.On() && TileTakes<FusedBwdTile<128>::dense>(p) && tc::UseFusedBackward(p);
+         !p.dense.mask.On() && p.scale > 0.f && TileTakes<FusedBwdTile<128>::dense>(p) && tc::UseFusedBackward(p);
 }
 }  // namespace sm90
 }  // namespace jaxflash

@@ -22,8 +22,9 @@ struct NoStagedBias {
 
 // A staged bias box (kQT * 8 query rows x 64 keys, 16-bit, float16 where
 // `fp16`, swizzled as the TMA wrote it) added to a warp's key-major scores Sᵀ
-// (its 16 keys from key 16 · `warp` of the box), which leave in log2 units:
-// s · scale_log2 + bias · log2(e). ldmatrix .trans reads the box's
+// (its 16 keys from key 16 · `warp` of the box) in raw units, s + bias /
+// scale (`inv_scale`; the scale stays in the exponent's FFMA, as for plain
+// calls: one FFMA a score here). ldmatrix .trans reads the box's
 // query-major 8 x 8 blocks straight into the accumulator's key-major layout
 // (two queries of one key a 32-bit word): four blocks an instruction, one
 // 16-byte row of a block a lane, each block's eight rows in eight distinct
@@ -31,7 +32,7 @@ struct NoStagedBias {
 struct StagedBiasKeyMajor {
   uint32_t box;
   int warp, lane;
-  float scale_log2;
+  float inv_scale;
   bool fp16;
   template <int kQT>
   __device__ __forceinline__ void operator()(float (&st)[kQT][4]) const {
@@ -49,9 +50,9 @@ struct StagedBiasKeyMajor {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int nt = qb + (i >> 1), half = i & 1;
-        const float2 x = tc::DenseTile::PairLog2Units(a[i], fp16);
-        st[nt][2 * half] = fmaf(st[nt][2 * half], scale_log2, x.x);
-        st[nt][2 * half + 1] = fmaf(st[nt][2 * half + 1], scale_log2, x.y);
+        const float2 x = tc::DenseTile::Pair(a[i], fp16);
+        st[nt][2 * half] = fmaf(x.x, inv_scale, st[nt][2 * half]);
+        st[nt][2 * half + 1] = fmaf(x.y, inv_scale, st[nt][2 * half + 1]);
       }
     }
   }
@@ -60,8 +61,7 @@ struct StagedBiasKeyMajor {
 // kLseFirst: the LSE of the step's queries read into registers before the
 // products are issued (16 at kM = 64), else as the exponents need them;
 // `pre`: what the scores take between the products and Pᵀ (a staged bias,
-// StagedBiasKeyMajor, which brings them to log2 units: the caller then passes
-// a scale_log2 of 1);
+// StagedBiasKeyMajor);
 // kLseLog2: `lse` holds them in log2 units (else natural-log).
 // `is_full()`: whether the step's tile needs no mask, asked while the products
 // run. `kept`: a tc::KeptTanh that receives a capped tile's tanh

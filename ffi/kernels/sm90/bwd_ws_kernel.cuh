@@ -223,12 +223,12 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     // A dense tile's bias: this consumer's box of the stage (its 64 keys).
     std::conditional_t<Tile::kTakesDense, StagedBiasKeyMajor, NoStagedBias> bias;
     if constexpr (Tile::kTakesDense) {
-      bias = {WarpUniform(sm.Bias(ring.stage) + consumer * Tile::BiasTile::kBlockBytes), warp, lane, scale_log2,
-              p.dense.bias.dtype == DType::kFloat16};
+      bias = {WarpUniform(sm.Bias(ring.stage) + consumer * Tile::BiasTile::kBlockBytes), warp, lane,
+              __fdividef(1.f, p.scale), p.dense.bias.dtype == DType::kFloat16};  // (scale > 0: TakesDenseBackward)
     }
     KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst, Tile::kLseLog2>(
         st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0() + key_w, [&] { return StepIsFull(w, in); },
-        in.lse, lane, Tile::kTakesDense ? 1.f : scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept,
+        in.lse, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept,
         bias);
     uint32_t pa[kM / 16][4], da[kM / 16][4];
     auto issue_dv = [&] {

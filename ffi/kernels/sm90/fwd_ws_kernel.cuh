@@ -452,20 +452,21 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
 
 // ------------------------------------------------------------------ consumer
 // Adds a staged bias tile (Tile::BiasTile, 16-bit, swizzled as the TMA wrote
-// it) to a warp's scores in log2 units: the warp's rows from `warp_row0` of
-// the work tile, a lane's pair of keys of each n8 tile one 32-bit word.
+// it), times `units`, to a warp's scores (one FFMA a score): the warp's rows
+// from `warp_row0` of the work tile, a lane's pair of keys of each n8 tile one
+// 32-bit word.
 template <typename Tile, int kNT>
-__device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile, int warp_row0, int lane, bool fp16) {
+__device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile, int warp_row0, int lane, bool fp16,
+                                              float units) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = warp_row0 + g + half * 8;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const float2 x =
-          tc::DenseTile::PairLog2Units(LoadShared32(tile + PairOffset<typename Tile::BiasTile>(row, nt, t)), fp16);
-      s[nt][2 * half] += x.x;
-      s[nt][2 * half + 1] += x.y;
+      const float2 x = tc::DenseTile::Pair(LoadShared32(tile + PairOffset<typename Tile::BiasTile>(row, nt, t)), fp16);
+      s[nt][2 * half] = fmaf(x.x, units, s[nt][2 * half]);
+      s[nt][2 * half + 1] = fmaf(x.y, units, s[nt][2 * half + 1]);
     }
   }
 }
@@ -578,13 +579,22 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
           const int c0 = nb * kN;
           if constexpr (Tile::kTakesDense) {
             if (p.dense.On()) {
-              // Scaled first, then the bias tile the producer staged with K
-              // (log2 units; K's stage is released after this read).
+              // The bias tile the producer staged with K (K's stage is
+              // released after this read). With a positive scale, in raw
+              // units (bias / scale: one FFMA a score) and the scale in the
+              // exponent's FFMA, as for plain calls; else the scores are
+              // scaled first and the bias added in log2 units.
+              const bool fp16 = p.dense.bias.dtype == DType::kFloat16;
+              if (scale_log2 > 0.f) {
+                AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, fp16, __fdividef(1.f, p.scale));
+                if constexpr (kMasked) tc::MaskScores(s, w.pol, r0, warp_row0, c0, lane);
+                return softmax.Scores<true>(s, alpha, scale_log2);
+              }
 #pragma unroll
               for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int i = 0; i < 4; ++i) s[0][nt][i] *= scale_log2;
-              AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, p.dense.bias.dtype == DType::kFloat16);
+              AddStagedBias<Tile>(s[0], sm.Bias(ring.stage), warp_row0, lane, fp16, tc::kLog2e);
               tc::ScaleAndMask<false>(s, w.pol, !kMasked, r0, warp_row0, c0, lane, 1.f);
               return softmax.Scores<true>(s, alpha);
             }
