@@ -26,14 +26,15 @@ template <int kD, int kDv = kD>
 struct FwdCandidates;
 // The tile of calls with a dense bias (the last candidate of D 64 and 128;
 // LaunchForward sends it the 16-bit biases it stages, the sm80 kernels the
-// other dense calls): 64-key tiles, whose registers leave room for the bias
-// term, and a staged bias tile a stage (16 KiB) beside K and V: 4 stages and
-// O apart at D 64 (160 KiB), 3 stages and O in Q's buffer at D 128 (176 KiB;
-// O apart, only 2 fit). D 128 on an H200 (fifty-third session): 0.66 ms at
-// B 2, S 4k, 16 heads, bias [1, N, T, S], against Pallas 0.91 and cuDNN 0.95;
-// other stage counts not yet measured.
+// other dense calls), a staged bias tile a stage beside K and V: at D 64
+// 64-key tiles, 4 stages and O apart (160 KiB); at D 128 128-key tiles (the
+// plain pick's: the bias in raw units left the registers room for them, 0
+// spills), 2 stages and O in Q's buffer (224 KiB). The D 128 64-key tile (3
+// stages, 176 KiB) ran 0.65 ms at B 2, S 4k, 16 heads, bias [1, N, T, S] on an
+// H200 (fifty-fifth session), against Pallas 0.90 and cuDNN 0.96; the 128-key
+// one is NOT yet measured.
 template <int kD>
-using DenseFwdTile = WsFwdTile<kD, 64, kD == 64 ? 4 : 3, 2, false, kD == 64, kD, true>;
+using DenseFwdTile = WsFwdTile<kD, kD == 64 ? 64 : 128, kD == 64 ? 4 : 2, 2, false, kD == 64, kD, true>;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
 // (SmallGrid), or -1 where none was measured to win there.
 template <>

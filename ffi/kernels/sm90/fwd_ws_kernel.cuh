@@ -158,7 +158,7 @@ struct WsFwdTile {
   // 64-column blocks, and only dense tiles, of 64 keys, use it.)
   using BiasTile = SwizzledTile<kM, kTakesDense ? kN : 64>;
   static constexpr size_t kBiasStageBytes = kTakesDense ? size_t(BiasTile::kBytes) : 0;
-  static_assert(!kTakesDense || kN == 64, "a staged bias tile is one 128-byte column block of 64 keys");
+  static_assert(!kTakesDense || kN % 64 == 0, "a staged bias tile is whole 128-byte column blocks of 64 keys");
   // Registers per thread once the producer has handed its surplus over: 232
   // with two consumers, 160 with three, 112 with four (room for 64-key tiles
   // only).
@@ -427,7 +427,10 @@ __device__ __forceinline__ void WsFwdProducer(const FwdParams& p, const WsFwdSme
         }
         if (bias) {
           const DenseTerm& t = p.dense.bias;
-          TmaLoad4d(sm.Bias(s), bias_map, sm.KFull(s), c0, w.r0, t.OwnHead(head), t.OwnBatch(batch));
+          for (int b = 0; b < Tile::BiasTile::kBlocks; ++b) {
+            TmaLoad4d(sm.Bias(s) + b * Tile::BiasTile::kBlockBytes, bias_map, sm.KFull(s), c0 + 64 * b, w.r0,
+                      t.OwnHead(head), t.OwnBatch(batch));
+          }
         }
         MBarrier::Wait(sm.VEmpty(s), ring.parity ^ 1);
         const uint32_t bar = ragged_tail ? sm.Tail() : sm.VFull(s);
