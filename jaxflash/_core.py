@@ -452,7 +452,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   """The fused implementations in the order `implementation=None` tries them (choice.py).
 
   The orders are measured on plain calls. A dense term on a GPU puts Pallas first (sm80: 2.4x /
-  2.0x slower, H200) unless Hopper's dense tiles take both ways (`_native.emits_db`). A decode
+  2.0x slower, H200) unless Hopper's dense tiles take both ways (`_native.hopper_dense`). A decode
   step with ids or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes 2.3x).
   Past the CUDA kernels' head dims, Pallas (D 512: 3.4x / 1.3x xla's speed, H200). A small CPU call
   that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax then keeps the kernels'
@@ -467,7 +467,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
                        call.spec.window_right >= 0, call.q.shape[-3], small)
   if (call.alibi is not None or call.segments is not None) and choice.is_decode(call.q.shape[-3]):
     order = tuple(sorted(order, key=lambda name: name != "native"))
-  if call.dense is not None and platform() != "cpu" and not _native.call_emits_db(call):
+  if call.dense is not None and platform() != "cpu" and not _native.call_hopper_dense(call):
     order = tuple(sorted(order, key=lambda name: name != "pallas"))
   return order
 

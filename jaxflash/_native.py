@@ -127,15 +127,11 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
-  """Whether a native backward being traced runs the Hopper dense tile with dB out
-  (DB_TARGET), so the bias's gradient comes from the same pass: a bias in the query's 16-bit
-  dtype on whole rows and keys (S a multiple of 8), no mask, soft-cap, segment ids or ALiBi,
-  a positive scale, head dims 97-128 alike, the fused backward on an sm90 GPU. The device side asks the same
-  (sm90 TakesDenseBackward) and refuses a dB it cannot give. Each step's dS tile is stored
-  into dB, or added there by the copy engine in 16 bits where two (batch, head)s share an
-  entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's); a bias shared more
-  widely takes the separate bias-gradient pass, which sums in float32."""
+def hopper_dense(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
+  """Whether the Hopper dense tiles take a native call both ways (the forward's staged bias,
+  sm90 TakesDenseBackward): a bias in the query's 16-bit dtype on whole rows and keys (S a
+  multiple of 8), no mask, soft-cap, segment ids or ALiBi, a positive scale, head dims 97-128
+  alike, the fused backward on an sm90 GPU."""
   bias = None if dense is None else dense.bias
   if (bias is None or dense.mask is not None or segments is not None or alibi is not None
       or spec.softcap > 0 or spec.scale <= 0 or v.shape[-1] != q.shape[-1]
@@ -145,13 +141,24 @@ def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   device = jax.devices()[0]
   return (device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
           and np.dtype(bias.dtype).itemsize == 2 and bias.dtype == q.dtype and bias.shape[-2:] == (T, S)
-          and T > 1 and S > 1 and S % 8 == 0 and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(bias.shape[:-2])
+          and T > 1 and S > 1 and S % 8 == 0
           and dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic)))
 
 
-def call_emits_db(call) -> bool:
-  """`emits_db` of a _core.Call (its ids and slopes, or None)."""
-  return emits_db(call.q, call.k, call.v, call.spec, call.segments, call.alibi, call.dense)
+def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
+  """Whether a native backward being traced gives the bias's gradient from the same pass
+  (DB_TARGET): a `hopper_dense` call whose bias entries are each shared by at most two
+  (batch, head)s. The device side asks the same and refuses a dB it cannot give. Each step's
+  dS tile is stored into dB, or added there by the copy engine in 16 bits where two share an
+  entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's); a bias shared more widely
+  takes the separate bias-gradient pass, which sums in float32."""
+  return (hopper_dense(q, k, v, spec, segments, alibi, dense)
+          and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(dense.bias.shape[:-2]))
+
+
+def call_hopper_dense(call) -> bool:
+  """`hopper_dense` of a _core.Call (its ids and slopes, or None)."""
+  return hopper_dense(call.q, call.k, call.v, call.spec, call.segments, call.alibi, call.dense)
 
 
 def takes_value_width(call=None) -> bool:

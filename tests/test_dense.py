@@ -224,6 +224,11 @@ def test_gpu_native_dense_backward_emits_db(rng):
   # A bias shared by every head and batch element: 8 terms an entry, so the float32 pass.
   hlo = targets(bias[:, :1])
   assert _native.DB_TARGET not in hlo and _native.BIAS_GRADIENT_TARGET in hlo
+  # The default runs both native (Hopper's tiles take them both ways); a mask runs Pallas.
+  call = lambda b, m=None: _core.validate(q, k, v, b, m, None, False, None, None, None, "top_left", False)
+  for b in (bias, bias[:, :1]):
+    assert _core.automatic_order(call(b))[0] == "native"
+  assert _core.automatic_order(call(bias, jnp.ones((T, S), bool)))[0] == "pallas"
   for shape, bias_axes, mask_name, bias_dtype in [
       ((2, 200, 264, 4, 4, 128), "BNTS", "none", jnp.bfloat16),
       ((2, 130, 136, 4, 2, 128), "NTS", "lengths", jnp.bfloat16),
