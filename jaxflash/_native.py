@@ -130,12 +130,12 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
 def hopper_dense(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   """Whether the Hopper dense tiles take a native call both ways (the forward's staged bias,
   sm90 TakesDenseBackward): a bias in the query's 16-bit dtype on whole rows and keys (S a
-  multiple of 8), no mask, soft-cap, segment ids or ALiBi, a positive scale, head dims 97-128
-  alike, the fused backward on an sm90 GPU."""
+  multiple of 8), no mask, soft-cap, segment ids or ALiBi, a positive scale, head dims 33-64 or
+  97-128 alike, the fused backward on an sm90 GPU."""
   bias = None if dense is None else dense.bias
   if (bias is None or dense.mask is not None or segments is not None or alibi is not None
       or spec.softcap > 0 or spec.scale <= 0 or v.shape[-1] != q.shape[-1]
-      or tile_cache.bucket(q.shape[-1]) != 128):
+      or tile_cache.bucket(q.shape[-1]) not in (64, 128)):
     return False
   T, S = q.shape[-3], k.shape[-3]
   device = jax.devices()[0]

@@ -211,7 +211,7 @@ def test_gpu_native_dense_backward_emits_db(rng):
   an entry: dS tiles stored into dB, or added there in 16 bits over the batch or the heads.
   Wider sharing and a float16 bias beside bfloat16 inputs take the separate pass. Rows and
   keys past a step's and a key tile's edge, ragged lengths (dB of the pairs the walk leaves
-  out zeroed), GQA, head dim 112."""
+  out zeroed), GQA, head dims 112, 64 (three consumers, 192 keys a CTA) and 40."""
   if not HAS_GPU or getattr(jax.devices()[0], "compute_capability", "") != "9.0":
     pytest.skip("needs an sm90 GPU")
   B, T, S, N, D = 2, 200, 264, 4, 128
@@ -235,7 +235,10 @@ def test_gpu_native_dense_backward_emits_db(rng):
       ((1, 129, 200, 2, 2, 128), "BTS", "lengths_causal_bottom_right", jnp.bfloat16),
       ((2, 130, 136, 8, 2, 128), "BTS", "lengths", jnp.bfloat16),
       ((3, 64, 520, 4, 1, 112), "TS", "causal", jnp.float16),
-      ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right", jnp.bfloat16)]:
+      ((1, 129, 200, 8, 8, 128), "NTS", "lengths_causal_bottom_right", jnp.bfloat16),
+      ((2, 200, 520, 4, 4, 64), "NTS", "none", jnp.bfloat16),
+      ((2, 130, 136, 4, 2, 64), "BNTS", "lengths_causal_bottom_right", jnp.bfloat16),
+      ((1, 96, 200, 2, 2, 40), "BTS", "lengths", jnp.bfloat16)]:
     check(rng, shape, mask_name, jnp.bfloat16, "native", bias_axes, None, bias_dtype=bias_dtype)
 
 

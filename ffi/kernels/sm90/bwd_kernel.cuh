@@ -396,6 +396,9 @@ template <>
 struct FusedBwdTile<64> {
   using type = WsBwdTile<64, 3>;
   using capped = WsBwdTile<64, 2>;
+  // Calls with a bias it stages (TakesDenseBackward): three consumers, a
+  // 64 x 192 bias box a stage, both dQ buffers (208 KiB).
+  using dense = WsBwdTile<64, 3, 64, 2, true, false, true>;
 };
 template <>
 struct FusedBwdTile<128> {
@@ -472,7 +475,7 @@ Status LaunchWsKeyGradsThenDq(const BwdParams& p, const CudaDevice& device, cuda
 // The dense tile's backward (TakesDenseBackward), with dB out where asked:
 // zeroed first where the walk leaves pairs out (a mask rule, lengths) or two
 // (batch, head)s add into each entry.
-template <typename T>
+template <typename T, int kD>
 Status LaunchDenseBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const AttentionShape& sh = p.shape;
   const MaskParams& m = p.mask;
@@ -487,14 +490,14 @@ Status LaunchDenseBackward(const BwdParams& p, const CudaDevice& device, cudaStr
     const cudaError_t err = cudaMemsetAsync(const_cast<void*>(p.ds_out.data), 0, bytes, stream);
     if (err != cudaSuccess) return Status::Internal(std::string("cudaMemsetAsync (dB): ") + cudaGetErrorString(err));
   }
-  return LaunchWsBackward<T, typename FusedBwdTile<128>::dense>(p, device, stream);
+  return LaunchWsBackward<T, typename FusedBwdTile<kD>::dense>(p, device, stream);
 }
 
 template <typename T, int kD, int kDv>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   using Fused = typename FusedBwdTile<kD, kDv>::type;
   if (p.dense.On()) {  // the dispatch sends only calls TakesDenseBackward allows
-    if constexpr (kD == 128 && kDv == kD) return LaunchDenseBackward<T>(p, device, stream);
+    if constexpr ((kD == 64 || kD == 128) && kDv == kD) return LaunchDenseBackward<T, kD>(p, device, stream);
     return Status::Internal("a dense call reached an sm90 backward without a dense tile");
   }
   // A logit soft-cap or segment ids run the first of the passes below whose

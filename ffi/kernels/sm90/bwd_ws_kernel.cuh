@@ -137,8 +137,9 @@ struct WsBwdTile {
   // Two staging buffers, taken by turns: a step waits for the copy engine to
   // have read the tile of two steps before, not of the step before (with one,
   // the dQ writer's DqEmpty wait was 2.8% of the fused D 128 kernel's stall
-  // samples).
-  static constexpr int kDqBuffers = kWithDq && !kDense_ ? 2 : 1;
+  // samples). The D 128 dense tile's third stage box takes the second
+  // buffer's room; D 64's three-consumer tile (208 KiB) keeps both.
+  static constexpr int kDqBuffers = kWithDq && !(kDense_ && kD_ == 128) ? 2 : 1;
   static constexpr size_t kDqBytes = kWithDq ? kDqBuffers * DqStage::kBytes : 0;
   static constexpr size_t kDsBytes = kWithDq ? 2 * size_t(DsTile::kBytes) : 0;  // two buffers
   // Barriers: K/V full, K/V tail, Q tail, dQ full and dQ empty per dQ
@@ -250,6 +251,15 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
 
     // ---- dSᵀ into the shared tile (for dQ)
     const uint32_t sDs = WarpUniform(sm.Ds(it));
+    if constexpr (Tile::kTakesDense && !Tile::kDqByColumns) {
+      // With dS out the writer stores this buffer too, two steps before; a
+      // consumer that computes no dQ there (one of three takes each step's)
+      // waits for the writer to free that step, as the one that stages dQ
+      // does for its buffer (below).
+      if (p.ds_out.On()) {
+        MBarrier::Wait(sm.DqEmpty(it % Tile::kDqBuffers), ((it / Tile::kDqBuffers) & 1) ^ 1);
+      }
+    }
     if constexpr (Tile::kWithDq) {
 #pragma unroll
       for (int kk = 0; kk < kM / 16; ++kk) StoreTransposedFragment<DsTile>(sDs, da[kk], kk * 16, key_w, lane);

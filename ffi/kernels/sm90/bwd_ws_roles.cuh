@@ -460,9 +460,11 @@ __device__ __forceinline__ void WsBwdDqWriter(const WsBwdSmem<Tile>& sm, const W
         }
       }
       TmaStoreCommit();
-      if constexpr (kBuffers == 1) {  // this step's tiles read: free them
+      if constexpr (kBuffers == 1 || Tile::kTakesDense) {
+        // This step's tiles read: free them (a dense tile's consumers wait
+        // for it before their dS of two steps on, WsBwdConsumer).
         TmaStoreWaitRead<0>();
-        MBarrier::Arrive(sm.DqEmpty(0));
+        MBarrier::Arrive(sm.DqEmpty(buf));
       } else {
         // The step before's tile has been read (this step's reductions stay in
         // flight): free its buffer.
