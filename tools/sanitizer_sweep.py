@@ -126,7 +126,7 @@ def training_sweep(rng, dims, masks=MASKS, dtypes=DTYPES):
 # contiguous, S a multiple of 8; full and broadcast over batch and heads) and,
 # on the sm80 kernels, a bias beside a mask, a mask alone and a bias whose
 # rows are not whole 16-byte copies (S 86): forward, dQ and the bias's gradient
-# (at D 128 on Hopper, of a bias shared by at most two items, the dense
+# (at D 64 and 128 on Hopper, of a bias shared by at most two items, the dense
 # backward's one pass with dB out: stored for BNTS, added over the batch for NTS).
 DENSE_SHAPES = [(2, 300, 296, 4, 2, 64), (2, 129, 200, 4, 4, 128), (1, 100, 88, 4, 1, 256),
                 (1, 70, 86, 4, 2, 128)]
