@@ -65,50 +65,11 @@ __device__ __forceinline__ void StoreBiasGrad(const BwdParams& p, int64_t at, fl
   }
 }
 
-// The visits whose pairs sum into one CTA's dB tile, in the order the sums
-// take (a fixed order: dB is deterministic): (batch, head, row tile) outer,
-// key tiles inner, over each axis's range [begin, end) (the bias's own index
-// where it has the axis, all of the call's where it broadcasts), skipping row
-// tiles whose mask rule leaves no key tile of the range.
-template <typename T, int kM, int kN>
-struct BiasGradWalk {
-  struct Visit {
-    int b, h, rt, nb, nb_end;  // key tile nb of [nb, nb_end)
-    bool valid;
-  };
-  int b_end, h_begin, h_end, rt_begin, rt_end, kt_begin, kt_end;
-
-  // The first visit at or after row tile `rt` of (b, h).
-  __device__ __forceinline__ Visit From(const BwdParams& p, int b, int h, int rt) const {
-    while (b < b_end) {
-      const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, rt, h, b);
-      const int first = MaxInt(blk.tiles.begin, kt_begin), last = MinInt(blk.tiles.end, kt_end);
-      if (first < last) return {b, h, rt, first, last, true};
-      if (++rt == rt_end) {
-        rt = rt_begin;
-        if (++h == h_end) h = h_begin, ++b;
-      }
-    }
-    return {b, h, rt, 0, 0, false};
-  }
-  __device__ __forceinline__ Visit Next(const BwdParams& p, const Visit& v) const {
-    if (v.nb + 1 < v.nb_end) return {v.b, v.h, v.rt, v.nb + 1, v.nb_end, true};
-    int b = v.b, h = v.h, rt = v.rt + 1;
-    if (rt == rt_end) {
-      rt = rt_begin;
-      if (++h == h_end) h = h_begin, ++b;
-    }
-    return From(p, b, h, rt);
-  }
-};
-
 template <typename T, typename Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdParams p) {
   constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
   constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
   constexpr int kNT = kN / 8;
-  using Walk = BiasGradWalk<T, kM, kN>;
-  using Block = tc::FwdBlock<T>;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -125,100 +86,77 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
   const int head_dim = static_cast<int>(sh.head_dim);
   const int q_len = static_cast<int>(sh.q_len), kv_len = static_cast<int>(sh.kv_len);
   const bool all_rows = ext.rows == 1, all_keys = ext.keys == 1;
-  const int row_w = warp * 16;
-  const float scale_log2 = p.scale * tc::kLog2e;
-  const bool stages = tc::DenseTile::Stages(p);
   // x: the dB tile (row tile major, key tile minor); y: the bias's (batch,
   // head) items, walked with the grid's stride where they pass its limit.
   const int key_tiles = all_keys ? 1 : (ext.keys + kN - 1) / kN;
   const int own_rt = blockIdx.x / key_tiles, own_kt = blockIdx.x % key_tiles;
-
-  // A visit's operands land in two groups of copies: Q and K (for S), then dO,
-  // V and the staged bias (for dP and dS). The next visit's first group loads
-  // while this one's dP and dS are computed, its second while its S is: the
-  // copies of a visit overlap the products of the one before (the kernel was
-  // latency-bound when each visit waited for all four tiles).
-  const auto load_s_operands = [&](const typename Walk::Visit& v) {
-    const Block blk = Block::template At<kM, kN>(p, v.rt, v.h, v.b);
-    const int c0 = v.nb * kN;
-    tc::LoadTile<kM, kD, kThreads>(sQ, kStride, blk.q, blk.q_row_stride, blk.r_end - blk.r0, head_dim, tid);
-    tc::LoadTile<kN, kD, kThreads>(sK, kStride, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                   blk.pol.kv_valid - c0, head_dim, tid);
-  };
-  const auto load_dp_operands = [&](const typename Walk::Visit& v) {
-    const Block blk = Block::template At<kM, kN>(p, v.rt, v.h, v.b);
-    const int c0 = v.nb * kN;
-    const T* gdO = static_cast<const T*>(p.dout) + Block::QOffset(sh, v.b, v.h, blk.r0);
-    tc::LoadTile<kM, kD, kThreads>(sdO, kStride, gdO, blk.q_row_stride, blk.r_end - blk.r0, head_dim, tid);
-    tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                   blk.pol.kv_valid - c0, head_dim, tid);
-    if (stages) tc::DenseTile::Of(p, v.b, v.h).Stage<kM, kN, kThreads>(sBias, blk.r0, c0, tid);
-  };
-
   for (int64_t item = blockIdx.y; item < int64_t{ext.batch} * ext.heads; item += gridDim.y) {
     const int own_b = static_cast<int>(item / ext.heads), own_h = static_cast<int>(item % ext.heads);
-    const Walk walk{ext.batch == 1 ? int(sh.batch) : own_b + 1,
-                    ext.heads == 1 ? 0 : own_h,
-                    ext.heads == 1 ? int(sh.q_heads) : own_h + 1,
-                    all_rows ? 0 : own_rt,
-                    all_rows ? (q_len + kM - 1) / kM : own_rt + 1,
-                    all_keys ? 0 : own_kt,
-                    all_keys ? (kv_len + kN - 1) / kN : own_kt + 1};
+    // What this CTA walks on each axis, [begin, end).
+    const int b_begin = ext.batch == 1 ? 0 : own_b, b_end = ext.batch == 1 ? int(sh.batch) : own_b + 1;
+    const int h_begin = ext.heads == 1 ? 0 : own_h, h_end = ext.heads == 1 ? int(sh.q_heads) : own_h + 1;
+    const int rt_begin = all_rows ? 0 : own_rt, rt_end = all_rows ? (q_len + kM - 1) / kM : own_rt + 1;
+    const int kt_begin = all_keys ? 0 : own_kt, kt_end = all_keys ? (kv_len + kN - 1) / kN : own_kt + 1;
+    const int row_w = warp * 16;
+    const float scale_log2 = p.scale * tc::kLog2e;
+    const bool stages = tc::DenseTile::Stages(p);
 
     float acc[kNT][4];
     tc::Zero(acc);
 
-    typename Walk::Visit v = walk.From(p, ext.batch == 1 ? 0 : own_b, walk.h_begin, walk.rt_begin);
-    if (v.valid) load_s_operands(v);
-    tc::CpAsyncCommit();
-    if (v.valid) load_dp_operands(v);
-    tc::CpAsyncCommit();
-    while (v.valid) {  // (uniform over the CTA)
-      const typename Walk::Visit next = walk.Next(p, v);
-      const Block blk = Block::template At<kM, kN>(p, v.rt, v.h, v.b);
-      const MaskPolicy& pol = blk.pol;
-      const int r0 = blk.r0, c0 = v.nb * kN;
-      tc::RowStats rows;
-      rows.Load(p, pol, v.b, v.h, r0 + row_w, lane);
+    for (int b = b_begin; b < b_end; ++b)
+      for (int h = h_begin; h < h_end; ++h)
+        for (int rt = rt_begin; rt < rt_end; ++rt) {
+          const tc::FwdBlock<T> blk = tc::FwdBlock<T>::template At<kM, kN>(p, rt, h, b);
+          const MaskPolicy& pol = blk.pol;
+          const int r0 = blk.r0;
+          const int k_first = MaxInt(blk.tiles.begin, kt_begin), k_last = MinInt(blk.tiles.end, kt_end);
+          if (k_first >= k_last) continue;  // (uniform over the CTA)
+          __syncthreads();  // everyone is done with the last item's Q and dO
+          const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(sh, b, h, r0);
+          tc::LoadTile<kM, kD, kThreads>(sQ, kStride, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          tc::LoadTile<kM, kD, kThreads>(sdO, kStride, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          tc::RowStats rows;
+          rows.Load(p, pol, b, h, r0 + row_w, lane);
 
-      tc::CpAsyncWait<1>();  // Q and K (dO, V and the bias may still be in flight)
-      const tc::DenseTile::View view = tc::DenseTile::TileBarrier(p, v.b, v.h, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
-      const bool shown = view != tc::DenseTile::kHidden;  // dS = 0 where hidden
-      float s[kNT][4], dp[kNT][4];
-      if (shown) ScoreProducts<T, kD, kN, kStride, kS>(s, dp, sQ, sdO, sK, sV, row_w, lane);
-      __syncthreads();  // everyone is done with Q and K
-      if (next.valid) load_s_operands(next);
-      tc::CpAsyncCommit();
+          for (int nb = k_first; nb < k_last; ++nb) {
+            const int c0 = nb * kN;
+            __syncthreads();  // everyone is done with the last K and V
+            tc::LoadTile<kN, kD, kThreads>(sK, kStride, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
+                                           pol.kv_valid - c0, head_dim, tid);
+            tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
+                                           pol.kv_valid - c0, head_dim, tid);
+            if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
+            tc::CpAsyncCommit();
+            tc::CpAsyncWait<0>();
+            const tc::DenseTile::View view =
+                tc::DenseTile::TileBarrier(p, b, h, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
+            if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
 
-      tc::CpAsyncWait<1>();  // dO, V and the bias
-      __syncthreads();
-      if (shown) {
-        ScoreProducts<T, kD, kN, kStride, kDp>(s, dp, sQ, sdO, sK, sV, row_w, lane);
-        const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
-        tc::DenseTile dense = tc::DenseTile::Of(p, v.b, v.h, view);
-        if (stages) dense = dense.Staged(sBias, kN, r0, c0);
-        tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p),
-                            tc::AlibiBias::Of(p, pol, v.b, v.h), &dense);
-        tc::QueryMajorDs(s, dp, rows);  // (no soft-cap: the handlers refuse one beside a bias)
+            float s[kNT][4], dp[kNT][4];
+            ScoreProducts<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
+
+            const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
+            tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
+            if (stages) dense = dense.Staged(sBias, kN, r0, c0);
+            tc::QueryMajorProbs(s, rows, pol, full, r0 + row_w, c0, lane, scale_log2, tc::SoftCap::Of(p),
+                                tc::AlibiBias::Of(p, pol, b, h), &dense);
+            tc::QueryMajorDs(s, dp, rows);  // (no soft-cap: the handlers refuse one beside a bias)
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            float ds = dp[nt][i];
-            // A hidden pair has P = 0 exactly; 0 * a non-finite dP (a value
-            // the row cannot see) must not reach dB, which is 0 there.
-            if (!isfinite(ds) && s[nt][i] == 0.f) {
-              const int row = r0 + row_w + g + (i >> 1) * 8, col = c0 + nt * 8 + 2 * t + (i & 1);
-              if (col >= kv_len || !pol.Visible(row, col) || !dense.Shows(row, col)) ds = 0.f;
-            }
-            acc[nt][i] += ds;
+              for (int i = 0; i < 4; ++i) {
+                float ds = dp[nt][i];
+                // A hidden pair has P = 0 exactly; 0 * a non-finite dP (a value
+                // the row cannot see) must not reach dB, which is 0 there.
+                if (!isfinite(ds) && s[nt][i] == 0.f) {
+                  const int row = r0 + row_w + g + (i >> 1) * 8, col = c0 + nt * 8 + 2 * t + (i & 1);
+                  if (col >= kv_len || !pol.Visible(row, col) || !dense.Shows(row, col)) ds = 0.f;
+                }
+                acc[nt][i] += ds;
+              }
           }
-      }
-      __syncthreads();  // everyone is done with dO, V and the bias
-      if (next.valid) load_dp_operands(next);
-      tc::CpAsyncCommit();
-      v = next;
-    }
+        }
 
     // Reduce the broadcast axes and write this CTA's dB tile (float32,
     // [ext.batch, ext.heads, ext.rows, ext.keys], contiguous).

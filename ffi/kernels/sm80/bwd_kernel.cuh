@@ -37,34 +37,25 @@ namespace sm80 {
 // operands (from `row0`) against kCols rows of the B operands, all in shared
 // memory (row stride kStride): S = A_s B_sᵀ and dP = A_dp B_dpᵀ. The dQ and dB
 // kernels pass (Q, dO; K, V), the dK/dV kernel (K, V; Q, dO) for Sᵀ and dPᵀ.
-// kProducts says which: both, interleaved (kBoth), or one of them, for a
-// kernel whose operand pairs land in shared memory one after the other (the
-// dB kernel's: the other product's operands are then not read).
-enum ScoreProduct { kS = 1, kDp = 2, kBoth = 3 };
-template <typename T, int kD, int kCols, int kStride, int kProducts = kBoth>
+template <typename T, int kD, int kCols, int kStride>
 __device__ __forceinline__ void ScoreProducts(float (&s)[kCols / 8][4], float (&dp)[kCols / 8][4], const T* a_s,
                                               const T* a_dp, const T* b_s, const T* b_dp, int row0, int lane) {
-  constexpr bool kWithS = kProducts & kS, kWithDp = kProducts & kDp;
-  if constexpr (kWithS) tc::Zero(s);
-  if constexpr (kWithDp) tc::Zero(dp);
+  tc::Zero(s);
+  tc::Zero(dp);
 #pragma unroll
   for (int kk = 0; kk < kD / 16; ++kk) {
     uint32_t as[4], adp[4];
-    if constexpr (kWithS) tc::Ldmatrix4(as, tc::AFragAddr(a_s, kStride, row0, kk * 16, lane));
-    if constexpr (kWithDp) tc::Ldmatrix4(adp, tc::AFragAddr(a_dp, kStride, row0, kk * 16, lane));
+    tc::Ldmatrix4(as, tc::AFragAddr(a_s, kStride, row0, kk * 16, lane));
+    tc::Ldmatrix4(adp, tc::AFragAddr(a_dp, kStride, row0, kk * 16, lane));
 #pragma unroll
     for (int np = 0; np < kCols / 16; ++np) {
       uint32_t b[4];
-      if constexpr (kWithS) {
-        tc::Ldmatrix4(b, tc::BFragAddrNK(b_s, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(s[2 * np], as, b[0], b[1]);
-        tc::Mma<T>(s[2 * np + 1], as, b[2], b[3]);
-      }
-      if constexpr (kWithDp) {
-        tc::Ldmatrix4(b, tc::BFragAddrNK(b_dp, kStride, np * 16, kk * 16, lane));
-        tc::Mma<T>(dp[2 * np], adp, b[0], b[1]);
-        tc::Mma<T>(dp[2 * np + 1], adp, b[2], b[3]);
-      }
+      tc::Ldmatrix4(b, tc::BFragAddrNK(b_s, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(s[2 * np], as, b[0], b[1]);
+      tc::Mma<T>(s[2 * np + 1], as, b[2], b[3]);
+      tc::Ldmatrix4(b, tc::BFragAddrNK(b_dp, kStride, np * 16, kk * 16, lane));
+      tc::Mma<T>(dp[2 * np], adp, b[0], b[1]);
+      tc::Mma<T>(dp[2 * np + 1], adp, b[2], b[3]);
     }
   }
 }
