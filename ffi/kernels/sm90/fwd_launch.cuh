@@ -130,7 +130,7 @@ bool SmallGrid(const FwdParams& p, const CudaDevice& device, int pick) {
     return false;
   } else {
     const int64_t work_tiles =
-        p.shape.batch * p.shape.q_heads * CeilDiv(p.shape.q_len, FwdCandidates<kD>::type::Rows(pick));
+        p.shape.batch * p.shape.q_heads * CeilDiv(p.shape.q_len, FwdCandidates<kD, kDv>::type::Rows(pick));
     return 2 * work_tiles <= device.sm_count;
   }
 }
@@ -148,7 +148,7 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
   // tile does not.
   bool yield = p.softcap > 0.f || p.mask.q_segments != nullptr || p.alibi != nullptr || p.dense.On();
   if (SmallGrid<kD, kDv>(p, device, pick)) {
-    pick = FwdCandidates<kD>::kSmallGrid;
+    pick = FwdCandidates<kD, kDv>::kSmallGrid;
     yield = true;
   }
   if (yield && (requested & FwdParams::kTilePreferred)) requested = 0;
