@@ -34,13 +34,14 @@ LEGACY_TARGETS = ("jaxflash_fwd_v3", "jaxflash_bwd_v3", "jaxflash_paged_fwd_v3",
 # The segment tables' kernel: on the GPU only (elsewhere XLA builds them; jaxflash/segments.py).
 SEGMENT_TABLES_TARGET = "jaxflash_segment_tables_v1"
 # The dense backward with dB out (the backward v5's operands; results dQ, dK, dV, the two
-# workspaces, dB): the Hopper dense tile's, on the GPU only (`emits_db`).
+# workspaces, dB): the Hopper dense tile's, and the CPU backward's (`emits_db`).
 DB_TARGET = "jaxflash_bwd_db_v1"
 # Its predecessor (results dQ, dK, dV, the workspaces and the whole dS, which its caller
 # summed): registered so that exported programs load.
 LEGACY_CUDA_TARGETS = ("jaxflash_bwd_ds_v1",)
-CPU_TARGETS = (FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + DENSE_TARGETS + (BIAS_GRADIENT_TARGET,) + LEGACY_TARGETS
-TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET, DB_TARGET) + LEGACY_CUDA_TARGETS
+CPU_TARGETS = ((FORWARD_TARGET, BACKWARD_TARGET, PAGED_TARGET) + DENSE_TARGETS + (BIAS_GRADIENT_TARGET, DB_TARGET)
+               + LEGACY_TARGETS)
+TARGETS = CPU_TARGETS + (SEGMENT_TABLES_TARGET,) + LEGACY_CUDA_TARGETS
 
 # Tile candidate the CUDA tensor-core kernels use instead of their tile tables
 # (None: not forced; 0: the tables), plus TILE_SM80 to run the sm80 kernels where a newer path
@@ -147,13 +148,21 @@ def hopper_dense(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
 
 def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   """Whether a native backward being traced gives the bias's gradient from the same pass
-  (DB_TARGET): a `hopper_dense` call whose bias entries are each shared by at most two
-  (batch, head)s. The device side asks the same and refuses a dB it cannot give. Each step's
-  dS tile is stored into dB, or added there by the copy engine in 16 bits where two share an
-  entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's); a bias shared more widely
+  (DB_TARGET). The device side asks the same and refuses a dB it cannot give. On a GPU: a
+  `hopper_dense` call whose bias entries are each shared by at most two (batch, head)s; each
+  step's dS tile is stored into dB, or added there by the copy engine in 16 bits where two
+  share an entry ((B N) / (Bb Nb) = 2: one rounding, as their float32 sum's). On the CPU: a
+  bias in the query's dtype with the call's rows and keys whose every entry has one (batch,
+  head), no soft-cap: the backward stores each tile's dS (cpu/backward.cc). Wider sharing
   takes the separate bias-gradient pass, which sums in float32."""
-  return (hopper_dense(q, k, v, spec, segments, alibi, dense)
-          and math.prod(q.shape[:-3]) * q.shape[-2] <= 2 * math.prod(dense.bias.shape[:-2]))
+  if dense is None or dense.bias is None:
+    return False
+  sharers = math.prod(q.shape[:-3]) * q.shape[-2] / math.prod(dense.bias.shape[:-2])
+  if jax.devices()[0].platform == "cpu":
+    T, S = q.shape[-3], k.shape[-3]
+    return (sharers == 1 and dense.bias.shape[-2:] == (T, S) and dense.bias.dtype == q.dtype
+            and spec.softcap <= 0 and T > 1 and S > 1)
+  return hopper_dense(q, k, v, spec, segments, alibi, dense) and sharers <= 2
 
 
 def call_hopper_dense(call) -> bool:

@@ -275,6 +275,28 @@ def test_bias_gradient_legacy_target(rng):
   np.testing.assert_array_equal(np.asarray(db32.astype(db.dtype), np.float32), np.asarray(db, np.float32))
 
 
+def test_cpu_backward_gives_db_where_each_entry_has_one_item(rng):
+  """On the CPU a bias in the inputs' dtype whose every entry has one (batch, head) of the call
+  (and its rows and keys) takes its gradient from the backward itself (jaxflash_bwd_db_v1: each
+  tile's dS stored, hidden pairs 0, tiles the walk leaves out zeroed); a bias shared by the
+  batch, one in another dtype, or a gradient over the bias alone keep the bias-gradient pass."""
+  if HAS_GPU:
+    pytest.skip("the CPU kernels' (the GPU's: test_gpu_native_dense_backward_emits_db)")
+  B, T, S, N, D = 2, 40, 72, 4, 32
+  q, k, v = random_inputs(rng, B, T, S, N, N, D, jnp.float32)
+  bias = jnp.asarray(rng.standard_normal((B, N, T, S)), jnp.float32)
+  loss = lambda *x: jaxflash.dot_product_attention(*x, implementation="native", is_causal=True).sum()
+  targets = lambda b, argnums=(0, 3): jax.jit(jax.grad(loss, argnums)).lower(q, k, v, b).as_text()
+  for b, argnums, joint in [(bias, (0, 3), True), (bias[:1], (0, 3), False), (bias.astype(jnp.bfloat16), (0, 3), False),
+                            (bias, (3,), False)]:
+    hlo = targets(b, argnums)
+    assert (_native.DB_TARGET in hlo) == joint and (_native.BIAS_GRADIENT_TARGET in hlo) != joint, (b.shape, argnums)
+  # Ragged rows and keys, GQA, a dense mask beside the bias, 16 bits; B 1 with a bias over N, T, S.
+  check(rng, (2, 37, 70, 4, 2, 40), "lengths_causal_bottom_right", jnp.bfloat16, "native", "BNTS", "BTS",
+        bias_dtype=jnp.bfloat16)
+  check(rng, (1, 70, 130, 8, 2, 64), "window", jnp.float32, "native", "NTS", None)
+
+
 @pytest.mark.gpu
 def test_gpu_legacy_dense_ds_target(rng):
   """The older jaxflash_bwd_ds_v1 (the whole dS [B, N, T, S], which its caller summed) gives
@@ -413,10 +435,10 @@ def test_forward_mode_vmap_and_the_default(rng, implementation):
 
 
 def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
-  """dB is a pass of its own, traced only when the bias is differentiated: the native
-  CPU kernels' (its own FFI target) and Pallas's kernel on one device, the blockwise
-  jnp one elsewhere (a scan; the partition rule runs it when several devices are
-  visible)."""
+  """dB is traced only when the bias is differentiated: the native kernels' (their dB
+  target, or for this bias on the CPU the backward's with dB out) and Pallas's kernel on
+  one device, the blockwise jnp one elsewhere (a scan; the partition rule runs it when
+  several devices are visible)."""
   dtype = jnp.bfloat16 if HAS_GPU else jnp.float32   # (the CUDA kernels' dense path is 16-bit)
   q, k, v = random_inputs(rng, 1, 16, 16, 2, 2, 16, dtype)
   bias = jnp.zeros((1, 2, 16, 16))
@@ -424,8 +446,8 @@ def test_a_bias_not_differentiated_costs_no_bias_gradient(rng):
     loss = lambda q, b: jaxflash.dot_product_attention(
         q, k, v, b, implementation=impl).astype(jnp.float32).sum()
     if impl == "native" and jax.device_count() == 1:   # the target, in the lowered program
-      mark = _native.BIAS_GRADIENT_TARGET
-      count = lambda argnums: jax.jit(jax.grad(loss, argnums)).lower(q, bias).as_text().count(mark)
+      count = lambda argnums: sum(jax.jit(jax.grad(loss, argnums)).lower(q, bias).as_text().count(mark)
+                                  for mark in (_native.BIAS_GRADIENT_TARGET, _native.DB_TARGET))
     else:
       mark = "scan" if jax.device_count() > 1 else "jaxflash_pallas_bias_grad"
       count = lambda argnums: str(jax.make_jaxpr(jax.grad(loss, argnums))(q, bias)).count(mark)

@@ -95,13 +95,15 @@ ffi::Error CpuBackward(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                        ffi::Result<ffi::AnyBuffer> dk,
                        ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                        ffi::Result<ffi::AnyBuffer> dq_accum, float scale, int64_t window_left,
-                       int64_t window_right, bool bottom_right, bool deterministic, int64_t tile, float softcap) {
+                       int64_t window_right, bool bottom_right, bool deterministic, int64_t tile, float softcap,
+                       ffi::Result<ffi::AnyBuffer>* dbias = nullptr) {
   BwdParams p;
   JAXFLASH_RETURN_IF_ERROR(DecodeBackward({q, k, v, o, lse, dout, dlse, q_lengths, kv_lengths,
                                            diag_offsets, extras},
                                           dq, dk, dv, delta, dq_accum, scale, window_left, window_right,
                                           bottom_right, deterministic, tile, &p));
   JAXFLASH_RETURN_IF_ERROR(DecodeSoftcap(softcap, &p.softcap));
+  if (dbias != nullptr) JAXFLASH_RETURN_IF_ERROR(DecodeStagedBiasGradient(*dbias, q, *extras.bias, &p));
   return ToFfiError(CpuAttentionBackward(p, PoolRunner(&pool)));
 }
 
@@ -135,6 +137,16 @@ constexpr auto CpuBackwardV5 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf
                                   auto... rest) {
   return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
                      ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
+};
+// The v5 backward with dB out (BwdParams::ds_out; backward.cc says which biases).
+constexpr auto CpuBackwardDb = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse,
+                                  Buf ql, Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
+                                  ffi::Result<Buf> dq, ffi::Result<Buf> dk, ffi::Result<Buf> dv,
+                                  ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> dbias,
+                                  auto... attrs) {
+  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
+                     ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, dq, dk, dv, delta, dq_accum, attrs...,
+                     &dbias);
 };
 constexpr auto CpuForwardV4 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
@@ -187,6 +199,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV5, CpuForwardV5,
                               BindForward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardV5, CpuBackwardV5,
                               BindBackward<5>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuBackwardDb, CpuBackwardDb,
+                              (BindBackward<5, true>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForward, CpuForwardV4,
                               BindForward<4>(ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxflashCpuForwardV3, CpuForwardV3,

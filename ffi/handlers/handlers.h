@@ -6,6 +6,7 @@
 extern "C" {
 XLA_FFI_Error* JaxflashCpuForwardV5(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBackwardV5(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* JaxflashCpuBackwardDb(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBiasGradient(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuBiasGradientV2(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* JaxflashCpuForward(XLA_FFI_CallFrame* call_frame);

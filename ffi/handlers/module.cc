@@ -61,6 +61,8 @@ NB_MODULE(_jaxflash, m) {
     // the bias's dtype, v1 in float32).
     d["jaxflash_bias_grad_v2"] = Capsule(JaxflashCpuBiasGradientV2);
     d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCpuBiasGradient);
+    // The v5 backward with dB out, where each bias entry has one (batch, head).
+    d["jaxflash_bwd_db_v1"] = Capsule(JaxflashCpuBackwardDb);
     return d;
   });
   m.def("cuda_targets", [] {
@@ -75,7 +77,7 @@ NB_MODULE(_jaxflash, m) {
     d["jaxflash_bwd_v5"] = Capsule(JaxflashCudaBackwardV5);
     d["jaxflash_bias_grad_v2"] = Capsule(JaxflashCudaBiasGradientV2);
     d["jaxflash_bias_grad_v1"] = Capsule(JaxflashCudaBiasGradient);
-    // The v5 backward with dB out (CUDA only: the Hopper dense tile's).
+    // The v5 backward with dB out (the Hopper dense tile's).
     d["jaxflash_bwd_db_v1"] = Capsule(JaxflashCudaBackwardDb);
     d["jaxflash_bwd_ds_v1"] = Capsule(JaxflashCudaBackwardDs);  // the older dense backward with dS out
     return d;

@@ -16,7 +16,11 @@
 // only it owns (KeyValueAndQueryGradItem), just as deterministic (each dQ
 // element adds its keys in the same order; a test compares the bits).
 //
-// The dense bias's gradient is a call of its own (CpuBiasGradient): pass 1,
+// Where each entry of a dense bias has one (batch, head) of the call and the
+// call's rows and keys (BwdParams::ds_out, FFI jaxflash_bwd_db_v1), dB is dS:
+// pass 2 (or 2 + 3) stores each visited tile's dS there, the hidden pairs' as
+// 0, into the columns of its own key tile that it zeroed first (StoreScoreGrads).
+// Otherwise the dense bias's gradient is a call of its own (CpuBiasGradient): pass 1,
 // then pass 4, dB = dS summed over the bias's broadcast axes, whose items
 // are the bias's own (batch, head, row tile): each owns its rows of dB and
 // walks the broadcast batch elements, heads (and row tiles) itself, so no
@@ -265,6 +269,42 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
 // every query head of the GQA group) that sees it, accumulating in fp32 tiles.
 // With `dq_sums` (float32, laid out like q), also adds each query tile's dS K
 // into its rows there (the fused scheme below).
+// dB = dS where the caller asks for it (ds_out): a tile's dS into its entries,
+// the pairs the rows do not see as 0 (their dS may hold NaN unless the tile is
+// plain). Each entry has one (batch, head), so no two items write it.
+void StoreScoreGrads(const BwdParams& p, int64_t b, int64_t h, int r0, int rows, int c0, int cols,
+                     const TileVisibility& vis, BackwardTile& t) {
+  const DenseTerm& out = p.ds_out;
+  WithFormat(out.dtype, [&](auto format) {
+    using Format = decltype(format);
+    auto* dst = static_cast<typename Format::Storage*>(const_cast<void*>(out.data));
+    for (int r = 0; r < rows; ++r) {
+      const float* ds = t.ds + r * kKeysPerTile;
+      const VisibleSpan span = vis.plain ? VisibleSpan{0, cols, true} : vis.ColsOf(r, cols);
+      auto* row = dst + out.RowOffset(b, h, r0 + r) + int64_t(c0) * out.key_stride;
+      for (int c = span.begin; c < span.end; ++c) {
+        if (span.exact || vis.Sees(r, c)) row[c * out.key_stride] = Format::Store(ds[c]);
+      }
+    }
+  });
+}
+
+// Zeroes the entries of dB (ds_out) of key columns [c0, c0 + cols) for the
+// heads [h0, h_end) of batch element b: what StoreScoreGrads leaves alone.
+void ZeroScoreGrads(const BwdParams& p, int64_t b, int64_t h0, int64_t h_end, int c0, int cols) {
+  const DenseTerm& out = p.ds_out;
+  WithFormat(out.dtype, [&](auto format) {
+    using Format = decltype(format);
+    auto* dst = static_cast<typename Format::Storage*>(const_cast<void*>(out.data));
+    for (int64_t h = h0; h < h_end; ++h) {
+      for (int64_t r = 0; r < p.shape.q_len; ++r) {
+        auto* row = dst + out.RowOffset(b, h, r) + int64_t(c0) * out.key_stride;
+        for (int c = 0; c < cols; ++c) row[c * out.key_stride] = Format::Store(0.f);
+      }
+    }
+  });
+}
+
 JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_head, int c0, float* dq_sums) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
@@ -286,6 +326,7 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
     if (dq_sums != nullptr) LoadRows(p.k, kv_off, sh.kv_row_stride(), valid_cols, dim, p.dtype, 1.f, t.k);
   }
   const float q_multiplier = p.scale * kLog2e;
+  if (p.ds_out.On()) ZeroScoreGrads(p, b, kv_head * sh.group_size(), (kv_head + 1) * sh.group_size(), c0, cols);
   for (int64_t h = kv_head * sh.group_size(); h < (kv_head + 1) * sh.group_size(); ++h) {
     for (int r0 = row_begin; r0 < row_end; r0 += kRowsPerTile) {
       const int rows = std::min(kRowsPerTile, row_end - r0);
@@ -295,6 +336,7 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
       LoadRows(p.q, q_off, sh.q_row_stride(), rows, dim, p.dtype, q_multiplier, t.q);
       LoadRows(p.dout, g.OOffset(b, h, r0), sh.o_row_stride(), rows, vdim, p.dtype, 1.f, t.dout);
       const TileVisibility vis = ProbabilitiesAndScoreGrads(g, mask, dense, view, b, h, r0, rows, c0, valid_cols, t);
+      if (p.ds_out.On()) StoreScoreGrads(p, b, h, r0, rows, c0, valid_cols, vis, t);
       // dV += P^T dO; dK += dS^T Q, where t.q carries scale * log2(e) and ln 2
       // turns that back into scale. A partly visible tile multiplies, per key,
       // only the rows that see it.
@@ -459,6 +501,12 @@ Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
 Status CpuAttentionBackward(const BwdParams& p, const ParallelRunner& runner) {
   if (Status st = HeadDimRefusal(p.shape); !st.ok()) return st;
   if (p.delta == nullptr) return Status::Internal("backward called without delta scratch");
+  const DenseTerm& out = p.ds_out;
+  if (out.On() && (out.Sharers(p.shape) != 1 || out.row_stride == 0 || out.key_stride == 0 || p.softcap > 0.f)) {
+    return Status::InvalidArgument(
+        "dB out of the CPU backward needs a bias whose every entry has one (batch, head) of the call and its "
+        "rows and keys, without a soft-cap");
+  }
   const Geometry g(p);
   const int64_t row_items = p.shape.batch * p.shape.q_heads * g.row_tiles;
   const int64_t threads = g.Threads();
