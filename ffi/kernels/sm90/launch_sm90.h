@@ -20,11 +20,11 @@ Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t 
 template <typename T, int kD, int kDv = kD>
 Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
-// Whether the backward's dense tile (bucket 128's, bwd_ws_kernel.cuh) takes a
-// call with a dense term: a 16-bit bias it stages (DenseTile::Stages), no
-// mask, soft-cap, segment ids or ALiBi, one head dim, the fused pass
-// (UseFusedBackward). Every other dense call runs the sm80 kernels, and only
-// this one emits dS into dB (BwdParams::ds_out).
+// Whether the backward's dense tiles (buckets 64 and 128, bwd_ws_kernel.cuh)
+// take a call with a dense term: a 16-bit bias they stage (DenseTile::Stages),
+// no mask, soft-cap, segment ids or ALiBi, one head dim, a positive scale, the
+// fused pass (UseFusedBackward). Every other dense call runs the sm80 kernels,
+// and only these emit dS into dB (BwdParams::ds_out).
 bool TakesDenseBackward(const BwdParams& p);
 
 }  // namespace sm90
