@@ -139,15 +139,8 @@ constexpr auto CpuBackwardV5 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf
                      ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, rest...);
 };
 // The v5 backward with dB out (BwdParams::ds_out; backward.cc says which biases).
-constexpr auto CpuBackwardDb = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse,
-                                  Buf ql, Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
-                                  ffi::Result<Buf> dq, ffi::Result<Buf> dk, ffi::Result<Buf> dv,
-                                  ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> dbias,
-                                  auto... attrs) {
-  return CpuBackward(pool, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
-                     ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, dq, dk, dv, delta, dq_accum, attrs...,
-                     &dbias);
-};
+constexpr auto CpuBackwardDb = WithScoreGradResult(
+    [](ffi::ThreadPool pool, ffi::Result<Buf>* dbias, auto... rest) { return CpuBackward(pool, rest..., dbias); });
 constexpr auto CpuForwardV4 = [](ffi::ThreadPool pool, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
   return CpuForward(pool, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);

@@ -122,15 +122,10 @@ constexpr auto CudaBackwardV5 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf
 // The v5 backward with dS out of the dense tile (BwdParams::ds_out): dB in the
 // bias's layout, or the whole dS (kWholeDs: the older target's).
 template <bool kWholeDs>
-constexpr auto CudaBackwardDsOut = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse,
-                                      Buf ql, Buf kvl, Buf diag, Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask,
-                                      ffi::Result<Buf> dq, ffi::Result<Buf> dk, ffi::Result<Buf> dv,
-                                      ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> out,
-                                      auto... attrs) {
-  return CudaBackward(stream, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
-                      ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, dq, dk, dv, delta, dq_accum, attrs...,
-                      kWholeDs ? nullptr : &out, kWholeDs ? &out : nullptr);
-};
+constexpr auto CudaBackwardDsOut =
+    WithScoreGradResult([](cudaStream_t stream, ffi::Result<Buf>* out, auto... rest) {
+      return CudaBackward(stream, rest..., kWholeDs ? nullptr : out, kWholeDs ? out : nullptr);
+    });
 constexpr auto CudaForwardV4 = [](cudaStream_t stream, Buf q, Buf k, Buf v, Buf ql, Buf kvl, Buf diag, Buf q_seg,
                                  Buf kv_seg, Buf alibi, auto... rest) {
   return CudaForward(stream, q, k, v, ql, kvl, diag, ExtraOperands{&q_seg, &kv_seg, &alibi}, rest...);

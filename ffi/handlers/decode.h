@@ -731,6 +731,22 @@ auto BindBackward(Binding binding) {
   });
 }
 
+// A platform's v5 backward bound with a dB (dS) result after dq_accum
+// (BindBackward<5, true>): the operands unpacked as the v5 handlers do, then
+// backward(ctx, &out, q, k, v, o, lse, dout, dlse, ql, kvl, diag, extras, dq,
+// dk, dv, delta, dq_accum, attrs...).
+template <typename Backward>
+constexpr auto WithScoreGradResult(Backward backward) {
+  using Buf = ffi::AnyBuffer;
+  return [backward](auto ctx, Buf q, Buf k, Buf v, Buf o, Buf lse, Buf dout, Buf dlse, Buf ql, Buf kvl, Buf diag,
+                    Buf q_seg, Buf kv_seg, Buf alibi, Buf bias, Buf mask, ffi::Result<Buf> dq, ffi::Result<Buf> dk,
+                    ffi::Result<Buf> dv, ffi::Result<Buf> delta, ffi::Result<Buf> dq_accum, ffi::Result<Buf> out,
+                    auto... attrs) {
+    return backward(ctx, &out, q, k, v, o, lse, dout, dlse, ql, kvl, diag,
+                    ExtraOperands{&q_seg, &kv_seg, &alibi, &bias, &mask}, dq, dk, dv, delta, dq_accum, attrs...);
+  };
+}
+
 // jaxflash_bias_grad_v2 and v1: the operands of the backward v5, results dB and delta,
 // the backward's attributes but `deterministic` and `tile`.
 template <typename Binding>
