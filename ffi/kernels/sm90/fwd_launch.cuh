@@ -29,10 +29,9 @@ struct FwdCandidates;
 // other dense calls), a staged bias tile a stage beside K and V: at D 64
 // 64-key tiles, 4 stages and O apart (160 KiB); at D 128 128-key tiles (the
 // plain pick's: the bias in raw units left the registers room for them, 0
-// spills), 2 stages and O in Q's buffer (224 KiB). The D 128 64-key tile (3
-// stages, 176 KiB) ran 0.65 ms at B 2, S 4k, 16 heads, bias [1, N, T, S] on an
-// H200 (fifty-fifth session), against Pallas 0.90 and cuDNN 0.96; the 128-key
-// one is NOT yet measured.
+// spills), 2 stages and O in Q's buffer (224 KiB). At B 2, S 4k, 16 heads,
+// bias [1, N, T, S] on an H200 the D 128 64-key tile (3 stages, 176 KiB) ran
+// 0.65 ms, this one with the raw units 0.56 (cuDNN 0.96; fifty-sixth session).
 template <int kD>
 using DenseFwdTile = WsFwdTile<kD, kD == 64 ? 64 : 128, kD == 64 ? 4 : 2, 2, false, kD == 64, kD, true>;
 // kSmallGrid: the candidate (0-based) for grids too small to fill the GPU
