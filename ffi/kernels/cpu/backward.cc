@@ -265,10 +265,6 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
   }
 }
 
-// dK and dV of the key tile at c0 of (b, kv_head): walks every query tile (and
-// every query head of the GQA group) that sees it, accumulating in fp32 tiles.
-// With `dq_sums` (float32, laid out like q), also adds each query tile's dS K
-// into its rows there (the fused scheme below).
 // dB = dS where the caller asks for it (ds_out): a tile's dS into its entries,
 // the pairs the rows do not see as 0 (their dS may hold NaN unless the tile is
 // plain). Each entry has one (batch, head), so no two items write it.
@@ -305,6 +301,11 @@ void ZeroScoreGrads(const BwdParams& p, int64_t b, int64_t h0, int64_t h_end, in
   });
 }
 
+// dK and dV of the key tile at c0 of (b, kv_head): walks every query tile (and
+// every query head of the GQA group) that sees it, accumulating in fp32 tiles.
+// With `dq_sums` (float32, laid out like q), also adds each query tile's dS K
+// into its rows there (the fused scheme below); with dB out (ds_out), zeroes
+// its columns of dB and stores each tile's dS there.
 JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_head, int c0, float* dq_sums) {
   const BwdParams& p = g.p;
   const AttentionShape& sh = p.shape;
