@@ -14,7 +14,9 @@ two-kernel backward); `--heads` / `--kv-heads` set a GQA shape (the issue's trai
 `--seq 8192 --heads 32 --kv-heads 8 --causal --backward --fused`). `--decode B,KV,HQ,HKV`
 runs a decode step instead. `--softcap C` gives the call a logit soft-cap, `--alibi` ALiBi slopes
 (the paper's, for the query heads), `--docs N` packed
-rows of N documents (segment ids as benchmarks/bench_packed.py draws them). `--peer cudnn` (or
+rows of N documents (segment ids as benchmarks/bench_packed.py draws them), `--bias-axes BTS` a
+bf16 bias over those of (B, N, T, S) ([B, 1, T, S] here; differentiated with --backward, so
+`AB_KERNEL=BiasGradKernel` A/Bs the bias-gradient pass). `--peer cudnn` (or
 `pallas`, or `fa3`: flash_attn3_jax.flash_mha, or with `--docs` its varlen entry on the same
 documents; training calls only) runs the same call (a decode step:
 contiguous) through that implementation, for a side-by-side profile (`ncu --clock-control
@@ -66,6 +68,8 @@ def main():
   ap.add_argument("--docs", type=int, default=0,
                   help="packed rows: N documents a row marked with segment ids, as benchmarks/bench_packed.py "
                        "draws them (seed 0)")
+  ap.add_argument("--bias-axes", default="",
+                  help="a bf16 bias over these of B, N, T, S (BTS: [B, 1, T, S]); with --backward its gradient too")
   ap.add_argument("--time", action="store_true",
                   help="also print call_us=, the median µs a call as the benchmarks time it")
   args = ap.parse_args()
@@ -96,26 +100,32 @@ def main():
     from bench_packed import documents, fa3_varlen  # the benchmark's documents and peer
     ids, lengths = documents(np.random.default_rng(0), B, S, args.docs)
     extras["query_segment_ids"] = jnp.asarray(ids)
-  attention = lambda q, k, v: library.dot_product_attention(q, k, v, is_causal=args.causal,
-                                                            implementation=args.peer, **extras)
+  operands = (q, k, v)
+  if args.bias_axes:
+    if args.peer == "fa3":
+      ap.error("--bias-axes: jaxflash's implementations and cudnn only")
+    shape = tuple(m if a in args.bias_axes else 1 for a, m in zip("BNTS", (B, H, S, S)))
+    operands += (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16),)
+  attention = lambda q, k, v, *bias: library.dot_product_attention(q, k, v, *bias, is_causal=args.causal,
+                                                                   implementation=args.peer, **extras)
   if args.peer == "fa3":
     import flash_attn3_jax  # FlashAttention-3's Hopper kernels through XLA FFI
     attention = lambda q, k, v: flash_attn3_jax.flash_mha(q, k, v, is_causal=args.causal)
     if args.docs:  # the same documents through its varlen entry
       attention = fa3_varlen(lengths, args.causal)
   if args.backward:
-    f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)),
-                         argnums=(0, 1, 2)))
+    f = jax.jit(jax.grad(lambda *x: jnp.sum(attention(*x).astype(jnp.float32)),
+                         argnums=tuple(range(len(operands)))))
   else:
     f = jax.jit(attention)
   os.environ["JAXFLASH_FUSED_BACKWARD"] = "1" if args.fused else "0"
   with _native.forced_tile(args.tile):  # both read when the call is traced
     for _ in range(args.calls):
-      jax.block_until_ready(f(q, k, v))
+      jax.block_until_ready(f(*operands))
     if args.time:
-      print(f"call_us={1e6 * _measure.time_jitted(f, (q, k, v)):.2f}")
+      print(f"call_us={1e6 * _measure.time_jitted(f, operands):.2f}")
   print(f"ran {args.peer} B={B} S={S} H={H}/{K} D={D} Dv={v.shape[-1]} causal={args.causal} backward={args.backward} "
-        f"fused={args.fused} tile={args.tile}")
+        f"fused={args.fused} tile={args.tile}" + (f" bias={operands[3].shape}" if args.bias_axes else ""))
 
 
 def decode_step(args):
