@@ -33,8 +33,8 @@ The transpose with respect to tB is the bias gradient dB = dS = P (dP - delta)
 reduced over the bias's broadcast axes (`bias_gradient`): the kernels compute
 dQ, dK and dV, a pass of their own dB where they have one (else this blockwise
 one), and only when the bias is differentiated. Kernels that emit dB beside dQ,
-dK and dV (`emits_db`: the native Hopper dense tile) give it with no pass of its
-own where both are wanted (`_joint_backward`).
+dK and dV (`emits_db`: the native Hopper dense tiles, the CPU backward) give it
+with no pass of its own where both are wanted (`_joint_backward`).
 """
 
 from __future__ import annotations

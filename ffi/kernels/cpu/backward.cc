@@ -269,7 +269,7 @@ void WalkKeyTiles(const Geometry& g, const MaskPolicy& mask, const DenseRows& de
 // the pairs the rows do not see as 0 (their dS may hold NaN unless the tile is
 // plain). Each entry has one (batch, head), so no two items write it.
 void StoreScoreGrads(const BwdParams& p, int64_t b, int64_t h, int r0, int rows, int c0, int cols,
-                     const TileVisibility& vis, BackwardTile& t) {
+                     const TileVisibility& vis, const BackwardTile& t) {
   const DenseTerm& out = p.ds_out;
   WithFormat(out.dtype, [&](auto format) {
     using Format = decltype(format);

@@ -77,8 +77,8 @@ struct WsBwdTile {
   // DenseTile::Stages allows, as the forward's dense tile). Where the caller
   // asks for dB (BwdParams::ds_out), the dQ writer puts each step's dS tile,
   // which the consumers put in shared memory for dQ anyway, into dB with the
-  // TMA: the bias's gradient with no pass of its own. Its stage's third box
-  // takes the room of the second dQ buffer.
+  // TMA: the bias's gradient with no pass of its own. At D 128 its stage's
+  // third box takes the room of the second dQ buffer (kDqBuffers).
   static constexpr bool kTakesDense = kDense_;
   static constexpr bool kSharedKeys = false;  // each consumer owns 64 keys (bwd_ws_columns.cuh: they share them)
   // Whether the tile applies a logit soft-cap (score_mod.cuh): the D 64 and

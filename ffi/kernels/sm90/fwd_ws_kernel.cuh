@@ -155,7 +155,8 @@ struct WsFwdTile {
   // (its rows of the work tile x the tile's keys; LaunchForward sends the
   // tile only biases whose layout allows a TMA box: DenseTile::Stages).
   // (64 columns where the tile takes no dense term: a swizzled tile is whole
-  // 64-column blocks, and only dense tiles, of 64 keys, use it.)
+  // 64-column blocks, and only dense tiles use it; the producer loads one box
+  // a block.)
   using BiasTile = SwizzledTile<kM, kTakesDense ? kN : 64>;
   static constexpr size_t kBiasStageBytes = kTakesDense ? size_t(BiasTile::kBytes) : 0;
   static_assert(!kTakesDense || kN % 64 == 0, "a staged bias tile is whole 128-byte column blocks of 64 keys");
