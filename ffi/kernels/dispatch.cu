@@ -201,6 +201,10 @@ std::string DenseRefusal(const Params& p, const CudaDevice& device) {
 // HeadDimRefusal); narrower heads run zero-padded.
 template <typename T>
 Status BiasGradientBucket(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (Sm90Allowed(p.tile, device) && p.shape.head_dim <= 128) {  // the same walk, its products by wgmma
+    if (p.shape.head_dim <= 64) return sm90::LaunchBiasGradient<T, 64>(p, device, stream);
+    return sm90::LaunchBiasGradient<T, 128>(p, device, stream);
+  }
   if (p.shape.head_dim <= 64) return sm80::LaunchBiasGradient<T, 64>(p, device, stream);
   if (p.shape.head_dim <= 128) return sm80::LaunchBiasGradient<T, 128>(p, device, stream);
   return sm80::LaunchBiasGradient<T, 256>(p, device, stream);

@@ -11,7 +11,10 @@
 // fixed order: deterministic, no atomics, no scratch. Per visited tile it
 // recomputes S = Q·Kᵀ and dP = dO·Vᵀ (two of the backward's products) as the
 // dQ kernel does (bwd_kernel.cuh's ScoreProducts), with the same
-// element-wise steps (bwd_blocks.cuh).
+// element-wise steps (bwd_blocks.cuh). On Hopper the same kernel runs on
+// BiasGradTileSm90 (sm90/bias_grad.cu): its operands in the 128-byte swizzled
+// layout and the two products as wgmma, whose accumulator fragments are the
+// mma.sync layout the element-wise steps read.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,22 +28,43 @@
 #include "jaxflash/params.h"
 #include "sm80/bwd_kernel.cuh"
 #include "sm80/launch_sm80.h"
+#include "sm90/wgmma.cuh"
 
 namespace jaxflash {
 namespace sm80 {
 
 template <int kD_>
 struct BiasGradTile {
+  static constexpr bool kSwizzled = false;  // rows padded to kStride, products by mma.sync
   static constexpr int kD = kD_;
   static constexpr int kWarps = 4;
   static constexpr int kM = 16 * kWarps;       // query rows, 16 per warp
   static constexpr int kN = kD > 128 ? 32 : 64;  // keys
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kMinBlocks = 1;
   static constexpr int kStride = kD + 8;  // see FwdTile
-  template <typename T>
-  static constexpr size_t SmemBytes() {
-    return size_t(2 * kM + 2 * kN) * kStride * sizeof(T) + tc::DenseTile::StageBytes<kM, kN>() + kN * sizeof(float);
-  }
+  static constexpr size_t kQBytes = size_t(kM) * kStride * 2, kKBytes = size_t(kN) * kStride * 2;
+  static constexpr size_t kSmemBytes =
+      2 * (kQBytes + kKBytes) + tc::DenseTile::StageBytes<kM, kN>() + kN * sizeof(float);
+};
+
+// Hopper's (D <= 128): one warpgroup on 64 rows x 64 keys, Q, dO, K and V in
+// the swizzled layout wgmma reads (1024-byte aligned: +1024), two CTAs an SM.
+template <int kD_>
+struct BiasGradTileSm90 {
+  static_assert(kD_ <= 128, "at D 256 the 64-key tile spilled (the sm80 tile runs there)");
+  static constexpr bool kSwizzled = true;
+  static constexpr int kD = kD_;
+  static constexpr int kWarps = 4;
+  static constexpr int kM = 64, kN = 64;
+  static constexpr int kThreads = 128;
+  static constexpr int kMinBlocks = 2;
+  static constexpr int kStride = kD;
+  using QTile = sm90::SwizzledTile<kM, kD>;
+  using KTile = sm90::SwizzledTile<kN, kD>;
+  static constexpr size_t kQBytes = QTile::kBytes, kKBytes = KTile::kBytes;
+  static constexpr size_t kSmemBytes =
+      2 * (kQBytes + kKBytes) + tc::DenseTile::StageBytes<kM, kN>() + kN * sizeof(float) + 1024;
 };
 
 // The bias's extent on each axis: the call's, or 1 where it broadcasts.
@@ -65,18 +89,56 @@ __device__ __forceinline__ void StoreBiasGrad(const BwdParams& p, int64_t at, fl
   }
 }
 
+// S = Q·Kᵀ and dP = dO·Vᵀ of this warp's 16 rows from the operands in
+// shared memory: by mma.sync from padded rows, or (kSwizzled) by wgmma.
 template <typename T, typename Tile>
-__global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdParams p) {
-  constexpr int kD = Tile::kD, kM = Tile::kM, kN = Tile::kN;
-  constexpr int kStride = Tile::kStride, kThreads = Tile::kThreads;
+__device__ __forceinline__ void BiasGradProducts(float (&s)[Tile::kN / 8][4], float (&dp)[Tile::kN / 8][4],
+                                                 const T* sQ, const T* sdO, const T* sK, const T* sV, int row_w,
+                                                 int lane) {
+  if constexpr (Tile::kSwizzled) {
+#if defined(JAXFLASH_SM90A)
+    using QTile = typename Tile::QTile;
+    using KTile = typename Tile::KTile;
+    sm90::WgmmaFence();
+    sm90::ProductSS<T, QTile, KTile, Tile::kD, Tile::kN>(s, tc::SmemAddr(sQ), tc::SmemAddr(sK));
+    sm90::ProductSS<T, QTile, KTile, Tile::kD, Tile::kN>(dp, tc::SmemAddr(sdO), tc::SmemAddr(sV));
+    sm90::WgmmaCommit();
+    sm90::WgmmaWait<0>();
+    sm90::FenceAccumulator(s);
+    sm90::FenceAccumulator(dp);
+#endif
+  } else {
+    ScoreProducts<T, Tile::kD, Tile::kN, Tile::kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
+  }
+}
+
+// Rows [0, kRows) of a Q-like (or K-like) tile into shared memory by cp.async,
+// rows past rows_valid and columns past head_dim zero-filled.
+template <typename Tile, int kRows, typename T>
+__device__ __forceinline__ void BiasGradLoad(T* smem, const T* g, int64_t stride, int rows_valid, int head_dim,
+                                             int tid) {
+  if constexpr (Tile::kSwizzled) {
+#if defined(JAXFLASH_SM90A)
+    sm90::LoadSwizzledTile<kRows, Tile::kD, Tile::kThreads>(tc::SmemAddr(smem), g, stride, rows_valid, head_dim, tid);
+#endif
+  } else {
+    tc::LoadTile<kRows, Tile::kD, Tile::kThreads>(smem, Tile::kStride, g, stride, rows_valid, head_dim, tid);
+  }
+}
+
+template <typename T, typename Tile>
+__global__ void __launch_bounds__(Tile::kThreads, Tile::kMinBlocks) BiasGradKernel(const BwdParams p) {
+  constexpr int kM = Tile::kM, kN = Tile::kN, kThreads = Tile::kThreads;
   constexpr int kNT = kN / 8;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sdO = sQ + kM * kStride;
-  T* sK = sdO + kM * kStride;
-  T* sV = sK + kN * kStride;
-  unsigned char* sBias = reinterpret_cast<unsigned char*>(sV + kN * kStride);  // when staged
+  // (The swizzled layout's blocks start 1024-byte aligned.)
+  unsigned char* base = Tile::kSwizzled ? smem_raw + ((1024u - tc::SmemAddr(smem_raw) % 1024u) % 1024u) : smem_raw;
+  T* sQ = reinterpret_cast<T*>(base);
+  T* sdO = reinterpret_cast<T*>(base + Tile::kQBytes);
+  T* sK = reinterpret_cast<T*>(base + 2 * Tile::kQBytes);
+  T* sV = reinterpret_cast<T*>(base + 2 * Tile::kQBytes + Tile::kKBytes);
+  unsigned char* sBias = base + 2 * (Tile::kQBytes + Tile::kKBytes);  // when staged
   float* sCols = reinterpret_cast<float*>(sBias + tc::DenseTile::StageBytes<kM, kN>());  // [kN]: column sums
 
   const AttentionShape& sh = p.shape;
@@ -114,27 +176,30 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
           if (k_first >= k_last) continue;  // (uniform over the CTA)
           __syncthreads();  // everyone is done with the last item's Q and dO
           const T* gdO = static_cast<const T*>(p.dout) + tc::FwdBlock<T>::QOffset(sh, b, h, r0);
-          tc::LoadTile<kM, kD, kThreads>(sQ, kStride, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
-          tc::LoadTile<kM, kD, kThreads>(sdO, kStride, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          BiasGradLoad<Tile, kM>(sQ, blk.q, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
+          BiasGradLoad<Tile, kM>(sdO, gdO, blk.q_row_stride, blk.r_end - r0, head_dim, tid);
           tc::RowStats rows;
           rows.Load(p, pol, b, h, r0 + row_w, lane);
 
           for (int nb = k_first; nb < k_last; ++nb) {
             const int c0 = nb * kN;
             __syncthreads();  // everyone is done with the last K and V
-            tc::LoadTile<kN, kD, kThreads>(sK, kStride, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                           pol.kv_valid - c0, head_dim, tid);
-            tc::LoadTile<kN, kD, kThreads>(sV, kStride, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride,
-                                           pol.kv_valid - c0, head_dim, tid);
+            BiasGradLoad<Tile, kN>(sK, blk.k + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride, pol.kv_valid - c0,
+                                   head_dim, tid);
+            BiasGradLoad<Tile, kN>(sV, blk.v + int64_t(c0) * blk.kv_row_stride, blk.kv_row_stride, pol.kv_valid - c0,
+                                   head_dim, tid);
             if (stages) tc::DenseTile::Of(p, b, h).Stage<kM, kN, kThreads>(sBias, r0, c0, tid);
             tc::CpAsyncCommit();
             tc::CpAsyncWait<0>();
+#if defined(JAXFLASH_SM90A)
+            if constexpr (Tile::kSwizzled) sm90::FenceSharedForAsyncProxy();  // the copies, visible to wgmma
+#endif
             const tc::DenseTile::View view =
                 tc::DenseTile::TileBarrier(p, b, h, r0, r0 + kM, c0, c0 + kN, tid, kThreads);
             if (view == tc::DenseTile::kHidden) continue;  // dS = 0 there
 
             float s[kNT][4], dp[kNT][4];
-            ScoreProducts<T, kD, kN, kStride>(s, dp, sQ, sdO, sK, sV, row_w, lane);
+            BiasGradProducts<T, Tile>(s, dp, sQ, sdO, sK, sV, row_w, lane);
 
             const bool full = pol.TileIsFull(r0, r0 + kM, c0, c0 + kN);
             tc::DenseTile dense = tc::DenseTile::Of(p, b, h, view);
@@ -225,23 +290,27 @@ __global__ void __launch_bounds__(Tile::kThreads, 1) BiasGradKernel(const BwdPar
   }
 }
 
-template <typename T, int kD>
-Status LaunchBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  using Tile = BiasGradTile<kD>;
+template <typename T, typename Tile>
+Status LaunchBiasGradientTile(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   const BiasExtent ext = BiasExtent::Of(p);
   if (int64_t{ext.batch} * ext.heads * ext.rows * ext.keys == 0) return Status::Ok();
   const int64_t tiles =
       (ext.rows == 1 ? 1 : CeilDiv(ext.rows, Tile::kM)) * (ext.keys == 1 ? 1 : CeilDiv(ext.keys, Tile::kN));
   if (tiles > INT32_MAX) return Status::Unimplemented("the bias is too large for the bias-gradient kernel's grid");
-  Status st = EnsureDynamicSmem<BiasGradKernel<T, Tile>>(Tile::template SmemBytes<T>(), device);
+  Status st = EnsureDynamicSmem<BiasGradKernel<T, Tile>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   // The delta pre-pass (nothing without queries), then dB; with no keys every
   // item is empty and the kernel writes its zeros.
   if (!(st = tc::LaunchDelta<T>(p, stream)).ok()) return st;
   const int64_t items = int64_t{ext.batch} * ext.heads;
   const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(items < 65535 ? items : 65535));
-  BiasGradKernel<T, Tile><<<grid, Tile::kThreads, Tile::template SmemBytes<T>(), stream>>>(p);
+  BiasGradKernel<T, Tile><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
   return CheckLaunch("attention bias gradient");
+}
+
+template <typename T, int kD>
+Status LaunchBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  return LaunchBiasGradientTile<T, BiasGradTile<kD>>(p, device, stream);
 }
 
 }  // namespace sm80

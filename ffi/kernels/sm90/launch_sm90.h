@@ -27,5 +27,10 @@ Status LaunchBackward(const BwdParams& p, const CudaDevice& device, cudaStream_t
 // and only these emit dS into dB (BwdParams::ds_out).
 bool TakesDenseBackward(const BwdParams& p);
 
+// The bias-gradient pass (sm80/bias_grad_kernel.cuh's walk, its products by
+// wgmma; bias_grad.cu): buckets 64 and 128.
+template <typename T, int kD>
+Status LaunchBiasGradient(const BwdParams& p, const CudaDevice& device, cudaStream_t stream);
+
 }  // namespace sm90
 }  // namespace jaxflash
