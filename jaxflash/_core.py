@@ -37,7 +37,7 @@ Implementation = Literal["native", "pallas", "xla", "cudnn"]
 IMPLEMENTATIONS = (None, "native", "pallas", "xla", "cudnn")
 FUSED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 MAX_FUSED_HEAD_DIM = 512   # the CPU kernels (params.h, kMaxCpuHeadDim) and Pallas's
-MAX_CUDA_HEAD_DIM = 256    # the CUDA kernels (dispatch.cu refuses wider)
+MAX_CUDA_HEAD_DIM = 256    # the CUDA kernels both ways (past it: _native.wide_refusal)
 
 
 def max_head_dim(name: str) -> int:
@@ -322,6 +322,9 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None, with_db=False):
+    if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # Hopper's wide
+      return PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,  # forward
+                                    offsets, segments, alibi, dense)
     if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
       pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
       g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,
@@ -397,9 +400,9 @@ class PallasKernels:
 def fused(q, k, v, q_lengths, kv_lengths, segments, alibi, dense, kernels, spec):
   """`segments`: None, or the segment tables (q [B, T, 8], kv [B, S, 8] int32) of a call with
   segment ids, computed once for both directions; everything below reads the ids from them.
-  `alibi`: None, or the ALiBi slopes [B, N] float32 (`resolve_alibi`; constants,
-  their tangent is dropped). `dense`: None, or the call's dense bias and mask
-  (dense.py); the bias is differentiable."""
+  `alibi`: None, or the ALiBi slopes [B, N] float32 (`resolve_alibi`; constants, their tangent
+  is dropped). `dense`: None, or the call's dense bias and mask (dense.py; the bias is
+  differentiable)."""
   return kernels.forward(q, k, v, q_lengths, kv_lengths, spec, segments=segments, alibi=alibi,
                          dense=dense)
 
@@ -409,8 +412,7 @@ def _fused_jvp(kernels, spec, primals, tangents):
   q, k, v, q_lengths, kv_lengths, segments, alibi, dense = primals
   tq, tk, tv = tangents[:3]  # the lengths' and ids' tangents are float0, the slopes' dropped
   t_bias = None if dense is None or dense.bias is None else tangents[7].bias
-  # The value through fused itself, so that an outer jvp (a Hessian-vector
-  # product) differentiates it by this rule rather than the FFI call.
+  # Through fused itself, so that an outer jvp (a Hessian-vector product) uses this rule.
   o, lse = fused(q, k, v, q_lengths, kv_lengths, segments, alibi, dense, kernels, spec)
   return (o, lse), derivatives.output_tangents(q, k, v, o, lse, q_lengths, kv_lengths, tq, tk, tv,
                                                kernels=kernels, spec=spec, segments=segments,
@@ -428,10 +430,11 @@ def platform() -> str:
 
 def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | None:
   """Why implementation `name` cannot serve `call` here, or None. `explicit` is False when
-  choosing automatically: Pallas on the CPU runs in the (slow) interpreter, never picked unasked.
-  """
+  choosing automatically: Pallas on the CPU runs in the (slow) interpreter, never picked unasked."""
   if call.q.dtype not in FUSED_DTYPES:
     return f"implementation={name!r} supports float32, float16 and bfloat16, got {call.q.dtype}"
+  if name == "native" and platform() != "cpu" and call.width > MAX_CUDA_HEAD_DIM:
+    return _native.wide_refusal(call) or _native.unavailable_reason(platform())  # None: Hopper's
   if call.width > max_head_dim(name):
     return (f"implementation={name!r} supports head_dim <= {max_head_dim(name)} here, got "
             f"{call.width}")
@@ -449,17 +452,14 @@ def fused_unsupported(call: Call, name: str, explicit: bool = True) -> str | Non
 
 
 def automatic_order(call: Call) -> tuple[str, ...]:
-  """The fused implementations in the order `implementation=None` tries them (choice.py).
-
-  The orders are measured on plain calls. A dense term on a GPU puts Pallas first (sm80: 2.4x /
-  2.0x slower, H200) unless Hopper's dense tiles take both ways (`_native.hopper_dense`). A decode
-  step with ids or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes 2.3x).
-  Past the CUDA kernels' head dims, Pallas (D 512: 3.4x / 1.3x xla's speed, H200). A small CPU call
-  that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax then keeps the kernels'
-  NaN rules, which it breaks where a masked pair meets a NaN).
-  """
-  if call.width > max_head_dim("native"):
-    return ("pallas",)
+  """The fused implementations in the order `implementation=None` tries them (choice.py),
+  measured on plain calls. A dense term on a GPU puts Pallas first (sm80: 2.4x / 2.0x slower,
+  H200) unless Hopper's dense tiles take both ways (`_native.hopper_dense`). A decode step with
+  ids or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes 2.3x). Past
+  256 on a GPU, native's Hopper forward where it takes the call, else Pallas. A small CPU call
+  that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax keeps the NaN rules)."""
+  if call.width > max_head_dim("native") or (call.width > MAX_CUDA_HEAD_DIM and platform() != "cpu"):
+    return ("native", "pallas")   # native: the Hopper forward where it takes the call
   hides = (call.spec.window_left >= 0 or call.spec.window_right >= 0 or call.dense is not None
            or any(x is not None for x in (call.q_lengths, call.kv_lengths, call.segments)))
   small = not hides and platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES

@@ -392,6 +392,31 @@ def dense_gpu_refusal(q, k, width: int, has_bias: bool, softcap: float) -> str |
       f"implementation='native' takes a dense bias or mask on the GPU {why}; use 'pallas'")
 
 
+def wide_refusal(call) -> str | None:
+  """Why the native kernels cannot take `call` (a _core.Call whose head dim is past the CUDA
+  kernels' 256) on this GPU, or None. There the CUDA forward is the Hopper kernel of head dims
+  257-512 (sm90/fwd_wide_kernel.cuh, dispatch.cu's WideForward) and the gradients are Pallas's
+  (NativeKernels.backward)."""
+  B, T, N, _ = call.q.shape
+  device, why = jax.devices()[0], None
+  if call.width > 512:
+    why = f"head_dim <= 512, got {call.width}"
+  elif getattr(device, "compute_capability", "") != "9.0" or (_forced_tile or 0) >= TILE_SM80:
+    why = "a Hopper GPU (compute capability 9.0)"
+  elif np.dtype(call.q.dtype).itemsize != 2:
+    why = f"float16 or bfloat16, got {call.q.dtype}"
+  elif call.width % 8:
+    why = f"a head dim that is a multiple of 8, got {call.width}"
+  elif (call.segments is not None or call.alibi is not None or call.dense is not None
+        or call.spec.softcap > 0 or call.spec.num_splits > 1):
+    why = "no segment ids, soft-cap, ALiBi, dense bias or mask, or split-KV"
+  elif N > 65535 or B > 32767 or max(T, call.k.shape[1]) >= 2**31:
+    why = "at most 65535 heads, a batch of at most 32767 and sequences below 2^31"
+  return None if why is None else (
+      f"implementation='native' supports head_dim <= 256 on this GPU; past it, its Hopper forward "
+      f"(head dims 257-512, gradients by Pallas) needs {why}; use 'pallas'")
+
+
 def unavailable_reason(platform: str) -> str | None:
   """Why the native path cannot run on `platform` ("cpu", "gpu", ...), or None."""
   ext, err = _load()

@@ -112,12 +112,13 @@ def native(forced: int, q_shape, k_shape, dtype, platform: str, paged: bool = Fa
   """The split count of a native forward of q [B, T, N, D] against k [B, S, K, D].
 
   On the GPU only the tensor-core decode kernel splits: float32 and head dims
-  that are not a multiple of 8 run the SIMT kernels unsplit, and automatic
+  that are not a multiple of 8 run the SIMT kernels unsplit, head dims past 256
+  the Hopper forward (sm90/fwd_wide_kernel.cuh) unsplit, and automatic
   splitting stays off for queries past DECODE_MAX_ROWS packed rows unless the
   call is `paged` (the decode kernel takes every paged call).
   """
   if platform in ("gpu", "cuda"):
-    if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8:
+    if jnp.dtype(dtype) == jnp.float32 or q_shape[-1] % 8 or q_shape[-1] > 256:
       return 1
     return forced or _gpu_decode(q_shape, k_shape, paged, native_kernel=True)
   if forced:

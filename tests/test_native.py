@@ -251,12 +251,14 @@ def test_value_head_dim_of_its_own_on_the_cpu(rng):
                                          ((1, 20, 40, 2, 1, 512), jnp.bfloat16)], ids=str)
 def test_head_dims_past_256(rng, shape, dtype, implementation):
   """Head dims 257-512: the CPU kernels and Pallas's (the interpreter on a CPU, Triton on
-  a GPU) take them (against float64, forward and gradients, GQA 2, ragged lengths); the
-  CUDA kernels refuse them with a clear error, and the default runs Pallas there."""
+  a GPU) take them (against float64, forward and gradients, GQA 2, ragged lengths); on a
+  GPU native takes 16-bit calls on Hopper (its wide forward, gradients by Pallas) and
+  refuses the others with a clear error, and the default runs Pallas there."""
   gpu = jax.default_backend() != "cpu"
   pallas_reason = gpu and pallas_supported((1, 8, 2, 320), (1, 8, 2, 320), dtype=dtype,
                                            platform="gpu")
-  if implementation == "native" and gpu:
+  hopper = getattr(jax.devices()[0], "compute_capability", "") == "9.0"
+  if implementation == "native" and gpu and not (hopper and dtype != jnp.float32):
     q = jnp.ones((1, 8, 2, 320), dtype)
     with pytest.raises(ValueError, match="head_dim <= 256"):
       jaxflash.dot_product_attention(q, q, q, implementation="native")
@@ -270,6 +272,30 @@ def test_head_dims_past_256(rng, shape, dtype, implementation):
   q = jnp.ones((1, 8, 2, 520), dtype)
   with pytest.raises(ValueError, match="head_dim <= 512|head dims 1..512"):
     jaxflash.dot_product_attention(q, q, q, implementation=implementation)
+
+
+@pytest.mark.gpu
+def test_gpu_wide_forward(rng):
+  """Hopper's forward of head dims 257-512 (sm90/fwd_wide_kernel.cuh; gradients by Pallas):
+  every mask rule with ragged lengths, GQA 2, rows and keys past whole tiles, head dims with
+  zero-padded columns, both 16-bit dtypes; non-finite inputs reach exactly the outputs a
+  dense softmax over the visible pairs puts them in; the default runs it."""
+  if getattr(jax.devices()[0], "compute_capability", "") != "9.0":
+    pytest.skip("the wide forward runs on Hopper GPUs")
+  import test_nonfinite
+  for shape, dtype, masks in [((2, 130, 97, 4, 2, 512), jnp.bfloat16, list(MASKS)),
+                              ((1, 70, 200, 2, 1, 264), jnp.float16,
+                               ["causal_bottom_right", "window", "lengths"]),
+                              ((1, 64, 64, 2, 2, 384), jnp.bfloat16, ["none"])]:
+    for mask in masks:
+      check_forward(rng, shape, mask, dtype)
+    check_gradients(rng, shape, "lengths_causal_bottom_right", dtype)
+  for poison in ("q_nan", "k_nan", "v_nan", "v_inf", "k_neginf"):
+    test_nonfinite.check_case(rng, "native", poison, "lengths_causal", jnp.bfloat16,
+                              shape=(2, 70, 90, 4, 2, 512))
+  q = jnp.ones((1, 8, 2, 512), jnp.bfloat16)
+  jaxpr = str(jax.make_jaxpr(lambda q: jaxflash.dot_product_attention(q, q, q))(q))
+  assert "jaxflash_fwd" in jaxpr and "jaxflash_pallas" not in jaxpr
 
 
 @pytest.mark.gpu

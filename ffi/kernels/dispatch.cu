@@ -256,7 +256,21 @@ static Status HeadDimRefusal(const AttentionShape& sh, bool own_value_width = fa
                                ", got " + std::to_string(widest));
 }
 
+// Whether the Hopper forward for head dims 257-512 takes the call (at any
+// query length: the decode kernels stop at 256).
+bool WideForward(const FwdParams& p, const CudaDevice& device) {
+  const AttentionShape& sh = p.shape;
+  AttentionShape narrow = sh;  // every other refusal of the tensor-core kernels
+  narrow.head_dim = narrow.v_head_dim = 256;
+  return sh.head_dim > kMaxCudaHeadDim && Sm90Allowed(p.tile, device) &&
+         TensorCoreRefusal(p.dtype, narrow, device).empty() && sm90::TakesWideForward(p);
+}
+
 Status CudaAttentionForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
+  if (WideForward(p, device)) {
+    if (p.dtype == DType::kFloat16) return sm90::LaunchWideForward<__half>(p, device, stream);
+    return sm90::LaunchWideForward<__nv_bfloat16>(p, device, stream);
+  }
   if (Status s = HeadDimRefusal(p.shape, ForwardTakesValueWidth(p, device)); !s.ok()) return s;
   if (const std::string why = DenseRefusal(p, device); !why.empty()) return Status::Unimplemented(why);
   if (!TensorCoreRefusal(p.dtype, p.shape, device).empty()) return SimtAttentionForward(p, stream);

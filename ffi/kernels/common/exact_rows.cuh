@@ -182,20 +182,21 @@ __device__ __forceinline__ bool LaneHasNan(const float (&a)[kDT][4], int half) {
 }
 
 // This lane's entries of row `row` of O for (batch, head), given the row's
-// (correct) natural-log LSE: store(dt, x) receives columns dt * 8 + 2t + {0, 1}
-// as x.x, x.y. One column pair at a time, in a loop the compiler keeps rolled,
+// (correct) natural-log LSE: store(dt, x) receives columns col_base + dt * 8 +
+// 2t + {0, 1} as x.x, x.y (col_base: where a warpgroup's share of the columns
+// starts). One column pair at a time, in a loop the compiler keeps rolled,
 // so the registers stay few: the callers hold a whole accumulator tile or have
 // just staged it. kOwnV: as ExactQueryRow's.
 template <typename T, int kDT, bool kSegments = true, bool kDense = false, bool kOwnV = false, typename Store>
 __device__ __forceinline__ void ExactOutputLane(const FwdParams& p, int batch, int head, int row, float lse, int t,
-                                                Store&& store) {
+                                                Store&& store, int col_base = 0) {
   const ExactQueryRow<T, kSegments, kDense, kOwnV> r(p, batch, head, row);
   const T* q_row = static_cast<const T*>(p.q) + r.q_off;
   const Alibi alibi = Alibi::Of(p.alibi, batch, head, p.shape.q_heads);
   const float diagonal = Alibi::Diagonal(r.pol, row);
 #pragma unroll 1
   for (int dt = 0; dt < kDT; ++dt) {
-    const int col = dt * 8 + 2 * t;
+    const int col = col_base + dt * 8 + 2 * t;
     if (col >= r.vdim) break;
     float2 acc = make_float2(0.f, 0.f);
     for (int j = r.begin; j < r.end; ++j) {

@@ -15,6 +15,14 @@ namespace sm90 {
 template <typename T, int kD, int kDv = kD>
 Status LaunchForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
 
+// Head dims 257-512 (fwd_wide_kernel.cuh: O's columns split over two
+// consumer warpgroups), forward only, for the calls TakesWideForward admits:
+// one head dim for q, k and v, no dense term, soft-cap, ALiBi or segment ids
+// (those, and the backward, run Pallas; the Python side sends no other).
+template <typename T>
+Status LaunchWideForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream);
+bool TakesWideForward(const FwdParams& p);
+
 // Instantiated for head-dim buckets 64, 128, 192 and 256. Needs no workspace beyond the
 // delta output (p.delta).
 template <typename T, int kD, int kDv = kD>
