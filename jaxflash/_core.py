@@ -41,8 +41,8 @@ MAX_CUDA_HEAD_DIM = 256    # the CUDA kernels both ways (past it: _native.wide_r
 
 
 def max_head_dim(name: str) -> int:
-  """The widest head dim implementation `name` takes here."""
-  return MAX_CUDA_HEAD_DIM if name == "native" and platform() != "cpu" else MAX_FUSED_HEAD_DIM
+  """The widest head dim implementation `name` takes (native past 256 on a GPU: `_native.wide_refusal`)."""
+  return MAX_FUSED_HEAD_DIM
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +459,7 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   256 on a GPU, native's Hopper forward where it takes the call, else Pallas. A small CPU call
   that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax keeps the NaN rules)."""
   if call.width > max_head_dim("native") or (call.width > MAX_CUDA_HEAD_DIM and platform() != "cpu"):
-    return ("native", "pallas")   # native: the Hopper forward where it takes the call
+    return ("pallas",) if call.width > max_head_dim("native") else ("native", "pallas")
   hides = (call.spec.window_left >= 0 or call.spec.window_right >= 0 or call.dense is not None
            or any(x is not None for x in (call.q_lengths, call.kv_lengths, call.segments)))
   small = not hides and platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES

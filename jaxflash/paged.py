@@ -84,8 +84,9 @@ def _choose(q, vp, implementation) -> str:
   reason = None
   if q.dtype not in _core.FUSED_DTYPES:
     reason = f"the native paged kernels take float32, float16 and bfloat16, got {q.dtype}"
-  elif max(q.shape[-1], vp.shape[-1]) > _core.max_head_dim("native"):
-    reason = f"the native paged kernels take head_dim <= {_core.max_head_dim('native')} here"
+  elif max(q.shape[-1], vp.shape[-1]) > (limit := _core.MAX_CUDA_HEAD_DIM if _core.platform() != "cpu"
+                                          else _core.MAX_FUSED_HEAD_DIM):
+    reason = f"the native paged kernels take head_dim <= {limit} here"
   elif vp.shape[-1] != q.shape[-1] and not _native.value_width_on(q.shape, vp.shape, vp.shape[-1],
                                                                    q.dtype, paged=True):
     reason = ("the native paged kernels take a value head dim that differs from the key's on "
