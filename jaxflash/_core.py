@@ -322,9 +322,9 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None, with_db=False):
-    if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # Hopper's wide
-      return PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,  # forward
-                                    offsets, segments, alibi, dense)
+    if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # the wide forward:
+      return PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,  # Pallas's
+                                    offsets, segments, alibi, dense)                          # gradients
     if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
       pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
       g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,
@@ -379,8 +379,7 @@ class PallasKernels:
 
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
-               offsets=None, segments=None, alibi=None, dense=None):
-    # No atomics: always deterministic, so spec.deterministic needs nothing.
+               offsets=None, segments=None, alibi=None, dense=None):   # no atomics: deterministic
     return _pallas.pallas_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths,
                                    **cls._kw(spec), diagonal_offsets=offsets, alibi=alibi,
                                    segments=segments, dense=dense)
@@ -458,8 +457,10 @@ def automatic_order(call: Call) -> tuple[str, ...]:
   ids or ALiBi slopes puts native first (Pallas's decode kernel takes no ids; slopes 2.3x). Past
   256 on a GPU, native's Hopper forward where it takes the call, else Pallas. A small CPU call
   that hides no pair may take xla (choice.SMALL_SCORES: its dense softmax keeps the NaN rules)."""
-  if call.width > max_head_dim("native") or (call.width > MAX_CUDA_HEAD_DIM and platform() != "cpu"):
-    return ("pallas",) if call.width > max_head_dim("native") else ("native", "pallas")
+  if call.width > max_head_dim("native"):
+    return ("pallas",)
+  if call.width > MAX_CUDA_HEAD_DIM and platform() != "cpu":
+    return ("native", "pallas")   # native: the Hopper forward, where it takes the call
   hides = (call.spec.window_left >= 0 or call.spec.window_right >= 0 or call.dense is not None
            or any(x is not None for x in (call.q_lengths, call.kv_lengths, call.segments)))
   small = not hides and platform() == "cpu" and math.prod(call.q.shape[:-1]) * call.k.shape[-3] <= choice.SMALL_SCORES
@@ -501,8 +502,7 @@ def choose(call: Call, implementation, cudnn_unsupported: str | None = None) -> 
     raise ValueError(cudnn_unsupported)
   if implementation is not None:
     return implementation
-  # An order may name some implementations only (one that could not run when it was
-  # measured): the rest follow in the fallback order.
+  # An order may name some implementations only (some could not run): the fallback order follows.
   for name in dict.fromkeys((*automatic_order(call), *choice.FALLBACK)):
     if name == "xla" or fused_unsupported(call, name, explicit=False) is None:
       return name

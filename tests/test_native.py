@@ -253,7 +253,7 @@ def test_head_dims_past_256(rng, shape, dtype, implementation):
   """Head dims 257-512: the CPU kernels and Pallas's (the interpreter on a CPU, Triton on
   a GPU) take them (against float64, forward and gradients, GQA 2, ragged lengths); on a
   GPU native takes 16-bit calls on Hopper (its wide forward, gradients by Pallas) and
-  refuses the others with a clear error, and the default runs Pallas there."""
+  refuses the others with a clear error, and the default runs Pallas for those."""
   gpu = jax.default_backend() != "cpu"
   pallas_reason = gpu and pallas_supported((1, 8, 2, 320), (1, 8, 2, 320), dtype=dtype,
                                            platform="gpu")
