@@ -155,3 +155,29 @@ def test_head_dims_past_the_cuda_kernels_run_on_pallas(monkeypatch):
   q, k = jnp.zeros((2, 64, 4, 320), jnp.bfloat16), jnp.zeros((2, 96, 2, 320), jnp.bfloat16)
   call = _core.validate(q, k, k, None, None, None, False, None, None, None, "top_left", False)
   assert _core.automatic_order(call) == ("pallas",)
+
+
+def test_head_dims_past_256_on_a_gpu_take_the_wide_forward_where_it_can(monkeypatch):
+  """On a GPU (pretended here) past 256: native first (its Hopper forward) where
+  `_native.wide_refusal` admits the call, each other call refused with the reason before
+  any kernel, and the wide forward's backward handed to Pallas."""
+  from jaxflash import _native
+  gpu = type("Device", (), {"platform": "gpu", "compute_capability": "9.0"})()
+  monkeypatch.setattr(_core, "platform", lambda: "gpu")
+  monkeypatch.setattr(_native.jax, "devices", lambda *a: [gpu])
+  q = jnp.zeros((2, 64, 4, 320), jnp.bfloat16)
+  validate = lambda q, **kw: _core.validate(q, q, q, None, None, None, False, None, None, None,
+                                            "top_left", False, **kw)
+  assert _core.automatic_order(validate(q)) == ("native", "pallas")
+  assert _native.wide_refusal(validate(q)) is None
+  for call, why in [(validate(q.astype(jnp.float32)), "float16 or bfloat16"),
+                    (validate(q, logits_soft_cap=5.0), "no segment ids, soft-cap"),
+                    (validate(q, num_splits=2), "split-KV"),
+                    (validate(jnp.zeros((2, 64, 4, 324), jnp.bfloat16)), "multiple of 8")]:
+    assert why in _native.wide_refusal(call) and "head_dim <= 256" in _native.wide_refusal(call)
+  monkeypatch.setattr(gpu, "compute_capability", "8.0", raising=False)
+  assert "Hopper" in _native.wide_refusal(validate(q))
+  handed = []
+  monkeypatch.setattr(_core.PallasKernels, "backward", classmethod(lambda cls, *a: handed.append(a) or "pallas"))
+  assert _core.NativeKernels.backward(q, q, q, q, None, q, None, None, None, None) == "pallas"
+  assert len(handed) == 1
