@@ -26,7 +26,7 @@
 // memory: Q 64 KiB, two stages of K and V 128 KiB, the exchange 32 KiB.
 // It takes the plain mask rule (causal, windows, lengths, offsets); segment
 // ids, a soft-cap, ALiBi and dense terms run Pallas at these head dims
-// (WideForwardTakes).
+// (TakesWideForward, fwd_d512.cu).
 #pragma once
 
 #include <cuda.h>
@@ -63,7 +63,7 @@ struct WideFwdTile {
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
-  static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages + 4;  // WsFwdSmem's
+  static constexpr int kBarriers = WsFwdBarriers(kQBuffers, kStages);
   // The partial scores: a consumer's 64 x kN floats, per consumer and step
   // parity, after the barriers (WsFwdSmem::bars), 128-byte aligned.
   static constexpr uint32_t kExchangeOffset = (8 * kBarriers + 8 + 127) / 128 * 128;
@@ -310,14 +310,6 @@ __global__ void __launch_bounds__(WideFwdTile::kThreads, 1)
       },
       [&](int consumer) { WideFwdConsumer<T>(p, sm, sched, o_map, consumer); });
 #endif  // JAXFLASH_SM90A
-}
-
-// Whether the wide forward takes a call (dispatch.cu sends it the head dims
-// past 256 it takes; the Python side sends it no other).
-inline bool WideForwardTakes(const FwdParams& p) {
-  return p.shape.head_dim > 256 && p.shape.head_dim <= WideFwdTile::kD && p.shape.head_dim % 8 == 0 &&
-         p.shape.v_dim() == p.shape.head_dim && !p.dense.On() && p.softcap == 0.f && p.alibi == nullptr &&
-         p.mask.q_segments == nullptr && p.num_splits <= 1 && p.paged.table == nullptr;
 }
 
 template <typename T>

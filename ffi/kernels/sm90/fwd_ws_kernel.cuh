@@ -53,6 +53,13 @@
 namespace jaxflash {
 namespace sm90 {
 
+// The mbarriers of a warp-specialised forward's shared memory (WsFwdSmem):
+// per Q buffer full, then empty, the ragged-tail V copy, per stage K full, K
+// empty, V full, V empty, then the two work slots' full and empty (a dynamic
+// walk's claimed positions, 4 bytes each after them, then its ranked row
+// blocks).
+constexpr int WsFwdBarriers(int q_buffers, int stages) { return 1 + 2 * q_buffers + 4 * stages + 4; }
+
 // kDv_: the value's (and the output's) head dim, where it is narrower than
 // the query/key one (MLA-style calls at their own widths). kDense_: a tile for
 // calls with a 16-bit dense bias it stages (dense_tile.cuh), which the others
@@ -165,11 +172,7 @@ struct WsFwdTile {
   // only).
   static constexpr int kProducerRegs = kConsumers == 2 ? 40 : 32;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
-  // Barriers: per Q buffer full, then empty, the ragged-tail V copy, per
-  // stage K full, K empty, V full, V empty, then the two work slots' full and
-  // empty (a dynamic walk's claimed positions, 4 bytes each after them, then
-  // its ranked row blocks).
-  static constexpr int kBarriers = 1 + 2 * kQBuffers + 4 * kStages + 4;
+  static constexpr int kBarriers = WsFwdBarriers(kQBuffers, kStages);
   // +1024: the dynamic shared-memory base is aligned up to a swizzle atom.
   static constexpr size_t kSmemFixedBytes = size_t(QTile::kBytes) * kQBuffers +
                                             (kSeparateO ? size_t(OTile::kBytes) : 0) +
