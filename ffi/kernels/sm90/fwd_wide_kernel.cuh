@@ -23,7 +23,9 @@
 //
 // The FLOPs are the ideal ones (no score is computed twice); the softmax's
 // exponentials are (each warpgroup runs it on the whole row block). Shared
-// memory: Q 64 KiB, two stages of K and V 128 KiB, the exchange 32 KiB.
+// memory: Q 64 KiB, two stages of K and V 128 KiB, the exchange 32 KiB; most
+// of S's A operand comes from registers instead (WideFwdTile::kQRegSteps:
+// 2-3% on an H200, docs/performance-log.md).
 // It takes the plain mask rule (causal, windows, lengths, offsets); segment
 // ids, a soft-cap, ALiBi and dense terms run Pallas at these head dims
 // (TakesWideForward, fwd_d512.cu).
@@ -61,6 +63,12 @@ struct WideFwdTile {
   using BiasTile = SwizzledTile<kM, 64>;  // (never loaded: kTakesDense is false)
   static constexpr size_t kBiasStageBytes = 0;
   static constexpr int kThreads = 128 * (kConsumers + 1);
+  // S's A operand: the first kQRegSteps of a consumer's 16 k steps from
+  // registers (Q's fragments, loaded once a work tile), the rest from shared
+  // memory, which every n32 product otherwise re-reads Q's 2 KiB for. ptxas
+  // (sm_90a): 12 build without spills beside O's 128 registers, 14 spilled 4
+  // bytes with 240 registers a consumer, 16 spilled and serialised the wgmma.
+  static constexpr int kQRegSteps = 12;
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = ConsumerRegisters(kConsumers + 1, kProducerRegs);
   static constexpr int kBarriers = WsFwdBarriers(kQBuffers, kStages);
@@ -120,7 +128,7 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
     if (lane == 0) MBarrier::Arrive(bar);
   };
   // This consumer's partial scores out, the other's in: whole rows after.
-  auto exchange_scores = [&](float (&s)[kNT][4]) {
+  auto exchange_scores = [&](float (&s)[kNT][4]) __attribute__((always_inline)) {
     const uint32_t parity = (steps & 1) * Tile::kExchangeBytes;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) StoreShared128(mine + parity + nt * 128 * 16, s[nt]);
@@ -150,9 +158,33 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
       const int qb = q_ring.stage;
       MBarrier::Wait(sm.QFull(qb), q_ring.parity);
       q_ring.Advance();
-      const uint32_t sQ = sm.Q(qb) + own_block * QTile::kBlockBytes;
-      uint32_t pa[kN / 16][4];
       float s[1][kNT][4];
+      // The first kQRegSteps k steps of this warp's 16 rows of Q's half as A
+      // fragments, held for the work tile (S's products then read those
+      // columns of K alone from shared memory); the rest from shared memory.
+      uint32_t qa[Tile::kQRegSteps][4];
+      {
+        const int row = warp_row0 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int kk = 0; kk < Tile::kQRegSteps; ++kk) {
+          tc::Ldmatrix4(qa[kk], sm.Q(qb) + QTile::ChunkOffset(row, (consumer * kHalf + kk * 16) / 8 + (lane >> 4)));
+        }
+      }
+      const uint32_t sQ = sm.Q(qb) + own_block * QTile::kBlockBytes;
+      auto scores = [&](float (&dst)[1][kNT][4], uint32_t k_tile) __attribute__((always_inline)) {
+        auto& flat = reinterpret_cast<float(&)[kN / 2]>(dst[0]);
+#pragma unroll
+        for (int kk = 0; kk < kHalf / 16; ++kk) {
+          if (kk < Tile::kQRegSteps) {
+            Wgmma<T, kN>::RSK(flat, qa[kk < Tile::kQRegSteps ? kk : 0], KMajorDescriptor<KTile>(k_tile, kk), kk > 0);
+          } else {
+            Wgmma<T, kN>::SS(flat, KMajorDescriptor<QTile>(tc::Unhoisted(sQ), kk), KMajorDescriptor<KTile>(k_tile, kk),
+                             kk > 0);
+          }
+        }
+      };
+      auto own_k = [&](const RingPosition<Tile::kStages>& at) { return sm.K(at.stage) + own_block * KTile::kBlockBytes; };
+      uint32_t pa[kN / 16][4];
       // Masks (if kMasked) and folds S_n into the softmax state; whether O
       // must be rescaled (by alpha). A positive scale rides in the exponent.
       auto softmax_step = [&](int nb, auto masked, float (&alpha)[2]) __attribute__((always_inline)) {
@@ -169,15 +201,15 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
       // wgmma in flight serialises them: fwd_ws_kernel.cuh).
       float alpha[2];
       int nb = w.keys.begin;
+      const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
       MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
       WgmmaFence();
-      ProductSS<T, QTile, KTile, kHalf, kN>(s[0], tc::Unhoisted(sQ), sm.K(ring.stage) + own_block * KTile::kBlockBytes);
+      scores(s, own_k(ring));
       WgmmaCommit();
       WgmmaWait<0>();
       FenceAccumulator(s[0]);
       release(sm.KEmpty(ring.stage));
       exchange_scores(s[0]);
-      const tc::KeyTiles full = tc::FullKeyTiles<kN>(w.pol, r0, w.r_end, w.keys);
       if (full.begin == nb && full.end > nb) {
         softmax_step(nb, std::false_type{}, alpha);
       } else {
@@ -185,6 +217,7 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
       }
       tc::PackAFragments<T>(s[0], pa);
       ring.Advance();
+      ++nb;
       // Steady state: S_n (this consumer's half, then the exchange) and
       // O += P_{n-1}·V_{n-1}; the softmax of S_n runs while P·V is on the
       // tensor cores.
@@ -193,8 +226,7 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
         MBarrier::Wait(sm.KFull(ring.stage), ring.parity);
         MBarrier::Wait(sm.VFull(prev.stage), prev.parity);
         WgmmaFence();
-        ProductSS<T, QTile, KTile, kHalf, kN>(s[0], tc::Unhoisted(sQ),
-                                              sm.K(ring.stage) + own_block * KTile::kBlockBytes);
+        scores(s, own_k(ring));
         WgmmaCommit();
         ProductRS<T, VTile, kN, kHalf>(o[0], pa, sm.V(prev.stage), consumer * kHalf);
         WgmmaCommit();
@@ -210,7 +242,6 @@ __device__ __forceinline__ void WideFwdConsumer(const FwdParams& p, const WsFwdS
         tc::PackAFragments<T>(s[0], pa);
         ring.Advance();
       };
-      ++nb;
       for (; nb < MinInt(full.begin, w.keys.end); ++nb) steady_step(nb, std::true_type{});
       for (; nb < full.end; ++nb) steady_step(nb, std::false_type{});
       for (; nb < w.keys.end; ++nb) steady_step(nb, std::true_type{});
@@ -308,7 +339,9 @@ __global__ void __launch_bounds__(WideFwdTile::kThreads, 1)
         // (The bias map is never read: the tile takes no dense term.)
         if (warp == 0) WsFwdProducer<Tile, false>(p, sm, sched, WorkClaims{0}, q_map, k_map, v_map, q_map);
       },
-      [&](int consumer) { WideFwdConsumer<T>(p, sm, sched, o_map, consumer); });
+      [&](int consumer) __attribute__((always_inline)) {
+        WideFwdConsumer<T>(p, sm, sched, o_map, consumer);
+      });
 #endif  // JAXFLASH_SM90A
 }
 

@@ -208,7 +208,7 @@ struct Wgmma;
 // accumulate flag (F0), the accumulators last (a list, hence variadic), SSMn
 // reading B MN-major and SSMnAB both operands (the last two immediates: the
 // transpose bits of A and B); RS takes the four A registers (AREGS), desc B
-// (B1) and the flag (F1), and reads B MN-major.
+// (B1) and the flag (F1), and reads B MN-major, RSK the same with B K-major.
 #define JAXFLASH_WGMMA_SS(NAME, TRANSPOSE_A, TRANSPOSE_B, PTX, N, REGS, A0, B0, F0, ...)                      \
   __device__ __forceinline__ static void NAME(float (&d)[N / 2], uint32_t a, uint32_t b, bool accumulate) {   \
     asm volatile("{\n.reg .pred p;\n.reg .b64 da, db;\nsetp.ne.b32 p, " F0 ", 0;\n"                           \
@@ -218,21 +218,24 @@ struct Wgmma;
                  : __VA_ARGS__                                                                                \
                  : "r"(a), "r"(b), "r"(int(accumulate)));                                                     \
   }
+#define JAXFLASH_WGMMA_RS(NAME, TRANSPOSE_B, PTX, N, REGS, AREGS, B1, F1, ...)                             \
+  __device__ __forceinline__ static void NAME(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
+                                              bool accumulate) {                                           \
+    asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, " F1 ", 0;\n"                              \
+                 "mov.b64 db, {" B1 ", " JAXFLASH_DESC_HI "};\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " AREGS ", db"         \
+                 ", p, 1, 1, " TRANSPOSE_B ";\n}\n"                                                             \
+                 : __VA_ARGS__                                                                             \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b), "r"(int(accumulate)));              \
+  }
 #define JAXFLASH_WGMMA(CTYPE, PTX, N, REGS, ACC, A0, B0, F0, AREGS, B1, F1)                               \
   template <>                                                                                         \
   struct Wgmma<CTYPE, N> {                                                                            \
     JAXFLASH_WGMMA_SS(SS, "0", "0", PTX, N, REGS, A0, B0, F0, ACC)                                    \
     JAXFLASH_WGMMA_SS(SSMn, "0", "1", PTX, N, REGS, A0, B0, F0, ACC)                                  \
     JAXFLASH_WGMMA_SS(SSMnAB, "1", "1", PTX, N, REGS, A0, B0, F0, ACC)                                \
-    __device__ __forceinline__ static void RS(float (&d)[N / 2], const uint32_t (&a)[4], uint32_t b,       \
-                                              bool accumulate) {                                      \
-      asm volatile("{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, " F1 ", 0;\n"                     \
-                   "mov.b64 db, {" B1 ", " JAXFLASH_DESC_HI "};\n"                                        \
-                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX "." PTX " " REGS ", " AREGS ", db" \
-                   ", p, 1, 1, 1;\n}\n"                                                                \
-                   : ACC                                                                              \
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b), "r"(int(accumulate)));       \
-    }                                                                                                 \
+    JAXFLASH_WGMMA_RS(RS, "1", PTX, N, REGS, AREGS, B1, F1, ACC)                                      \
+    JAXFLASH_WGMMA_RS(RSK, "0", PTX, N, REGS, AREGS, B1, F1, ACC)                                     \
   };
 
 JAXFLASH_WGMMA(__nv_bfloat16, "bf16", 32, JAXFLASH_REGS16, JAXFLASH_ACC16(0), "%16", "%17", "%18", "{%16,%17,%18,%19}", "%20", "%21")
