@@ -7,12 +7,11 @@ The layer under the public entry points (attention.py, ring.py, paged.py):
   see it; `MaskSpec` is its static part (scale, mask rule, backward mode).
 * `NativeKernels` and `PallasKernels` (`KERNELS`) bind the two fused
   implementations: forward, backward and, where there is one, the tangent.
-* `fused` runs a kernel table inside one `custom_jvp`: its value comes from
-  the forward kernels, its tangent from a primitive that is linear in the
-  input tangents and whose transpose is the backward kernels (derivatives.py).
-  Reverse mode therefore saves (q, k, v, o, lse) and runs the backward
-  kernels, as a custom_vjp would; forward mode and Hessian-vector products
-  work too. Ring attention and the partition rules hand it their own tables.
+* `fused` runs a kernel table inside one `custom_jvp`: its value comes from the forward
+  kernels, its tangent from a primitive that is linear in the input tangents and whose
+  transpose is the backward kernels (derivatives.py). Reverse mode therefore saves (q, k, v,
+  o, lse) and runs the backward kernels, as a custom_vjp would; forward mode and
+  Hessian-vector products work too. Ring attention and the partition rules hand it their own tables.
 * `fused_unsupported` and `choose` say which implementation serves a call;
   `finish` puts a result back into the caller's layout.
 """
@@ -322,9 +321,10 @@ class NativeKernels:
   @classmethod
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None, with_db=False):
-    if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # the wide forward:
-      return PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec,  # Pallas's
-                                    offsets, segments, alibi, dense)                          # gradients
+    if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # the wide forward's
+      return derivatives.wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets,
+                                       exact=lambda: PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths,
+                                                                            kv_lengths, spec, offsets))
     if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
       pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
       g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,

@@ -395,8 +395,8 @@ def dense_gpu_refusal(q, k, width: int, has_bias: bool, softcap: float) -> str |
 def wide_refusal(call) -> str | None:
   """Why the native kernels cannot take `call` (a _core.Call whose head dim is past the CUDA
   kernels' 256) on this GPU, or None. There the CUDA forward is the Hopper kernel of head dims
-  257-512 (sm90/fwd_wide_kernel.cuh, dispatch.cu's WideForward) and the gradients are Pallas's
-  (NativeKernels.backward)."""
+  257-512 (sm90/fwd_wide_kernel.cuh, dispatch.cu's WideForward) and the gradients
+  derivatives.wide_backward's (NativeKernels.backward)."""
   B, T, N, _ = call.q.shape
   device, why = jax.devices()[0], None
   if call.width > 512:
@@ -414,7 +414,7 @@ def wide_refusal(call) -> str | None:
     why = "at most 65535 heads, a batch of at most 32767 and sequences below 2^31"
   return None if why is None else (
       f"implementation='native' supports head_dim <= 256 on this GPU; past it, its Hopper forward "
-      f"(head dims 257-512, gradients by Pallas) needs {why}; use 'pallas'")
+      f"(head dims 257-512) needs {why}; use 'pallas'")
 
 
 def unavailable_reason(platform: str) -> str | None:

@@ -66,11 +66,11 @@ class _KeyBlocks:
   dtype = jnp.float32
 
   def __init__(self, q, k, q_lengths, kv_lengths, spec, offsets=None, segments=None, alibi=None,
-               dense=None):
+               dense=None, block=_BLOCK):
     self.B, self.T, self.N, self.H = q.shape
     self.S, self.K = k.shape[1], k.shape[2]
     self.G = self.N // self.K
-    self.block = min(_BLOCK, max(self.S, 1))
+    self.block = min(block, max(self.S, 1))
     self.count = -(-self.S // self.block)
     self.q_lengths = reference.given_lengths(q_lengths)
     self.kv_lengths = reference.given_lengths(kv_lengths)
@@ -220,9 +220,9 @@ class _ScoreGradients(_KeyBlocks):
   """The backward's blocks: dS = P (dP - delta) of key block j0 with the rows' delta."""
 
   def __init__(self, q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
-               alibi, dense, dtype=jnp.float32):
+               alibi, dense, dtype=jnp.float32, block=_BLOCK):
     self.dtype = dtype
-    super().__init__(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense)
+    super().__init__(q, k, q_lengths, kv_lengths, spec, offsets, segments, alibi, dense, block)
     self.qg, self.dog = self.grouped(q), self.grouped(do)
     self.lse_g = self.rows(lse)
     delta = (self.product("btkgh,btkgh->bkgt", self.dog, self.grouped(o)) - self.rows(dlse))
@@ -241,23 +241,59 @@ class _ScoreGradients(_KeyBlocks):
 
 
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
-             segments=None, alibi=None, dense=None):
+             segments=None, alibi=None, dense=None, dtype=jnp.float32, block=_BLOCK):
   """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets`,
-  `segments`, `alibi` and `dense` as for `tangent`)."""
+  `segments`, `alibi` and `dense` as for `tangent`): `block` keys a step, products of
+  `dtype` operands (float32: IEEE; a 16-bit type: P and dS rounded to it, as the
+  kernels multiply) with float32 sums."""
   g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
-                      alibi, dense)
+                      alibi, dense, dtype, block)
   qg, dog = g.qg, g.dog
 
   def step(dq, block):
     kb, vb, j0 = block
     p, _, ds = g.scores_of(kb, vb, j0)
-    dq = dq + spec.scale * jnp.einsum("bkgts,bskh->btkgh", ds, kb, precision=_HIGHEST)
-    dk = spec.scale * jnp.einsum("bkgts,btkgh->bskh", ds, qg, precision=_HIGHEST)
-    dv = jnp.einsum("bkgts,btkgh->bskh", p, dog, precision=_HIGHEST)
+    p, ds = p.astype(g.dtype), ds.astype(g.dtype)
+    dq = dq + spec.scale * g.product("bkgts,bskh->btkgh", ds, kb)
+    dk = spec.scale * g.product("bkgts,btkgh->bskh", ds, qg)
+    dv = g.product("bkgts,btkgh->bskh", p, dog)
     return dq, (dk, dv)
 
-  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg), (g.split(k), g.split(v), g.starts()))
+  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg, jnp.float32), (g.split(k), g.split(v), g.starts()))
   return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
+
+
+# Past this many query rows (B · N · T) a wide call's gradients are Pallas's: the
+# blockwise backward holds a few float32 [rows, block] arrays a step (at the
+# smallest block, 128 keys, 512 MiB each at the bound).
+_WIDE_ROWS = 1 << 20
+
+
+def wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, exact, offsets=None):
+  """(dQ, dK, dV) of a 16-bit call past the CUDA kernels' head dims (the Hopper wide
+  forward's gradients, which have no kernel of their own): `backward` in the inputs' type
+  through XLA's matrix products, up to 1024 keys a step, every score of a step computed
+  (causal calls too). `exact()` gives the gradients where this cannot: calls past
+  `_WIDE_ROWS`, and calls whose gradients come out non-finite. Padding rows and keys are
+  zeroed first, as the kernels' loads zero them; but a block's products multiply a hidden
+  pair's zero weight by the key's value and query, so a NaN or Inf of an input could reach
+  rows that cannot see it (design.md §2), and the exact gradients then replace all three
+  (under vmap both run: the choice is per call, not per element)."""
+  B, T, N, _ = q.shape
+  if B * N * T > _WIDE_ROWS:
+    return exact()
+  S = k.shape[1]
+  block = 128
+  while block < 1024 and block < S and B * N * T * block * 2 <= _WIDE_ROWS * 128:
+    block *= 2
+  rows = (jnp.arange(T) < reference.clamped_lengths(q_lengths, B, T)[:, None])[..., None, None]
+  keys = (jnp.arange(S) < reference.clamped_lengths(kv_lengths, B, S)[:, None])[..., None, None]
+  q, o, do = (jnp.where(rows, x, 0) for x in (q, o, do))
+  k, v = (jnp.where(keys, x, 0) for x in (k, v))
+  grads = backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets,
+                   dtype=q.dtype, block=block)
+  finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in grads]))
+  return lax.cond(finite, lambda: grads, exact)
 
 
 def bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, dense,

@@ -160,7 +160,7 @@ def test_head_dims_past_the_cuda_kernels_run_on_pallas(monkeypatch):
 def test_head_dims_past_256_on_a_gpu_take_the_wide_forward_where_it_can(monkeypatch):
   """On a GPU (pretended here) past 256: native first (its Hopper forward) where
   `_native.wide_refusal` admits the call, each other call refused with the reason before
-  any kernel, and the wide forward's backward handed to Pallas."""
+  any kernel, and the wide forward's gradients by the blockwise backward, Pallas's past its bound."""
   from jaxflash import _native
   gpu = type("Device", (), {"platform": "gpu", "compute_capability": "9.0"})()
   monkeypatch.setattr(_core, "platform", lambda: "gpu")
@@ -177,7 +177,13 @@ def test_head_dims_past_256_on_a_gpu_take_the_wide_forward_where_it_can(monkeypa
     assert why in _native.wide_refusal(call) and "head_dim <= 256" in _native.wide_refusal(call)
   monkeypatch.setattr(gpu, "compute_capability", "8.0", raising=False)
   assert "Hopper" in _native.wide_refusal(validate(q))
-  handed = []
-  monkeypatch.setattr(_core.PallasKernels, "backward", classmethod(lambda cls, *a: handed.append(a) or "pallas"))
-  assert _core.NativeKernels.backward(q, q, q, q, None, q, None, None, None, None) == "pallas"
-  assert len(handed) == 1
+  # Its gradients: the blockwise backward (derivatives.wide_backward), Pallas's the exact ones,
+  # which also take calls past its memory bound.
+  from jaxflash import derivatives
+  wide_backward, handed = derivatives.wide_backward, []
+  monkeypatch.setattr(derivatives, "wide_backward", lambda *a, exact, **kw: handed.append(exact) or "blockwise")
+  monkeypatch.setattr(_core.PallasKernels, "backward", classmethod(lambda cls, *a: "pallas"))
+  assert _core.NativeKernels.backward(q, q, q, q, None, q, None, None, None, None) == "blockwise"
+  assert len(handed) == 1 and handed[0]() == "pallas"
+  monkeypatch.setattr(derivatives, "_WIDE_ROWS", 2 * 64 * 4 - 1)
+  assert wide_backward(q, q, q, q, None, q, None, None, None, spec=None, exact=lambda: "exact") == "exact"

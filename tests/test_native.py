@@ -252,7 +252,7 @@ def test_value_head_dim_of_its_own_on_the_cpu(rng):
 def test_head_dims_past_256(rng, shape, dtype, implementation):
   """Head dims 257-512: the CPU kernels and Pallas's (the interpreter on a CPU, Triton on
   a GPU) take them (against float64, forward and gradients, GQA 2, ragged lengths); on a
-  GPU native takes 16-bit calls on Hopper (its wide forward, gradients by Pallas) and
+  GPU native takes 16-bit calls on Hopper (its wide forward, blockwise gradients) and
   refuses the others with a clear error, and the default runs Pallas for those."""
   gpu = jax.default_backend() != "cpu"
   pallas_reason = gpu and pallas_supported((1, 8, 2, 320), (1, 8, 2, 320), dtype=dtype,
@@ -274,9 +274,36 @@ def test_head_dims_past_256(rng, shape, dtype, implementation):
     jaxflash.dot_product_attention(q, q, q, implementation=implementation)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs the GPU's rule on the CPU")
+def test_wide_backward_rule_on_the_cpu(rng, monkeypatch):
+  """The gradients of Hopper's wide forward (derivatives.wide_backward: the blockwise backward
+  in the inputs' 16-bit type, padding zeroed, the exact gradients wherever one comes out
+  non-finite), run here in place of the CPU kernels' backward, whose gradients serve as the
+  exact ones: under the tolerance rule (GQA 2, ragged lengths, two key blocks), and a NaN or
+  Inf in a key, value or query that hidden pairs meet reaches only what the visible pairs
+  give it, as with every kernel."""
+  from jaxflash import _core, derivatives
+  import test_nonfinite
+  kernel_backward = _core.NativeKernels.backward
+
+  def wide(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets=None, **kw):
+    assert not kw or not any(kw.values())
+    exact = lambda: kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets)
+    return derivatives.wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec,
+                                     offsets=offsets, exact=exact)
+
+  monkeypatch.setattr(_core.NativeKernels, "backward", classmethod(wide))
+  check_gradients(rng, (2, 70, 90, 4, 2, 512), "lengths_causal_bottom_right", jnp.bfloat16)
+  check_gradients(rng, (1, 40, 1100, 2, 2, 264), "window", jnp.float16)
+  for poison in ("q_nan", "k_nan", "v_inf"):
+    test_nonfinite.check_case(rng, "native", poison, "lengths_causal", jnp.bfloat16,
+                              shape=(2, 70, 90, 4, 2, 512))
+
+
 @pytest.mark.gpu
 def test_gpu_wide_forward(rng):
-  """Hopper's forward of head dims 257-512 (sm90/fwd_wide_kernel.cuh; gradients by Pallas):
+  """Hopper's forward of head dims 257-512 (sm90/fwd_wide_kernel.cuh; gradients
+  by derivatives.wide_backward, Pallas's where one is non-finite):
   every mask rule with ragged lengths, GQA 2, rows and keys past whole tiles, head dims with
   zero-padded columns, both 16-bit dtypes; non-finite inputs reach exactly the outputs a
   dense softmax over the visible pairs puts them in; the default runs it."""

@@ -37,7 +37,7 @@ SHAPES = [(1, 1, 17, 2, 1, 64), (2, 37, 45, 8, 2, 128), (1, 70, 70, 4, 2, 40), (
           (1, 150, 333, 4, 2, 192),  # D 192's forward and backward tiles
           (1, 300, 333, 4, 2, 192, 128),  # MLA's widths (v 128): the (192, 128) pair's kernels
           # head dims past 256: Hopper's column-split forward (16-bit, plain masks; its
-          # gradients are Pallas's), rows and keys past whole tiles, zero-padded columns
+          # gradients go through XLA's products), rows and keys past whole tiles, zero-padded columns
           (2, 130, 97, 4, 2, 512), (1, 70, 200, 2, 1, 264)]
 MASKS = [dict(), dict(is_causal=True, causal_alignment="bottom_right"),
          dict(local_window_size=(5, 3), query_seq_lengths=np.array([0], np.int32)[:1]),
