@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxflash import (_native, _splits, choice, dense as _dense, derivatives, pallas as _pallas, reference,
-                      segments as _segments)
+                      segments as _segments, wide_gradients)
 
 Implementation = Literal["native", "pallas", "xla", "cudnn"]
 # What `implementation=` takes: a name, None (automatic) or a sequence of them.
@@ -322,9 +322,9 @@ class NativeKernels:
   def backward(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec: MaskSpec,
                offsets=None, segments=None, alibi=None, dense=None, with_db=False):
     if platform() != "cpu" and max(q.shape[-1], v.shape[-1]) > MAX_CUDA_HEAD_DIM:   # the wide forward's
-      return derivatives.wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets,
-                                       exact=lambda: PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths,
-                                                                            kv_lengths, spec, offsets))
+      return wide_gradients.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets,
+                                     exact=lambda: PallasKernels.backward(q, k, v, o, lse, do, dlse, q_lengths,
+                                                                          kv_lengths, spec, offsets))
     if w := _native.backward_pad_width(q.shape, k.shape, v.shape[-1], q.dtype, dense is not None):
       pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, w - x.shape[-1])])   # exact, as `run_fused`
       g = cls.backward(pad(q), pad(k), pad(v), pad(o), lse, pad(do), dlse, q_lengths, kv_lengths,

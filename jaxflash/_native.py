@@ -396,7 +396,7 @@ def wide_refusal(call) -> str | None:
   """Why the native kernels cannot take `call` (a _core.Call whose head dim is past the CUDA
   kernels' 256) on this GPU, or None. There the CUDA forward is the Hopper kernel of head dims
   257-512 (sm90/fwd_wide_kernel.cuh, dispatch.cu's WideForward) and the gradients
-  derivatives.wide_backward's (NativeKernels.backward)."""
+  wide_gradients.backward's (NativeKernels.backward)."""
   B, T, N, _ = call.q.shape
   device, why = jax.devices()[0], None
   if call.width > 512:

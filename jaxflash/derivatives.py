@@ -229,71 +229,51 @@ class _ScoreGradients(_KeyBlocks):
     # Rows that see no key carry no gradient.
     self.delta = jnp.where(self.lse_g == reference.empty_lse(jnp.float32), 0, delta)
 
-  def scores_of(self, kb, vb, j0):
+  def scores_of(self, kb, vb, j0, rows=slice(None)):
     """(P, dS with respect to the score, dS with respect to scale * q.k) [B, K, G, T,
-    block], zero on hidden pairs; the two differ by a soft-cap's slope."""
-    vis = self.visible(j0)
-    p, slope = self.probabilities(self.qg, kb, self.lse_g, vis, j0)
-    dp = self.product("btkgh,bskh->bkgts", self.dog, vb)
-    ds = jnp.where(vis, p * (dp - self.delta[..., None]), 0)
+    block], zero on hidden pairs; the two differ by a soft-cap's slope. `rows`: a static
+    slice of the query rows (calls without ALiBi), T its length then."""
+    vis = self.visible(j0)[..., rows, :]
+    p, slope = self.probabilities(self.qg[:, rows], kb, self.lse_g[..., rows], vis, j0)
+    dp = self.product("btkgh,bskh->bkgts", self.dog[:, rows], vb)
+    ds = jnp.where(vis, p * (dp - self.delta[..., rows, None]), 0)
     # The cap's slope of a hidden pair may be NaN (a padded key): it never multiplies in.
     return p, ds, (ds if slope is None else jnp.where(vis, ds * slope, 0))
 
 
 def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=None,
-             segments=None, alibi=None, dense=None, dtype=jnp.float32, block=_BLOCK):
+             segments=None, alibi=None, dense=None, dtype=jnp.float32, block=_BLOCK, rows=None):
   """(dQ, dK, dV) as the kernels' backward computes them, in jnp (`offsets`,
   `segments`, `alibi` and `dense` as for `tangent`): `block` keys a step, products of
   `dtype` operands (float32: IEEE; a 16-bit type: P and dS rounded to it, as the
-  kernels multiply) with float32 sums."""
+  kernels multiply) with float32 sums. A scan over the key blocks; or, given `rows`
+  (per block the static [lo, hi) of the query rows that can see it; no ALiBi or dense
+  terms), one
+  step a block over those rows only (a scan's steps share one shape: every row)."""
   g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
                       alibi, dense, dtype, block)
-  qg, dog = g.qg, g.dog
 
-  def step(dq, block):
-    kb, vb, j0 = block
-    p, _, ds = g.scores_of(kb, vb, j0)
+  def grads(kb, vb, j0, part=slice(None)):   # dQ's share of rows `part`, dK and dV of the block
+    p, _, ds = g.scores_of(kb, vb, j0, part)
     p, ds = p.astype(g.dtype), ds.astype(g.dtype)
-    dq = dq + spec.scale * g.product("bkgts,bskh->btkgh", ds, kb)
-    dk = spec.scale * g.product("bkgts,btkgh->bskh", ds, qg)
-    dv = g.product("bkgts,btkgh->bskh", p, dog)
-    return dq, (dk, dv)
+    return (spec.scale * g.product("bkgts,bskh->btkgh", ds, kb),
+            spec.scale * g.product("bkgts,btkgh->bskh", ds, g.qg[:, part]),
+            g.product("bkgts,btkgh->bskh", p, g.dog[:, part]))
 
-  dq, (dk, dv) = lax.scan(step, jnp.zeros_like(qg, jnp.float32), (g.split(k), g.split(v), g.starts()))
+  ks, vs, dq = g.split(k), g.split(v), jnp.zeros_like(g.qg, jnp.float32)
+  if rows is None:
+    def step(dq, block):
+      dq_part, dk, dv = grads(*block)
+      return dq + dq_part, (dk, dv)
+    dq, (dk, dv) = lax.scan(step, dq, (ks, vs, g.starts()))
+  else:
+    assert len(rows) == g.count and alibi is None and dense is None
+    dk, dv = jnp.zeros_like(ks, jnp.float32), jnp.zeros_like(vs, jnp.float32)
+    for j, (lo, hi) in enumerate(rows):
+      if hi > lo:
+        dq_part, dk_j, dv_j = grads(ks[j], vs[j], j * g.block, slice(lo, hi))
+        dq, dk, dv = dq.at[:, lo:hi].add(dq_part), dk.at[j].set(dk_j), dv.at[j].set(dv_j)
   return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
-
-
-# Past this many query rows (B · N · T) a wide call's gradients are Pallas's: the
-# blockwise backward holds a few float32 [rows, block] arrays a step (at the
-# smallest block, 128 keys, 512 MiB each at the bound).
-_WIDE_ROWS = 1 << 20
-
-
-def wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, exact, offsets=None):
-  """(dQ, dK, dV) of a 16-bit call past the CUDA kernels' head dims (the Hopper wide
-  forward's gradients, which have no kernel of their own): `backward` in the inputs' type
-  through XLA's matrix products, up to 1024 keys a step, every score of a step computed
-  (causal calls too). `exact()` gives the gradients where this cannot: calls past
-  `_WIDE_ROWS`, and calls whose gradients come out non-finite. Padding rows and keys are
-  zeroed first, as the kernels' loads zero them; but a block's products multiply a hidden
-  pair's zero weight by the key's value and query, so a NaN or Inf of an input could reach
-  rows that cannot see it (design.md §2), and the exact gradients then replace all three
-  (under vmap both run: the choice is per call, not per element)."""
-  B, T, N, _ = q.shape
-  if B * N * T > _WIDE_ROWS:
-    return exact()
-  S = k.shape[1]
-  block = 128
-  while block < 1024 and block < S and B * N * T * block * 2 <= _WIDE_ROWS * 128:
-    block *= 2
-  rows = (jnp.arange(T) < reference.clamped_lengths(q_lengths, B, T)[:, None])[..., None, None]
-  keys = (jnp.arange(S) < reference.clamped_lengths(kv_lengths, B, S)[:, None])[..., None, None]
-  q, o, do = (jnp.where(rows, x, 0) for x in (q, o, do))
-  k, v = (jnp.where(keys, x, 0) for x in (k, v))
-  grads = backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets,
-                   dtype=q.dtype, block=block)
-  finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in grads]))
-  return lax.cond(finite, lambda: grads, exact)
 
 
 def bias_gradient(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, dense,

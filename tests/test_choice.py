@@ -177,13 +177,13 @@ def test_head_dims_past_256_on_a_gpu_take_the_wide_forward_where_it_can(monkeypa
     assert why in _native.wide_refusal(call) and "head_dim <= 256" in _native.wide_refusal(call)
   monkeypatch.setattr(gpu, "compute_capability", "8.0", raising=False)
   assert "Hopper" in _native.wide_refusal(validate(q))
-  # Its gradients: the blockwise backward (derivatives.wide_backward), Pallas's the exact ones,
+  # Its gradients: the blockwise backward (wide_gradients.backward), Pallas's the exact ones,
   # which also take calls past its memory bound.
-  from jaxflash import derivatives
-  wide_backward, handed = derivatives.wide_backward, []
-  monkeypatch.setattr(derivatives, "wide_backward", lambda *a, exact, **kw: handed.append(exact) or "blockwise")
+  from jaxflash import wide_gradients
+  wide_backward, handed = wide_gradients.backward, []
+  monkeypatch.setattr(wide_gradients, "backward", lambda *a, exact, **kw: handed.append(exact) or "blockwise")
   monkeypatch.setattr(_core.PallasKernels, "backward", classmethod(lambda cls, *a: "pallas"))
   assert _core.NativeKernels.backward(q, q, q, q, None, q, None, None, None, None) == "blockwise"
   assert len(handed) == 1 and handed[0]() == "pallas"
-  monkeypatch.setattr(derivatives, "_WIDE_ROWS", 2 * 64 * 4 - 1)
+  monkeypatch.setattr(wide_gradients, "MAX_ROWS", 2 * 64 * 4 - 1)
   assert wide_backward(q, q, q, q, None, q, None, None, None, spec=None, exact=lambda: "exact") == "exact"

@@ -276,25 +276,31 @@ def test_head_dims_past_256(rng, shape, dtype, implementation):
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="runs the GPU's rule on the CPU")
 def test_wide_backward_rule_on_the_cpu(rng, monkeypatch):
-  """The gradients of Hopper's wide forward (derivatives.wide_backward: the blockwise backward
+  """The gradients of Hopper's wide forward (wide_gradients.backward: the blockwise backward
   in the inputs' 16-bit type, padding zeroed, the exact gradients wherever one comes out
   non-finite), run here in place of the CPU kernels' backward, whose gradients serve as the
   exact ones: under the tolerance rule (GQA 2, ragged lengths, two key blocks), and a NaN or
   Inf in a key, value or query that hidden pairs meet reaches only what the visible pairs
   give it, as with every kernel."""
-  from jaxflash import _core, derivatives
+  from jaxflash import _core, wide_gradients
   import test_nonfinite
   kernel_backward = _core.NativeKernels.backward
 
   def wide(cls, q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets=None, **kw):
     assert not kw or not any(kw.values())
     exact = lambda: kernel_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets)
-    return derivatives.wide_backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec,
-                                     offsets=offsets, exact=exact)
+    return wide_gradients.backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec,
+                                   offsets=offsets, exact=exact)
 
   monkeypatch.setattr(_core.NativeKernels, "backward", classmethod(wide))
   check_gradients(rng, (2, 70, 90, 4, 2, 512), "lengths_causal_bottom_right", jnp.bfloat16)
+  # Two blocks of 1024 keys, each over the rows that can see it only (row_ranges), or none.
+  ranges, row_ranges = [], wide_gradients.row_ranges
+  monkeypatch.setattr(wide_gradients, "row_ranges", lambda *a, **kw: ranges.append(row_ranges(*a, **kw))
+                      or ranges[-1])
   check_gradients(rng, (1, 40, 1100, 2, 2, 264), "window", jnp.float16)
+  check_gradients(rng, (1, 300, 1100, 2, 2, 512), "window_causal_bottom_right", jnp.bfloat16)
+  assert ranges == [[(0, 40), (40, 40)], [(0, 229), (224, 300)]]
   for poison in ("q_nan", "k_nan", "v_inf"):
     test_nonfinite.check_case(rng, "native", poison, "lengths_causal", jnp.bfloat16,
                               shape=(2, 70, 90, 4, 2, 512))
@@ -303,7 +309,7 @@ def test_wide_backward_rule_on_the_cpu(rng, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_wide_forward(rng):
   """Hopper's forward of head dims 257-512 (sm90/fwd_wide_kernel.cuh; gradients
-  by derivatives.wide_backward, Pallas's where one is non-finite):
+  by wide_gradients.backward, Pallas's where one is non-finite):
   every mask rule with ragged lengths, GQA 2, rows and keys past whole tiles, head dims with
   zero-padded columns, both 16-bit dtypes; non-finite inputs reach exactly the outputs a
   dense softmax over the visible pairs puts them in; the default runs it."""
@@ -317,6 +323,9 @@ def test_gpu_wide_forward(rng):
     for mask in masks:
       check_forward(rng, shape, mask, dtype)
     check_gradients(rng, shape, "lengths_causal_bottom_right", dtype)
+  # Gradients whose key blocks each visit the rows that can see them (wide_gradients.row_ranges).
+  check_gradients(rng, (1, 2100, 2100, 2, 2, 512), "causal", jnp.bfloat16)
+  check_gradients(rng, (1, 300, 1100, 2, 2, 264), "window_causal_bottom_right", jnp.float16)
   for poison in ("q_nan", "k_nan", "v_nan", "v_inf", "k_neginf"):
     test_nonfinite.check_case(rng, "native", poison, "lengths_causal", jnp.bfloat16,
                               shape=(2, 70, 90, 4, 2, 512))

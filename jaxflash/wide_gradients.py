@@ -1,0 +1,66 @@
+"""The gradients of the Hopper wide forward (head dims 257-512), which has no backward kernel.
+
+`backward` runs the blockwise backward of `derivatives.backward` in the inputs' 16-bit type
+through XLA's matrix products (float32 sums), up to 1024 keys a step. A causal or windowed
+call visits, per key block, only the query rows that can see it (`row_ranges`); the rest of
+a block's products would multiply zero weights. Pallas's exact backward takes what this
+cannot (`exact`).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxflash import derivatives, reference
+
+# Past this many query rows (B · N · T) a wide call's gradients are the exact ones: the
+# blockwise backward holds a few float32 [rows, block] arrays a step (at the smallest
+# block, 128 keys, 512 MiB each at the bound).
+MAX_ROWS = 1 << 20
+# Past this many key blocks one scan step per block (every row) replaces the unrolled
+# steps over each block's rows: the compiled program grows with the steps.
+MAX_UNROLLED = 64
+
+
+def row_ranges(spec, T: int, S: int, block: int, *, lengths: bool, offsets) -> list | None:
+  """Per key block of `block` keys, the static [lo, hi) of the query rows that the causal
+  bound or window lets see it (a superset: lengths hide more), or None where no static bound
+  holds: no window side, ring offsets, a bottom-right diagonal moved by the lengths."""
+  left, right = spec.window_left, spec.window_right
+  if (left < 0 and right < 0) or offsets is not None or (spec.bottom_right and lengths):
+    return None
+  shift = S - T if spec.bottom_right else 0   # row i's diagonal key: i + shift
+  ranges = []
+  for j0 in range(0, S, block):
+    lo = 0 if right < 0 else min(T, max(0, j0 - shift - right))
+    hi = T if left < 0 else min(T, max(0, j0 + block + left - shift))
+    ranges.append((lo, max(lo, hi)))
+  return ranges if len(ranges) <= MAX_UNROLLED else None
+
+
+def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, exact, offsets=None):
+  """(dQ, dK, dV) of a 16-bit call past the CUDA kernels' head dims. `exact()` gives the
+  gradients where this cannot: calls past `MAX_ROWS`, and calls whose gradients come out
+  non-finite. Padding rows and keys are zeroed first, as the kernels' loads zero them; but a
+  block's products multiply a hidden pair's zero weight by the key's value and query, so a
+  NaN or Inf of an input could reach rows that cannot see it (design.md §2), and the exact
+  gradients then replace all three (under vmap both run: the choice is per call, not per
+  element)."""
+  B, T, N, _ = q.shape
+  if B * N * T > MAX_ROWS:
+    return exact()
+  S = k.shape[1]
+  block = 128
+  while block < 1024 and block < S and B * N * T * block * 2 <= MAX_ROWS * 128:
+    block *= 2
+  rows = (jnp.arange(T) < reference.clamped_lengths(q_lengths, B, T)[:, None])[..., None, None]
+  keys = (jnp.arange(S) < reference.clamped_lengths(kv_lengths, B, S)[:, None])[..., None, None]
+  q, o, do = (jnp.where(rows, x, 0) for x in (q, o, do))
+  k, v = (jnp.where(keys, x, 0) for x in (k, v))
+  lengths = any(reference.given_lengths(x) is not None for x in (q_lengths, kv_lengths))
+  grads = derivatives.backward(
+      q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets, dtype=q.dtype,
+      block=block, rows=row_ranges(spec, T, S, min(block, S), lengths=lengths, offsets=offsets))
+  finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in grads]))
+  return lax.cond(finite, lambda: grads, exact)
