@@ -53,7 +53,7 @@ def dot_product_attention(
     width, head-dim bucket, causal, decode step or not: jaxflash/choice.py;
     ``python -m jaxflash.tune --orders`` measures it on your GPU), else
     ``xla``. Where no one measured the class, ``native`` comes first. On a
-    CPU, ``xla`` competes too for calls of at most 2^16 scores that hide no
+    CPU, ``xla`` competes too for calls of at most 2^14 scores that hide no
     pair (``choice.SMALL_SCORES``).
   * ``"native"`` — the jaxflash kernels (CUDA on GPU, C++ on CPU) via XLA FFI.
   * ``"pallas"`` — the jaxflash Pallas kernels.

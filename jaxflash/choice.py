@@ -39,11 +39,13 @@ DECODE_QUERIES = 4
 
 
 # Scores (B·N·T·S) up to which a CPU call that hides no pair is "small": there the
-# `xla` implementation, which materialises them (at the bound 256 KiB of float32),
+# `xla` implementation, which materialises them (at the bound 64 KiB of float32),
 # competes with the native kernels, whose fixed costs a call it undercuts (tune.py
-# --orders --queries small measures the order; docs/performance.md, CPU). Only
-# where nothing is hidden does its dense softmax keep the kernels' NaN rules.
-SMALL_SCORES = 1 << 16
+# --orders --queries small measures the order; docs/performance.md, CPU). Measured on
+# 2 cores (2026-12-02): xla 1.13-1.89x native's speed forward+backward at 2^12-2^14
+# scores, even at 2^15, 0.68-0.92x at 2^16 (but for one head of 256 keys). Only where
+# nothing is hidden does its dense softmax keep the kernels' NaN rules.
+SMALL_SCORES = 1 << 14
 SMALL_CANDIDATES = ("native", "xla")
 
 

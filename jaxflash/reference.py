@@ -200,28 +200,43 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   G = N // K
 
   left, right = window_bounds(is_causal, local_window_size)
-  visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
-                         key_value_seq_lengths=key_value_seq_lengths, window_left=left,
-                         window_right=right, bottom_right=causal_alignment == "bottom_right",
-                         batch=B, diagonal_offsets=diagonal_offsets, segment_ids=segment_ids)
-  if mask is not None:
-    visible = visible & jnp.asarray(mask, bool)
-  visible = jnp.broadcast_to(visible, (B, N, T, S))
-  row_sees = jnp.any(visible, axis=-1)                                     # [B, N, T]
-  key_seen = jnp.any(visible.reshape(B, K, G, T, S), axis=(2, 3))          # [B, K, S]
-
-  # Padding (rows that see nothing, keys nobody sees) is zeroed before the
-  # products, so whatever it holds, NaN included, reaches no output or gradient.
-  q = jnp.where(jnp.transpose(row_sees, (0, 2, 1))[..., None], query, 0).astype(compute_dtype)
-  k_mask = jnp.transpose(key_seen, (0, 2, 1))[..., None]
-  k = jnp.where(k_mask, key, 0).astype(compute_dtype)
-  v = jnp.where(k_mask, value, 0).astype(compute_dtype)
+  q, k, v = query, key, value
+  # A call that hides no pair skips the visibility masks: every select below would keep
+  # its first operand, and on small calls (where the default runs this; choice.py) their
+  # passes over the scores cost about a third of the call.
+  hides = (mask is not None or left is not None or right is not None or segment_ids is not None
+           or given_lengths(query_seq_lengths) is not None
+           or given_lengths(key_value_seq_lengths) is not None)
+  visible = sees = None
+  if hides:
+    visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
+                           key_value_seq_lengths=key_value_seq_lengths, window_left=left,
+                           window_right=right, bottom_right=causal_alignment == "bottom_right",
+                           batch=B, diagonal_offsets=diagonal_offsets, segment_ids=segment_ids)
+    if mask is not None:
+      visible = visible & jnp.asarray(mask, bool)
+    visible = jnp.broadcast_to(visible, (B, N, T, S))
+    row_sees = jnp.any(visible, axis=-1)                                   # [B, N, T]
+    key_seen = jnp.any(visible.reshape(B, K, G, T, S), axis=(2, 3))        # [B, K, S]
+    sees = row_sees[..., None]
+    # Padding (rows that see nothing, keys nobody sees) is zeroed before the
+    # products, so whatever it holds, NaN included, reaches no output or gradient.
+    q = jnp.where(jnp.transpose(row_sees, (0, 2, 1))[..., None], query, 0)
+    k_mask = jnp.transpose(key_seen, (0, 2, 1))[..., None]
+    k, v = jnp.where(k_mask, key, 0), jnp.where(k_mask, value, 0)
+  q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
+  where = lambda cond, x, y: x if cond is None else jnp.where(cond, x, y)
 
   # Full-precision products for float32/float64: on GPUs the default would
   # be TF32, and this is the yardstick the kernels are measured against.
   precision = (jax.lax.Precision.HIGHEST if jnp.finfo(compute_dtype).bits >= 32
                else jax.lax.Precision.DEFAULT)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q.reshape(B, T, K, G, H), k,
+  # Query heads grouped over their key/value head; without grouping (G = 1) the plain
+  # four-axis products, which XLA's CPU backend runs without a copy of the scores.
+  grouped = (B, T, K, G) if G > 1 else (B, T, K)
+  scores, output = (("btkgh,bskh->bkgts", "bkgts,bskh->btkgh") if G > 1 else
+                    ("btkh,bskh->bkts", "bkts,bskh->btkh"))
+  logits = jnp.einsum(scores, q.reshape(*grouped, H), k,
                       preferred_element_type=compute_dtype, precision=precision)
   logits = soft_cap(logits.reshape(B, N, T, S) * jnp.asarray(scale, compute_dtype),
                     logits_soft_cap)
@@ -237,20 +252,19 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   # depend on the shift, so its gradient is dropped. As in jax.nn's softmax, a
   # +inf or NaN score makes the whole row (probabilities and LSE) NaN; a row
   # whose visible scores are all -inf shifts by 0 and gets 0 / 0 = NaN.
-  row_max = jnp.max(jnp.where(visible, logits, jnp.finfo(compute_dtype).min), axis=-1,
-                    keepdims=True)
+  row_max = jnp.max(where(visible, logits, jnp.finfo(compute_dtype).min), axis=-1, keepdims=True)
   shift = jax.lax.stop_gradient(jnp.where(row_max == -jnp.inf, 0, row_max))
   # exp sees only visible scores (masked entries read 0), so it never makes an
   # inf, and the select keeps masked probabilities exactly 0 with 0 gradient.
-  probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits - shift, 0)), 0)
+  probs = where(visible, jnp.exp(where(visible, logits - shift, 0)), 0)
   row_sum = jnp.sum(probs, axis=-1, keepdims=True)
-  sees = row_sees[..., None]
-  probs = (probs / jnp.where(sees, row_sum, 1)).astype(compute_dtype)
+  probs = (probs / where(sees, row_sum, 1)).astype(compute_dtype)
 
-  out = jnp.einsum("bkgts,bskh->btkgh", probs.reshape(B, K, G, T, S), v,
+  out = jnp.einsum(output, probs.reshape(B, *grouped[2:], T, S), v,
                    preferred_element_type=compute_dtype, precision=precision)
-  out = jnp.where(jnp.transpose(sees, (0, 2, 1, 3)), out.reshape(B, T, N, v.shape[-1]), 0)
-  lse = jnp.where(sees, jnp.log(jnp.where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
+  out = out.reshape(B, T, N, v.shape[-1])
+  out = where(None if sees is None else jnp.transpose(sees, (0, 2, 1, 3)), out, 0)
+  lse = where(sees, jnp.log(where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
   return out.astype(out_dtype), lse[..., 0]
 
 
