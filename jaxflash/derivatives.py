@@ -247,9 +247,9 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
   `segments`, `alibi` and `dense` as for `tangent`): `block` keys a step, products of
   `dtype` operands (float32: IEEE; a 16-bit type: P and dS rounded to it, as the
   kernels multiply) with float32 sums. A scan over the key blocks; or, given `rows`
-  (per block the static [lo, hi) of the query rows that can see it; no ALiBi or dense
-  terms), one
-  step a block over those rows only (a scan's steps share one shape: every row)."""
+  (no ALiBi or dense terms), groups (j0, j1, lo, hi) of consecutive key blocks [j0, j1)
+  whose steps visit only the query rows [lo, hi) (static: a scan's steps share one
+  shape), a scan a group and a plain step for a group of one block."""
   g = _ScoreGradients(q, k, o, lse, do, dlse, q_lengths, kv_lengths, spec, offsets, segments,
                       alibi, dense, dtype, block)
 
@@ -260,19 +260,29 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
             spec.scale * g.product("bkgts,btkgh->bskh", ds, g.qg[:, part]),
             g.product("bkgts,btkgh->bskh", p, g.dog[:, part]))
 
-  ks, vs, dq = g.split(k), g.split(v), jnp.zeros_like(g.qg, jnp.float32)
-  if rows is None:
+  def scan(dq, blocks, part=slice(None)):
     def step(dq, block):
-      dq_part, dk, dv = grads(*block)
+      dq_part, dk, dv = grads(*block, part)
       return dq + dq_part, (dk, dv)
-    dq, (dk, dv) = lax.scan(step, dq, (ks, vs, g.starts()))
+    return lax.scan(step, dq, blocks)
+
+  ks, vs, starts, dq = g.split(k), g.split(v), g.starts(), jnp.zeros_like(g.qg, jnp.float32)
+  if rows is None:
+    dq, (dk, dv) = scan(dq, (ks, vs, starts))
   else:
-    assert len(rows) == g.count and alibi is None and dense is None
+    assert alibi is None and dense is None
     dk, dv = jnp.zeros_like(ks, jnp.float32), jnp.zeros_like(vs, jnp.float32)
-    for j, (lo, hi) in enumerate(rows):
-      if hi > lo:
-        dq_part, dk_j, dv_j = grads(ks[j], vs[j], j * g.block, slice(lo, hi))
-        dq, dk, dv = dq.at[:, lo:hi].add(dq_part), dk.at[j].set(dk_j), dv.at[j].set(dv_j)
+    for j0, j1, lo, hi in rows:
+      if hi <= lo:   # no row sees these keys
+        continue
+      part = slice(lo, hi)
+      if j1 - j0 == 1:
+        dq_part, dk_j, dv_j = grads(ks[j0], vs[j0], j0 * g.block, part)
+        dk_j, dv_j = dk_j[None], dv_j[None]
+      else:
+        dq_part, (dk_j, dv_j) = scan(jnp.zeros_like(g.qg[:, part], jnp.float32),
+                                     (ks[j0:j1], vs[j0:j1], starts[j0:j1]), part)
+      dq, dk, dv = dq.at[:, part].add(dq_part), dk.at[j0:j1].set(dk_j), dv.at[j0:j1].set(dv_j)
   return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
 
 

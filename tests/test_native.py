@@ -300,10 +300,34 @@ def test_wide_backward_rule_on_the_cpu(rng, monkeypatch):
                       or ranges[-1])
   check_gradients(rng, (1, 40, 1100, 2, 2, 264), "window", jnp.float16)
   check_gradients(rng, (1, 300, 1100, 2, 2, 512), "window_causal_bottom_right", jnp.bfloat16)
-  assert ranges == [[(0, 40), (40, 40)], [(0, 229), (224, 300)]]
+  assert ranges == [[(0, 1, 0, 40), (1, 2, 40, 40)], [(0, 1, 0, 229), (1, 2, 224, 300)]]
   for poison in ("q_nan", "k_nan", "v_inf"):
     test_nonfinite.check_case(rng, "native", poison, "lengths_causal", jnp.bfloat16,
                               shape=(2, 70, 90, 4, 2, 512))
+
+
+@pytest.mark.parametrize("mask", ["causal", "window_causal_bottom_right"])
+def test_blockwise_backward_over_row_groups(rng, mask):
+  """derivatives.backward over wide_gradients.row_ranges' groups (a scan a group of several
+  key blocks, a plain step for one, groups no row sees skipped) gives the gradients of its
+  scan over every row: 19 blocks of 16 keys in 10 groups."""
+  from jaxflash import _core, derivatives, reference, wide_gradients
+  spec = {"causal": _core.MaskSpec(scale=0.125, window_right=0),
+          "window_causal_bottom_right": _core.MaskSpec(scale=0.125, window_left=20, window_right=0,
+                                                       bottom_right=True)}[mask]
+  T = 300 if mask == "causal" else 40
+  q = jnp.asarray(rng.standard_normal((2, T, 4, 64)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, 300, 2, 64)), jnp.float32) for _ in range(2))
+  do = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+  o, lse = reference.attention(q, k, v, scale=0.125, is_causal=True, local_window_size=(
+      (spec.window_left, 0) if spec.window_left >= 0 else None),
+      causal_alignment="bottom_right" if spec.bottom_right else "top_left")
+  groups = wide_gradients.row_ranges(spec, T, 300, 16, lengths=False, offsets=None)
+  assert len(groups) == 10 and {j1 - j0 for j0, j1, _, _ in groups} == {1, 2}
+  run = lambda rows: derivatives.backward(q, k, v, o, lse, do, jnp.zeros_like(lse), None, None,
+                                          spec=spec, block=16, rows=rows)
+  for got, want in zip(run(groups), run(None)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
