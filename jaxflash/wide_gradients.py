@@ -2,9 +2,9 @@
 
 `backward` runs the blockwise backward of `derivatives.backward` in the inputs' 16-bit type
 through XLA's matrix products (float32 sums), up to 1024 keys a step. A causal or windowed
-call visits, per group of key blocks (a block a group up to 16 blocks), only the query rows
-that can see them (`row_ranges`); the rest of a block's products would multiply zero
-weights. Pallas's exact backward takes what this cannot (`exact`).
+call visits, per group of key blocks (one block a group up to 16 blocks, more past that),
+only the query rows that can see them (`row_ranges`); the rest of a block's products would
+multiply zero weights. Pallas's exact backward takes what this cannot (`exact`).
 """
 
 from __future__ import annotations
