@@ -183,12 +183,8 @@ TileVisibility ProbabilitiesAndScoreGrads(const Geometry& g, const MaskPolicy& m
     float* s = t.s + r * kKeysPerTile;
     float* ds = t.ds + r * kKeysPerTile;
     if (capped) SoftCap{p.softcap}.Apply(s, cols);
-    if (!full) {
-      // Rows with no visible key have LSE = -inf; masking first keeps them at 0.
-      for (int c = 0; c < cols; ++c) {
-        if (!mask.Visible(r0 + r, c0 + c)) s[c] = kNegInf;
-      }
-    }
+    // Rows with no visible key have LSE = -inf; masking first keeps them at 0.
+    if (!full) HideUnseen(mask, r0 + r, c0, cols, s);
     if (mixed) dense.Hide(h, r0 + r, c0, cols, s);
     const float lse2 = t.lse2[r];
     if (capped) {

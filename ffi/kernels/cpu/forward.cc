@@ -136,12 +136,7 @@ JAXFLASH_CPU_CLONES void ForwardItem(const FwdParams& p, int64_t item, ForwardTi
     };
     for (int r = 0; r < valid_rows; ++r) {
       float* s = t.s + r * kKeysPerTile;
-      if (!full) {
-        const int query_row = packed.QueryRow(r0 + r);
-        for (int c = 0; c < cols; ++c) {
-          if (!mask.Visible(query_row, c0 + c)) s[c] = kNegInf;
-        }
-      }
+      if (!full) HideUnseen(mask, packed.QueryRow(r0 + r), c0, cols, s);
       if (mixed) dense.Hide(head_row(r).first, head_row(r).second, c0, cols, s);
       if (p.dense.mask.On() && !t.dense_seen[r]) {
         const VisibleSpan span = cols_of(r);
