@@ -314,7 +314,10 @@ JAXFLASH_CPU_CLONES void KeyTileGrads(const Geometry& g, int64_t b, int64_t kv_h
   std::fill(t.acc_a, t.acc_a + cols * dim, 0.f);
   std::fill(t.acc_b, t.acc_b + cols * vdim, 0.f);
   const int valid_cols = std::min(cols, std::max(0, mask.kv_valid - c0));
-  const int row_begin = valid_cols > 0 ? mask.BlockRowBegin(c0) : 0;
+  // From a multiple of kRowGroup (up to three rows that see none of these keys
+  // more), so that the dQ sums taken here group rows as QueryGradItem's row
+  // tiles do and both schemes give the same bits.
+  const int row_begin = valid_cols > 0 ? mask.BlockRowBegin(c0) / kRowGroup * kRowGroup : 0;
   const int row_end = valid_cols > 0 ? mask.BlockRowEnd(c0 + valid_cols - 1) : 0;
   const int64_t kv_off = g.KvOffset(b, kv_head, c0), v_off = g.VOffset(b, kv_head, c0);
   if (row_begin < row_end) {

@@ -43,6 +43,9 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 // columns of them, so the wider allocation costs smaller calls nothing.
 constexpr int kRowsPerTile = 32;
 constexpr int kKeysPerTile = 64;
+// Rows that AccumulateVisible multiplies together over the keys they all see.
+constexpr int kRowGroup = 4;
+static_assert(kRowsPerTile % kRowGroup == 0, "row tiles start on a group");
 constexpr int kMaxHeadDim = static_cast<int>(kMaxCpuHeadDim);
 
 // Why the CPU kernels cannot take a call's head dims (q/k's and v's), or Ok.
@@ -370,10 +373,12 @@ JAXFLASH_CPU_INLINE VisibleSpan VisibleColsOf(const MaskPolicy& mask, int row, i
 // every key, MaskPolicy::Visible recomputes the row's bounds each time).
 JAXFLASH_CPU_INLINE void HideUnseen(const MaskPolicy& mask, int row, int c0, int cols, float* s) {
   const VisibleSpan span = VisibleColsOf(mask, row, c0, cols);
-  std::fill(s, s + span.begin, kNegInf);
-  std::fill(s + span.end, s + cols, kNegInf);
+  // (A row whose keys start past the tile has a span past it too.)
+  const int begin = std::min(span.begin, cols), end = std::min(span.end, cols);
+  std::fill(s, s + begin, kNegInf);
+  std::fill(s + end, s + cols, kNegInf);
   if (span.exact) return;
-  for (int c = span.begin; c < span.end; ++c) {
+  for (int c = begin; c < end; ++c) {
     if (!mask.SameSegment(row, c0 + c)) s[c] = kNegInf;
   }
 }
@@ -389,7 +394,9 @@ JAXFLASH_CPU_INLINE VisibleSpan VisibleRowsOf(const MaskPolicy& mask, int col, i
 // over the indices all four see (on a causal diagonal tile nearly all of
 // their spans), in the product's 4-row register blocks; the rest of each span
 // row by row, whose one-row blocks run at a fraction of the rate (a 64-row
-// causal call spent most of its backward there).
+// causal call spent most of its backward there). A row's sum thus depends on
+// its group: callers whose row tiles must agree bit for bit start them at a
+// multiple of kRowGroup (backward.cc's schemes).
 template <typename SpanOf, typename Sees>
 JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stride, int rows, int inner,
                                            const float* b, int b_stride, int n, float* out, int out_stride,
@@ -414,9 +421,10 @@ JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stri
       if (sees(m, i)) row_part(m, i, i + 1);
     }
   };
+  static_assert(kRowGroup == 4, "the groups are the product's 4-row blocks");
   int m = 0;
-  for (; m + 4 <= rows; m += 4) {
-    const VisibleSpan s[4] = {span_of(m), span_of(m + 1), span_of(m + 2), span_of(m + 3)};
+  for (; m + kRowGroup <= rows; m += kRowGroup) {
+    const VisibleSpan s[kRowGroup] = {span_of(m), span_of(m + 1), span_of(m + 2), span_of(m + 3)};
     int begin = 0, end = inner;  // the indices all four rows see
     bool exact = true;
     for (const VisibleSpan& x : s) {
@@ -425,12 +433,12 @@ JAXFLASH_CPU_INLINE void AccumulateVisible(bool full, const float* a, int a_stri
       exact = exact && x.exact;
     }
     if (!exact || end <= begin) {
-      for (int j = 0; j < 4; ++j) row(m + j, s[j]);
+      for (int j = 0; j < kRowGroup; ++j) row(m + j, s[j]);
       continue;
     }
-    AccumulateProduct(a + m * a_stride + begin, a_stride, 4, end - begin, b + begin * b_stride, b_stride, n,
-                      out + m * out_stride, out_stride);
-    for (int j = 0; j < 4; ++j) {
+    AccumulateProduct(a + m * a_stride + begin, a_stride, kRowGroup, end - begin, b + begin * b_stride, b_stride,
+                      n, out + m * out_stride, out_stride);
+    for (int j = 0; j < kRowGroup; ++j) {
       row_part(m + j, s[j].begin, begin);
       row_part(m + j, end, s[j].end);
     }
