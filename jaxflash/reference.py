@@ -207,7 +207,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
   hides = (mask is not None or left is not None or right is not None or segment_ids is not None
            or given_lengths(query_seq_lengths) is not None
            or given_lengths(key_value_seq_lengths) is not None)
-  visible = sees = None
+  visible = sees = row_mask = None
   if hides:
     visible = visible_mask(T, S, query_seq_lengths=query_seq_lengths,
                            key_value_seq_lengths=key_value_seq_lengths, window_left=left,
@@ -218,10 +218,11 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
     visible = jnp.broadcast_to(visible, (B, N, T, S))
     row_sees = jnp.any(visible, axis=-1)                                   # [B, N, T]
     key_seen = jnp.any(visible.reshape(B, K, G, T, S), axis=(2, 3))        # [B, K, S]
-    sees = row_sees[..., None]
+    sees = row_sees[..., None]                                            # [B, N, T, 1]
+    row_mask = jnp.transpose(row_sees, (0, 2, 1))[..., None]               # [B, T, N, 1]
     # Padding (rows that see nothing, keys nobody sees) is zeroed before the
     # products, so whatever it holds, NaN included, reaches no output or gradient.
-    q = jnp.where(jnp.transpose(row_sees, (0, 2, 1))[..., None], query, 0)
+    q = jnp.where(row_mask, query, 0)
     k_mask = jnp.transpose(key_seen, (0, 2, 1))[..., None]
     k, v = jnp.where(k_mask, key, 0), jnp.where(k_mask, value, 0)
   q, k, v = (x.astype(compute_dtype) for x in (q, k, v))
@@ -262,8 +263,7 @@ def attention(query, key, value, *, scale: float, bias=None, mask=None, is_causa
 
   out = jnp.einsum(output, probs.reshape(B, *grouped[2:], T, S), v,
                    preferred_element_type=compute_dtype, precision=precision)
-  out = out.reshape(B, T, N, v.shape[-1])
-  out = where(None if sees is None else jnp.transpose(sees, (0, 2, 1, 3)), out, 0)
+  out = where(row_mask, out.reshape(B, T, N, v.shape[-1]), 0)
   lse = where(sees, jnp.log(where(sees, row_sum, 1)) + shift, empty_lse(compute_dtype))
   return out.astype(out_dtype), lse[..., 0]
 

@@ -25,7 +25,7 @@ MAX_GROUPS = 16
 
 
 def row_ranges(spec, T: int, S: int, block: int, *, lengths: bool, offsets) -> list | None:
-  """Groups (j0, j1, lo, hi) of consecutive key blocks [j0, j1) of `block` keys, at most
+  """Groups (j0, j1, lo, hi) of consecutive key blocks [j0, j1) of `block` keys (at most S), at most
   MAX_GROUPS, with the static rows [lo, hi) that the causal bound or window lets see
   any of them (a superset: lengths hide more); or None where no static bound holds: no
   window side, ring offsets, a bottom-right diagonal moved by the lengths."""
@@ -33,6 +33,7 @@ def row_ranges(spec, T: int, S: int, block: int, *, lengths: bool, offsets) -> l
   if (left < 0 and right < 0) or offsets is not None or (spec.bottom_right and lengths):
     return None
   shift = S - T if spec.bottom_right else 0   # row i's diagonal key: i + shift
+  block = min(block, S)   # as derivatives.backward's blocks
   count = -(-S // block)
   size = -(-count // MAX_GROUPS)   # blocks a group
   groups = []
@@ -59,13 +60,13 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, exact, o
   block = 128
   while block < 1024 and block < S and B * N * T * block * 2 <= MAX_ROWS * 128:
     block *= 2
-  rows = (jnp.arange(T) < reference.clamped_lengths(q_lengths, B, T)[:, None])[..., None, None]
-  keys = (jnp.arange(S) < reference.clamped_lengths(kv_lengths, B, S)[:, None])[..., None, None]
-  q, o, do = (jnp.where(rows, x, 0) for x in (q, o, do))
-  k, v = (jnp.where(keys, x, 0) for x in (k, v))
+  valid_rows = (jnp.arange(T) < reference.clamped_lengths(q_lengths, B, T)[:, None])[..., None, None]
+  valid_keys = (jnp.arange(S) < reference.clamped_lengths(kv_lengths, B, S)[:, None])[..., None, None]
+  q, o, do = (jnp.where(valid_rows, x, 0) for x in (q, o, do))
+  k, v = (jnp.where(valid_keys, x, 0) for x in (k, v))
   lengths = any(reference.given_lengths(x) is not None for x in (q_lengths, kv_lengths))
   grads = derivatives.backward(
       q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, spec=spec, offsets=offsets, dtype=q.dtype,
-      block=block, rows=row_ranges(spec, T, S, min(block, S), lengths=lengths, offsets=offsets))
+      block=block, rows=row_ranges(spec, T, S, block, lengths=lengths, offsets=offsets))
   finite = jnp.all(jnp.stack([jnp.isfinite(g).all() for g in grads]))
   return lax.cond(finite, lambda: grads, exact)

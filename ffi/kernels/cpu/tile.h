@@ -359,13 +359,13 @@ JAXFLASH_CPU_INLINE void RowsTimesTransposed(const float* a, int rows, int dim, 
 // ids can leave gaps in an interval (`exact` false): then each index of it is
 // asked (`sees`).
 struct VisibleSpan {
-  int begin, end;  // relative to the tile's first column (row)
+  int begin, end;  // relative to the tile's first column (row), within the tile
   bool exact;
 };
 // The columns of the tile [c0, c0 + cols) that `row` sees.
 JAXFLASH_CPU_INLINE VisibleSpan VisibleColsOf(const MaskPolicy& mask, int row, int c0, int cols) {
   if (!mask.HasKeys(row)) return {0, 0, true};
-  const int begin = std::max(mask.KeyBegin(row) - c0, 0);
+  const int begin = std::clamp(mask.KeyBegin(row) - c0, 0, cols);  // keys from past the tile: empty
   return {begin, std::max(begin, std::min(mask.KeyEnd(row) - c0, cols)), mask.KeysExact(row)};
 }
 // The scores s[0..cols) of keys c0.. that `row` does not see set to -inf: outside its
@@ -373,18 +373,16 @@ JAXFLASH_CPU_INLINE VisibleSpan VisibleColsOf(const MaskPolicy& mask, int row, i
 // every key, MaskPolicy::Visible recomputes the row's bounds each time).
 JAXFLASH_CPU_INLINE void HideUnseen(const MaskPolicy& mask, int row, int c0, int cols, float* s) {
   const VisibleSpan span = VisibleColsOf(mask, row, c0, cols);
-  // (A row whose keys start past the tile has a span past it too.)
-  const int begin = std::min(span.begin, cols), end = std::min(span.end, cols);
-  std::fill(s, s + begin, kNegInf);
-  std::fill(s + end, s + cols, kNegInf);
+  std::fill(s, s + span.begin, kNegInf);
+  std::fill(s + span.end, s + cols, kNegInf);
   if (span.exact) return;
-  for (int c = begin; c < end; ++c) {
+  for (int c = span.begin; c < span.end; ++c) {
     if (!mask.SameSegment(row, c0 + c)) s[c] = kNegInf;
   }
 }
 // The rows of the tile [r0, r0 + rows) that see key `col`.
 JAXFLASH_CPU_INLINE VisibleSpan VisibleRowsOf(const MaskPolicy& mask, int col, int r0, int rows) {
-  const int begin = std::max(mask.RowBegin(col) - r0, 0);
+  const int begin = std::clamp(mask.RowBegin(col) - r0, 0, rows);
   return {begin, std::max(begin, std::min(mask.RowEnd(col) - r0, rows)), mask.RowsExact(col)};
 }
 
