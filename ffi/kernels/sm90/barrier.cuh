@@ -31,20 +31,12 @@ struct MBarrier {
   __device__ __forceinline__ static void ArriveExpectBytes(uint32_t bar, uint32_t bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
   }
-  // The waiting thread sleeps until the phase completes, for up to
-  // kSuspendNs at a time. Without the hint a try_wait gives up after a short
-  // time of the hardware's choosing: the fused D 128 backward's producer, flag
-  // and dQ writer warps then went round their wait loops ~60 M times a call
-  // (B 2, S 8k, causal), 178 M of its 821 M issued instructions, on the
-  // schedulers the consumer warps issue from (docs/performance-log.md,
-  // sixtieth session).
-  static constexpr uint32_t kSuspendNs = 10'000'000;
   __device__ __forceinline__ static void Wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n.reg .pred done;\nwait_again:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
         "@!done bra wait_again;\n}\n" ::"r"(bar),
-        "r"(parity), "n"(kSuspendNs)
+        "r"(parity)
         : "memory");
   }
 };
