@@ -58,11 +58,8 @@ struct StagedBiasKeyMajor {
   }
 };
 
-// kLseEarly: the LSE of the step's queries read into registers (16 at kM =
-// 64) while the products run, else as the exponents need them. (Read before
-// the products were issued, their wgmma.fence waited for the loads: 5% of
-// the fused D 128 consumers' stall samples, sixtieth session in
-// docs/performance-log.md.)
+// kLseFirst: the LSE of the step's queries read into registers before the
+// products are issued (16 at kM = 64), else as the exponents need them;
 // `pre`: what the scores take between the products and Pᵀ (a staged bias,
 // StagedBiasKeyMajor);
 // kLseLog2: `lse` holds them in log2 units (else natural-log).
@@ -70,7 +67,7 @@ struct StagedBiasKeyMajor {
 // run. `kept`: a tc::KeptTanh that receives a capped tile's tanh
 // (score_mod.cuh). VTile and DOTile: V's and dO's, where v has a head dim of
 // its own (dPᵀ then reduces over its columns).
-template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseEarly = false,
+template <typename T, typename KVTile, typename QTile, int kD, int kM, bool kLseFirst = false,
           bool kLseLog2 = false, typename VTile = KVTile, typename DOTile = QTile, typename Full,
           typename Kept = tc::NoKeptTanh, typename Pre = NoStagedBias>
 __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&dp)[kM / 8][4], uint32_t k_rows,
@@ -78,14 +75,14 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
                                                int r0, int key0, Full&& is_full, const float* lse, int lane,
                                                float scale_log2, tc::SoftCap cap = {}, tc::AlibiBias alibi = {},
                                                Kept&& kept = {}, Pre&& pre = {}) {
-  WgmmaFence();
-  float lse_log2[kLseEarly ? kM / 8 : 1][2];
-  if constexpr (kLseEarly) {
+  float lse_log2[kLseFirst ? kM / 8 : 1][2];
+  if constexpr (kLseFirst) {
 #pragma unroll
     for (int nt = 0; nt < kM / 8; ++nt)
 #pragma unroll
       for (int j = 0; j < 2; ++j) lse_log2[nt][j] = tc::KeyMajorLseLog2<kLseLog2>(lse, lane, nt, j);
   }
+  WgmmaFence();
   ProductSS<T, KVTile, QTile, kD, kM>(st, k_rows, q);
   WgmmaCommit();
   ProductSS<T, VTile, DOTile, 64 * VTile::kBlocks, kM>(dp, v_rows, d_o);
@@ -96,7 +93,7 @@ __device__ __forceinline__ void KeyMajorScores(float (&st)[kM / 8][4], float (&d
   WgmmaWait<1>();
   FenceAccumulator(st);
   pre(st);
-  if constexpr (kLseEarly) {
+  if constexpr (kLseFirst) {
     tc::KeyMajorProbsFrom(st, pol, full, r0, key0, [&](int nt, int j) { return lse_log2[nt][j]; }, lane,
                           scale_log2, cap, alibi, kept);
   } else {

@@ -215,10 +215,10 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
     float st[kQT][4], dp[kQT][4];
     // Two-consumer tiles (the fused pass at D 128 and the capped one at D 64,
     // the dK/dV pass of the two kernels at D 64 and 128) read the step's LSE
-    // while the products run: read before the exponents, the fused D 128
-    // pass 1.5% faster (twenty-fourth session); the three-consumer D 64
-    // tile, at 160 registers a thread, was not measured.
-    constexpr bool kLseEarly = Tile::kConsumers == 2;
+    // before the products are issued: the fused D 128 pass 1.5% faster
+    // (twenty-fourth session); the three-consumer D 64 tile, at 160
+    // registers a thread, was not measured.
+    constexpr bool kLseFirst = Tile::kConsumers == 2;
     const tc::AlibiBias alibi = tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.Batch(), step.head);
     std::conditional_t<Tile::kKeepsTanh, tc::KeptTanh<kM / 8>, tc::NoKeptTanh> kept;
     // A dense tile's bias: this consumer's box of the stage (its 64 keys).
@@ -227,7 +227,7 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       bias = {WarpUniform(sm.Bias(ring.stage) + consumer * Tile::BiasTile::kBlockBytes), warp, lane,
               __fdividef(1.f, p.scale), p.dense.bias.dtype == DType::kFloat16};  // (scale > 0: TakesDenseBackward)
     }
-    KeyMajorScores<T, KVTile, QTile, kD, kM, kLseEarly, Tile::kLseLog2>(
+    KeyMajorScores<T, KVTile, QTile, kD, kM, kLseFirst, Tile::kLseLog2>(
         st, dp, sK_rows, sV_rows, in.q, in.d_o, w.pol, in.r0, w.C0() + key_w, [&] { return StepIsFull(w, in); },
         in.lse, lane, scale_log2, tc::SoftCap::Of<Tile::kTakesSoftCap>(p), alibi, kept,
         bias);
@@ -281,13 +281,11 @@ __device__ __forceinline__ void WsBwdConsumer(const BwdParams& p, const WsBwdSme
       WgmmaCommit();
       ProductRS<T, QTile, kM, kD>(dk, da, in.q, 0);
       WgmmaCommit();
-      // The buffer's tile of kDqBuffers steps before has been read: asked
-      // while dQ runs (asked after its wait, the barrier's round trip was 3%
-      // of the fused D 128 consumers' stall samples, sixtieth session).
-      const int buf = it % Tile::kDqBuffers;
-      MBarrier::Wait(sm.DqEmpty(buf), ((it / Tile::kDqBuffers) & 1) ^ 1);
       WgmmaWait<1>();  // dV and dQ
       FenceAccumulator(dq);
+      // The buffer's tile of kDqBuffers steps before has been read.
+      const int buf = it % Tile::kDqBuffers;
+      MBarrier::Wait(sm.DqEmpty(buf), ((it / Tile::kDqBuffers) & 1) ^ 1);
       // With kFlipStaging, lanes t = 2, 3 write the 8-column blocks in the
       // order k ^ 2, so the 16 lanes of a half-warp (4 rows, one swizzle phase
       // each) hit 8 different 16-byte chunks: one wavefront per half-warp,
