@@ -42,7 +42,8 @@
 # sharding    benchmarks/bench_sharding.py on every visible GPU (meant for two): batch sharding,
 #             ring attention at 64k/128k against one GPU, the ppermute overlap, a profiler trace
 # ab          a kernel A/B of this build against ab_base/ (tools/ab_base.sh REV here, and the
-#             device call carries ab_base): the base installed beside this build, then
+#             device call carries ab_base): the base built (beside this build when the call
+#             runs both stages) and installed beside it, then
 #             tools/ab_kernels.py times AB_KERNEL (an ncu regex; unset: the harness's whole
 #             call) at each of AB_SHAPES (profile_call.py arguments, ';'-separated),
 #             base / this / this / base
@@ -69,6 +70,24 @@ has() { [[ " ${stages[*]} " == *" $1 "* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+
+# The ab stage's base build (ab_base/ into $ab_base_path, its log in
+# ab_build.log); with the build stage it runs beside this build. The build
+# is bound by its longest translation units, not by the cores: two builds
+# one after the other took 122 + 130 s of an A/B call (2026-12-02).
+ab_base_path=/tmp/jaxflash_ab_base
+build_ab_base() {
+  rm -rf "$ab_base_path"
+  (cd ab_base && JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target "$ab_base_path" . \
+      > "$OUT/ab_build.log" 2>&1)
+}
+ab_ready() { has ab && [ -d ab_base ] && [ -n "${AB_SHAPES:-}" ]; }
+ab_pid=""
+if has build && ab_ready; then
+  ab_start=$SECONDS
+  build_ab_base &
+  ab_pid=$!
+fi
 
 if has build; then
   start=$SECONDS
@@ -187,13 +206,19 @@ if has ab; then
   elif [ -z "${AB_SHAPES:-}" ]; then
     note "ab: set AB_SHAPES (profile_call.py arguments, ';'-separated) and AB_KERNEL (an ncu kernel regex)"
   else
-    start=$SECONDS
-    base_path=/tmp/jaxflash_ab_base
-    rm -rf "$base_path"
-    if (cd ab_base && JAXFLASH_CUDA=ON python3 -m pip install --no-build-isolation --no-deps --target "$base_path" . \
-          > "$OUT/ab_build.log" 2>&1); then
-      note "ab: base $(cat ab_base/.revision 2>/dev/null) built in $((SECONDS - start)) s"
-      script_stage "ab" 420 ab.log python3 "$repo/tools/ab_kernels.py" --base-path "$base_path" \
+    if [ -n "$ab_pid" ]; then
+      wait "$ab_pid"
+      base_rc=$?
+      how="beside this build, done $((SECONDS - ab_start)) s after it began"
+    else
+      ab_start=$SECONDS
+      build_ab_base
+      base_rc=$?
+      how="in $((SECONDS - ab_start)) s"
+    fi
+    if [ "$base_rc" -eq 0 ]; then
+      note "ab: base $(cat ab_base/.revision 2>/dev/null) built $how"
+      script_stage "ab" 420 ab.log python3 "$repo/tools/ab_kernels.py" --base-path "$ab_base_path" \
           --kernel "${AB_KERNEL:-}" --shapes "$AB_SHAPES" --launches "${AB_LAUNCHES:-2}"
     else
       tail -n 20 "$OUT/ab_build.log"; note "ab: base build FAILED"
