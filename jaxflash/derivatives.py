@@ -282,7 +282,10 @@ def backward(q, k, v, o, lse, do, dlse, q_lengths, kv_lengths, *, spec, offsets=
       else:
         dq_part, (dk_j, dv_j) = scan(jnp.zeros_like(g.qg[:, part], jnp.float32),
                                      (ks[j0:j1], vs[j0:j1], starts[j0:j1]), part)
-      dq, dk, dv = dq.at[:, part].add(dq_part), dk.at[j0:j1].set(dk_j), dv.at[j0:j1].set(dv_j)
+      # Static slices through lax: `.at[:, lo:hi].add` lowers to a scatter whose empty index
+      # array is a constant, which custom_partitioning's rules (several devices) refuse.
+      dq = lax.dynamic_update_slice_in_dim(dq, lax.slice_in_dim(dq, lo, hi, axis=1) + dq_part, lo, axis=1)
+      dk, dv = (lax.dynamic_update_slice_in_dim(x, x_j, j0, axis=0) for x, x_j in ((dk, dk_j), (dv, dv_j)))
   return dq.reshape(q.shape).astype(q.dtype), g.join(dk, k.dtype), g.join(dv, v.dtype)
 
 

@@ -613,6 +613,16 @@ def test_example_trains_on_a_mesh():
   np.testing.assert_allclose(on_mesh, single, rtol=1e-4, atol=1e-5)
 
 
+@child_only
+def test_wide_backward_rule_on_several_devices(rng, monkeypatch):
+  """The wide forward's gradients (wide_gradients.backward) where the partition rules trace them
+  inside custom_partitioning, as on a host of several GPUs: no captured constant (the row
+  groups' `.at[:, lo:hi].add` was a scatter with a constant index array, which the rules
+  refuse), the same checks as on one device."""
+  import test_native
+  test_native.test_wide_backward_rule_on_the_cpu(rng, monkeypatch)
+
+
 def test_zigzag_order_round_trip():
   x = jnp.arange(2 * 24 * 3).reshape(2, 24, 3)
   z = jaxflash.zigzag_order(x, 3)
