@@ -11,9 +11,10 @@
 #             in 330 s, none failed, so the limit is 400 s; the test time is mostly compiling on
 #             the host, Pallas's Triton kernels above all (80-93 s a test), so the GPU tiers run
 #             one process a core up to 16: 51 such tests took 225 s over 16), then the API tests
-# newest-jax  the CPU suite's API, native, sharding and ring, Pallas and export files on this
-#             machine's JAX (newer than the one CI installs), JAX_PLATFORMS=cpu with 4 host
-#             devices: a JAX release that breaks the CPU path shows up whenever the GPU is tested
+# newest-jax  the whole CPU suite on this machine's JAX (newer than the one CI installs),
+#             JAX_PLATFORMS=cpu with 4 host devices (CI's run has one: the partition rules'
+#             paths run here; 683 s on 2 processes on a CPU machine, 2026-12-02): a JAX release
+#             that breaks the CPU path shows up whenever the GPU is tested
 # tests-slow  the rest of the sweep, -m "gpu and slow", for the training kernels
 #             (test_cuda_kernels, test_diagonal_offsets: every tile candidate, float16 grids,
 #             32k sequences)
@@ -166,10 +167,7 @@ fi
 if has newest-jax; then
   jax_version=$(python3 -c "import jax; print(jax.__version__)")
   JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest_stage \
-      "cpu tests on jax $jax_version" 540 newest_jax.log -n 8 --dist worksteal -rfE \
-      "$repo/tests/test_api.py" "$repo/tests/test_native.py" "$repo/tests/test_sharding.py" \
-      "$repo/tests/test_pallas.py" "$repo/tests/test_export.py" "$repo/tests/test_choice.py" \
-      "$repo/tests/test_softcap.py" "$repo/tests/test_segments.py"
+      "cpu tests on jax $jax_version" 540 newest_jax.log -n 8 --dist worksteal -rfE "$repo/tests"
 fi
 
 # The slow tier in two stages, each one call's worth; the contract fuzz is the
