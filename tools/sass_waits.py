@@ -46,7 +46,9 @@ def parse(text: str):
 
 def annotate(instructions):
   """Each instruction with, per scoreboard it waits on, the instructions that set it since the
-  last wait on it (a scoreboard counts its writers: one wait covers them all)."""
+  last wait on it (a scoreboard counts its writers: one wait covers them all), in address
+  order: a branch is not followed, so at a loop's head the setters before its back edge are
+  not listed. One kernel's listing (`cuobjdump -fun`): addresses start again per function."""
   pending = {sb: [] for sb in range(6)}
   rows = []
   for address, text, ctl in instructions:
