@@ -36,6 +36,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <climits>
 #include <type_traits>
 
@@ -107,7 +108,7 @@ struct WsFwdTile {
   // unhoisted), and three of 64-key tiles, which took it, ran the capped
   // forward 5% slower than two (H200, thirty-ninth session in
   // docs/performance-log.md). D 256's tiles take it where their epilogue's
-  // staging row is unhoisted (kUnhoistedRow, kCapKernel below): hoisted, its
+  // staging row is unhoisted (kUnhoistedRow, kModsUnhoistedRow below): hoisted, its
   // addresses spilled 28-212 bytes beside the cap.
   static constexpr bool kTakesSoftCap = !kTakesDense && (kD >= 128 || (kD == 64 && kConsumers == 2));
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
@@ -136,20 +137,26 @@ struct WsFwdTile {
   // D 256 it spilled 4-144 bytes).
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
+  // Whether calls with a soft-cap, ALiBi slopes or a scale that is not
+  // positive run a static-walk kernel of their own (WsFwdKernel's kMods),
+  // which alone carries those scores' code, so the plain calls' kernel holds
+  // one softmax a loop: with every variant in one kernel, the D 128 causal
+  // forward at S 1k spent 10.9% of its warps' stall samples waiting for
+  // instructions to be fetched (FlashAttention-3's 1.6%; H200, sixty-first
+  // session in docs/performance-log.md).
+  static constexpr bool kModsKernel = kTakesSoftCap || kTakesAlibi;
   // Whether the static walk's epilogue takes its staging row Unhoisted, as
   // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
   // pair addresses at the consumer's start and holds them across the walk,
   // which D 256's registers (128 of O a thread) hold only without a cap or
   // ALiBi. kUnhoistedRow: in every kernel of the tile (D 256's 64-key tile,
-  // which runs calls with ALiBi, and D 192's tiles past 80 keys, whose 96
-  // spilled 80 bytes hoisted); kCapKernel: capped calls run a static-walk
-  // kernel of their own (WsFwdKernel's kCapped), which alone carries the
-  // cap's code and unhoists the row, so the uncapped kernel stays as it was
-  // (D 256's 80-key pick: in one kernel with the row unhoisted, its uncapped
-  // forward ran 0.4% slower at S 4k, 1.0% causal; H200, forty-seventh
-  // session in docs/performance-log.md).
+  // and D 192's tiles past 80 keys, whose 96 spilled 80 bytes hoisted);
+  // kModsUnhoistedRow: in the kMods kernel only, so the plain one stays as
+  // it was (D 256's 80-key pick: in one kernel with the row unhoisted, its
+  // uncapped forward ran 0.4% slower at S 4k, 1.0% causal; H200,
+  // forty-seventh session in docs/performance-log.md).
   static constexpr bool kUnhoistedRow = (kD == 256 && kN == 64) || (kD == 192 && kN > 80);
-  static constexpr bool kCapKernel = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
+  static constexpr bool kModsUnhoistedRow = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -478,7 +485,7 @@ __device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile,
   }
 }
 
-template <typename T, typename Tile, bool kDynamic, bool kCapped>
+template <typename T, typename Tile, bool kDynamic, bool kMods>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
   // Marked uniform, what follows from it (this warpgroup's key tiles, the
@@ -497,11 +504,14 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
-  // Whether this kernel carries the cap's code (Tile::kCapKernel: the static
-  // walk's capped kernel does, its uncapped one not), and takes the
+  // Whether this kernel carries the code of a soft-cap, ALiBi and a scale
+  // that is not positive (Tile::kModsKernel: the static walk's kMods kernel
+  // does, its plain one not; the dynamic walk's always), and takes the
   // epilogue's staging row Unhoisted.
-  constexpr bool kCapCode = Tile::kTakesSoftCap && (kCapped || kDynamic || !Tile::kCapKernel);
-  constexpr bool kUnhoistedRow = kDynamic || kCapped || Tile::kUnhoistedRow;
+  constexpr bool kModsCode = kMods || kDynamic || !Tile::kModsKernel;
+  constexpr bool kCapCode = Tile::kTakesSoftCap && kModsCode;
+  constexpr bool kAlibiCode = Tile::kTakesAlibi && kModsCode;
+  constexpr bool kUnhoistedRow = kDynamic || (kMods && Tile::kModsUnhoistedRow) || Tile::kUnhoistedRow;
 
   // Ping-pong: consumer c issues its products after waiting for turn c and
   // then passes the turn to c + 1; the last consumer hands the first turn out.
@@ -611,12 +621,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             // (score_mod.cuh), so neither is held across the other's loop.
             if (p.softcap > 0.f) {
               tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
-                             tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
+                             tc::AlibiBias::Of<kAlibiCode>(p, w.pol, w.tile.batch, w.tile.head));
               return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
-          if (scale_log2 > 0.f) {
-            if constexpr (Tile::kTakesAlibi) {  // the bias in raw units: the scale stays in the exponent
+          if (!kModsCode || scale_log2 > 0.f) {
+            if constexpr (kAlibiCode) {  // the bias in raw units: the scale stays in the exponent
               const tc::AlibiBias alibi = tc::AlibiBias::Of(p, w.pol, w.tile.batch, w.tile.head);
               // Split where the registers allow (AddAlibiSplit: one FFMA a
               // score fewer on tiles off the diagonal); the dynamic walk's
@@ -635,7 +645,7 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
             return softmax.Scores<true>(s, alpha, scale_log2);
           }
           tc::ScaleAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, scale_log2, tc::SameRow{}, tc::SoftCap{},
-                           tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
+                           tc::AlibiBias::Of<kAlibiCode>(p, w.pol, w.tile.batch, w.tile.head));
           return softmax.Scores<true>(s, alpha);
         };
         // Q's address is taken Unhoisted at each use, so the compiler rebuilds
@@ -816,10 +826,10 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (tid == 0) TmaStoreWait<0>();
 }
 
-// kCapped: the static walk's kernel for capped calls of a tile with
-// kCapKernel (the dynamic walk's carries the cap's code anyway). It keeps the
-// uncapped branch its calls never take: so built, its SASS is the one timed.
-template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
+// kMods: the static walk's kernel for calls with a soft-cap, ALiBi slopes or
+// a scale that is not positive, of a tile with kModsKernel (the dynamic
+// walk's carries their code anyway).
+template <typename T, typename Tile, bool kDynamic, bool kMods = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
@@ -854,21 +864,21 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map, bias_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, scheduler(), o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kMods>(p, sm, scheduler(), o_map, consumer); });
   } else {
     const TileScheduler sched = scheduler();
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map, bias_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kCapped>(p, sm, sched, o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kMods>(p, sm, sched, o_map, consumer); });
   }
 #endif  // JAXFLASH_SM90A
 }
 
-template <typename T, typename Tile, bool kDynamic, bool kCapped = false>
+template <typename T, typename Tile, bool kDynamic, bool kMods = false>
 Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic, kCapped>>(Tile::kSmemBytes, device);
+  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic, kMods>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
@@ -889,21 +899,26 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
     return st;
   }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
-  WsFwdKernel<T, Tile, kDynamic, kCapped><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+  WsFwdKernel<T, Tile, kDynamic, kMods><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
       p, q_map, k_map, v_map, o_map, bias_map, kDynamic ? WorkClaims::NextSlot() : 0);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
 }
 
 // Encodes the four tensor maps and launches one CTA per SM (fewer when there
 // are fewer work tiles): the dynamic walk's kernel for segment ids where the
-// tile has one, the capped kernel for a soft-cap where it has one.
+// tile has one, the kMods kernel for a soft-cap, ALiBi or a scale that is not
+// positive where it has one.
 template <typename T, typename Tile>
 Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if constexpr (Tile::kDynamicWalk) {
     if (p.mask.q_segments != nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
   }
-  if constexpr (Tile::kCapKernel) {
-    if (p.softcap > 0.f) return LaunchWsForwardWalk<T, Tile, false, true>(p, device, stream);
+  if constexpr (Tile::kModsKernel) {
+    // (A scale whose log2-unit product is not a positive normal float runs
+    // there too: the plain kernel folds it into the exponent unchecked.)
+    if (p.softcap > 0.f || p.alibi != nullptr || !(p.scale * tc::kLog2e >= FLT_MIN)) {
+      return LaunchWsForwardWalk<T, Tile, false, true>(p, device, stream);
+    }
   }
   return LaunchWsForwardWalk<T, Tile, false>(p, device, stream);
 }
