@@ -505,10 +505,9 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
   // Whether this kernel carries the code of a soft-cap, ALiBi and a scale
-  // that is not positive (Tile::kModsKernel: the static walk's kMods kernel
-  // does, its plain one not; the dynamic walk's always), and takes the
-  // epilogue's staging row Unhoisted.
-  constexpr bool kModsCode = kMods || kDynamic || !Tile::kModsKernel;
+  // that is not positive (Tile::kModsKernel: each walk's kMods kernel does,
+  // its plain one not), and takes the epilogue's staging row Unhoisted.
+  constexpr bool kModsCode = kMods || !Tile::kModsKernel;
   constexpr bool kCapCode = Tile::kTakesSoftCap && kModsCode;
   constexpr bool kAlibiCode = Tile::kTakesAlibi && kModsCode;
   constexpr bool kUnhoistedRow = kDynamic || (kMods && Tile::kModsUnhoistedRow) || Tile::kUnhoistedRow;
@@ -826,9 +825,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (tid == 0) TmaStoreWait<0>();
 }
 
-// kMods: the static walk's kernel for calls with a soft-cap, ALiBi slopes or
-// a scale that is not positive, of a tile with kModsKernel (the dynamic
-// walk's carries their code anyway).
+// kMods: a walk's kernel for calls with a soft-cap, ALiBi slopes or a scale
+// that is not positive, of a tile with kModsKernel.
 template <typename T, typename Tile, bool kDynamic, bool kMods = false>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
@@ -905,22 +903,22 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
 }
 
 // Encodes the four tensor maps and launches one CTA per SM (fewer when there
-// are fewer work tiles): the dynamic walk's kernel for segment ids where the
-// tile has one, the kMods kernel for a soft-cap, ALiBi or a scale that is not
-// positive where it has one.
-template <typename T, typename Tile>
+// are fewer work tiles): the dynamic walk's kernels for segment ids where the
+// tile has them, and of a walk the kMods kernel for a soft-cap, ALiBi or a
+// scale that is not positive where the tile has one.
+template <typename T, typename Tile, bool kDynamic = false>
 Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  if constexpr (Tile::kDynamicWalk) {
-    if (p.mask.q_segments != nullptr) return LaunchWsForwardWalk<T, Tile, true>(p, device, stream);
+  if constexpr (Tile::kDynamicWalk && !kDynamic) {
+    if (p.mask.q_segments != nullptr) return LaunchWsForward<T, Tile, true>(p, device, stream);
   }
   if constexpr (Tile::kModsKernel) {
     // (A scale whose log2-unit product is not a positive normal float runs
     // there too: the plain kernel folds it into the exponent unchecked.)
     if (p.softcap > 0.f || p.alibi != nullptr || !(p.scale * tc::kLog2e >= FLT_MIN)) {
-      return LaunchWsForwardWalk<T, Tile, false, true>(p, device, stream);
+      return LaunchWsForwardWalk<T, Tile, kDynamic, true>(p, device, stream);
     }
   }
-  return LaunchWsForwardWalk<T, Tile, false>(p, device, stream);
+  return LaunchWsForwardWalk<T, Tile, kDynamic>(p, device, stream);
 }
 
 }  // namespace sm90
