@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <cfloat>
 #include <cstdint>
 #include <string>
 
@@ -95,9 +96,29 @@ template <typename Tile>
 struct DenseTakingTile<Tile, std::void_t<decltype(Tile::kTakesDense)>>
     : std::integral_constant<bool, Tile::kTakesDense> {};
 
+// Whether a call modifies its scores beyond the scale folded into the
+// exponent: a soft-cap, ALiBi slopes, or a scale whose log2-unit product is
+// not a positive normal float. The Hopper forward runs such calls in a kernel
+// of their own (fwd_ws_kernel.cuh's kMods), so the plain calls' kernel holds
+// none of their code.
+template <typename Params>
+bool ScoreMods(const Params& p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return p.softcap > 0.f || p.alibi != nullptr || !(p.scale * kLog2e >= FLT_MIN);
+}
+
+// Tile::kSegmentsOnlyPlain where a tile family says it (a tile that takes
+// segment ids only in calls without ScoreMods), else false.
+template <typename Tile, typename = void>
+struct SegmentsOnlyPlainTile : std::false_type {};
+template <typename Tile>
+struct SegmentsOnlyPlainTile<Tile, std::void_t<decltype(Tile::kSegmentsOnlyPlain)>>
+    : std::integral_constant<bool, Tile::kSegmentsOnlyPlain> {};
+
 template <typename Tile, typename Params>
 bool TileTakes(const Params& p) {
   return (p.softcap == 0.f || Tile::kTakesSoftCap) && (p.mask.q_segments == nullptr || Tile::kTakesSegments) &&
+         (p.mask.q_segments == nullptr || !SegmentsOnlyPlainTile<Tile>::value || !ScoreMods(p)) &&
          (p.alibi == nullptr || Tile::kTakesAlibi) && (!p.dense.On() || DenseTakingTile<Tile>::value);
 }
 

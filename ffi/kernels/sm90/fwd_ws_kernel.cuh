@@ -36,7 +36,6 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
-#include <cfloat>
 #include <climits>
 #include <type_traits>
 
@@ -122,9 +121,18 @@ struct WsFwdTile {
   // (OpenWork's chunked-only Get, the epilogue's staging row Unhoisted, the
   // scheduler made in each role); its static kernel, which spilled 108-168
   // bytes with them, leaves them out (WsWalk::kSegments), so without the
-  // dynamic walk it takes none.
+  // dynamic walk it takes none. kSegmentsOnlyPlain: the 128-key D 128 tile
+  // with O apart (the unpacked calls' pick) takes them in calls without
+  // ScoreMods (launch_util.cuh) only, whose dynamic walk's kernel carries no
+  // modifier's code and builds without spills (its kMods kernel spilled 328
+  // bytes); kPlainSegmentsOn switches that on, once measured (sixty-first
+  // session in docs/performance-log.md: built, not yet run on a GPU).
+  static constexpr bool kPlainSegmentsOn = false;
+  static constexpr bool kSegmentsOnlyPlain =
+      kPlainSegmentsOn && kDynamicWalkOn && !kTakesDense && kN == 128 && kD == 128 && kSeparateO_ && kConsumers == 2;
   static constexpr bool kTakesSegments =
-      !kTakesDense && !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3));
+      kSegmentsOnlyPlain ||
+      (!kTakesDense && !(kN == 128 && ((kD == 128 && (kSeparateO_ || !kDynamicWalkOn)) || kConsumers == 3)));
   // Whether it takes ALiBi slopes (one FFMA a score, in raw units before the
   // scale-folded exponent): not on D 256's 80-key tile (148 bytes of spills
   // with the staging row unhoisted; its 64-key tile takes them), nor at D 64
@@ -137,13 +145,14 @@ struct WsFwdTile {
   // D 256 it spilled 4-144 bytes).
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
-  // Whether calls with a soft-cap, ALiBi slopes or a scale that is not
-  // positive run a static-walk kernel of their own (WsFwdKernel's kMods),
-  // which alone carries those scores' code, so the plain calls' kernel holds
-  // one softmax a loop: with every variant in one kernel, the D 128 causal
-  // forward at S 1k spent 10.9% of its warps' stall samples waiting for
-  // instructions to be fetched (FlashAttention-3's 1.6%; H200, sixty-first
-  // session in docs/performance-log.md).
+  // Whether calls with ScoreMods (launch_util.cuh: a soft-cap, ALiBi slopes,
+  // a scale that is not positive) run kernels of their own, one a walk
+  // (WsFwdKernel's kMods), which alone carry those scores' code, so the plain
+  // calls' kernels hold one softmax a loop: with every variant in one kernel
+  // (17464 SASS instructions, the plain one 6384), the D 128 causal forward
+  // at S 1k spent 10.9% of its warps' stall samples waiting for instructions
+  // to be fetched (FlashAttention-3's 1.6%), and ran 5% slower (H200,
+  // sixty-first session in docs/performance-log.md).
   static constexpr bool kModsKernel = kTakesSoftCap || kTakesAlibi;
   // Whether the static walk's epilogue takes its staging row Unhoisted, as
   // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
@@ -912,10 +921,13 @@ Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_
     if (p.mask.q_segments != nullptr) return LaunchWsForward<T, Tile, true>(p, device, stream);
   }
   if constexpr (Tile::kModsKernel) {
-    // (A scale whose log2-unit product is not a positive normal float runs
-    // there too: the plain kernel folds it into the exponent unchecked.)
-    if (p.softcap > 0.f || p.alibi != nullptr || !(p.scale * tc::kLog2e >= FLT_MIN)) {
-      return LaunchWsForwardWalk<T, Tile, kDynamic, true>(p, device, stream);
+    // (The plain kernel folds the scale into the exponent unchecked.)
+    if (ScoreMods(p)) {
+      if constexpr (kDynamic && Tile::kSegmentsOnlyPlain) {
+        return Status::Internal("segment ids with score modifiers sent to a tile that takes neither together");
+      } else {
+        return LaunchWsForwardWalk<T, Tile, kDynamic, true>(p, device, stream);
+      }
     }
   }
   return LaunchWsForwardWalk<T, Tile, kDynamic>(p, device, stream);
