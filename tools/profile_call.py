@@ -31,11 +31,12 @@ import argparse
 import os
 import sys
 
-# Under ncu every replayed kernel has the device memory it may write saved and
-# restored: with JAX's preallocated pool (75% of the GPU) that is the whole
-# pool, and a profile that takes seconds took minutes (each run hit its time
-# limit, and the killed process's memory left the next one none; sixty-first
-# session). So the pool grows as needed unless the caller says otherwise.
+# Under ncu a replayed kernel has the device memory it may write saved and
+# restored, which with JAX's preallocated pool (75% of the GPU) we take to be
+# the whole pool: profiles that take 8 s with the pool grown as needed ran
+# past an 80 s limit with it, and each killed process's memory left the next
+# one none (H200, sixty-first session). So the pool grows as needed unless
+# the caller says otherwise.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after the allocator's setting)
