@@ -98,9 +98,9 @@ struct DenseTakingTile<Tile, std::void_t<decltype(Tile::kTakesDense)>>
 
 // Whether a call modifies its scores beyond the scale folded into the
 // exponent: a soft-cap, ALiBi slopes, or a scale whose log2-unit product is
-// not a positive normal float. The Hopper forward runs such calls in a kernel
-// of their own (fwd_ws_kernel.cuh's kMods), so the plain calls' kernel holds
-// none of their code.
+// not a positive normal float. The Hopper forward runs such calls in kernels
+// of their own (fwd_ws_kernel.cuh's FwdScores), so the plain calls' kernel
+// holds none of their code.
 template <typename Params>
 bool ScoreMods(const Params& p) {
   constexpr float kLog2e = 1.4426950408889634f;

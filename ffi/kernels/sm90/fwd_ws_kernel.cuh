@@ -107,8 +107,8 @@ struct WsFwdTile {
   // unhoisted), and three of 64-key tiles, which took it, ran the capped
   // forward 5% slower than two (H200, thirty-ninth session in
   // docs/performance-log.md). D 256's tiles take it where their epilogue's
-  // staging row is unhoisted (kUnhoistedRow, kModsUnhoistedRow below): hoisted, its
-  // addresses spilled 28-212 bytes beside the cap.
+  // staging row is unhoisted (kUnhoistedRow, kCappedUnhoistedRow below):
+  // hoisted, its addresses spilled 28-212 bytes beside the cap.
   static constexpr bool kTakesSoftCap = !kTakesDense && (kD >= 128 || (kD == 64 && kConsumers == 2));
   // kDynamicWalkOn = false turns the dynamic walk (kDynamicWalk, below) off
   // for every tile, for A/B runs: segment calls then take the static walk.
@@ -124,9 +124,10 @@ struct WsFwdTile {
   // dynamic walk it takes none. kSegmentsOnlyPlain: the 128-key D 128 tile
   // with O apart (the unpacked calls' pick) takes them in calls without
   // ScoreMods (launch_util.cuh) only, whose dynamic walk's kernel carries no
-  // modifier's code and builds without spills (its kMods kernel spilled 328
-  // bytes); kPlainSegmentsOn switches that on, once measured (sixty-first
-  // session in docs/performance-log.md: built, not yet run on a GPU).
+  // modifier's code and builds without spills (with every modifier's code it
+  // spilled 328 bytes); kPlainSegmentsOn switches that on, once measured
+  // (sixty-first session in docs/performance-log.md: built, not yet run on a
+  // GPU).
   static constexpr bool kPlainSegmentsOn = false;
   static constexpr bool kSegmentsOnlyPlain =
       kPlainSegmentsOn && kDynamicWalkOn && !kTakesDense && kN == 128 && kD == 128 && kSeparateO_ && kConsumers == 2;
@@ -146,13 +147,12 @@ struct WsFwdTile {
   static constexpr bool kDynamicWalk =
       kDynamicWalkOn && kTakesSegments && kConsumers == 2 && kD <= 128 && !(kD == 64 && kSeparateO);
   // Whether calls with ScoreMods (launch_util.cuh: a soft-cap, ALiBi slopes,
-  // a scale that is not positive) run kernels of their own, one a walk
-  // (WsFwdKernel's kMods), which alone carry those scores' code, so the plain
-  // calls' kernels hold one softmax a loop: with every variant in one kernel
-  // (17464 SASS instructions, the plain one 6384), the D 128 causal forward
-  // at S 1k spent 10.9% of its warps' stall samples waiting for instructions
-  // to be fetched (FlashAttention-3's 1.6%), and ran 5% slower (H200,
-  // sixty-first session in docs/performance-log.md).
+  // a scale that is not positive) run kernels of their own (FwdScores), so
+  // each kernel holds one kind of softmax a loop: with every variant in one
+  // kernel (17464 SASS instructions, the plain one 6384), the D 128 causal
+  // forward at S 1k spent 10.9% of its warps' stall samples waiting for
+  // instructions to be fetched (FlashAttention-3's 1.6%), and ran 5% slower
+  // (H200, sixty-first session in docs/performance-log.md).
   static constexpr bool kModsKernel = kTakesSoftCap || kTakesAlibi;
   // Whether the static walk's epilogue takes its staging row Unhoisted, as
   // the dynamic walk's does: hoisted, the compiler computes the row's kD / 8
@@ -160,12 +160,12 @@ struct WsFwdTile {
   // which D 256's registers (128 of O a thread) hold only without a cap or
   // ALiBi. kUnhoistedRow: in every kernel of the tile (D 256's 64-key tile,
   // and D 192's tiles past 80 keys, whose 96 spilled 80 bytes hoisted);
-  // kModsUnhoistedRow: in the kMods kernel only, so the plain one stays as
-  // it was (D 256's 80-key pick: in one kernel with the row unhoisted, its
+  // kCappedUnhoistedRow: in the capped kernel only, so the others stay as
+  // they were (D 256's 80-key pick: in one kernel with the row unhoisted, its
   // uncapped forward ran 0.4% slower at S 4k, 1.0% causal; H200,
   // forty-seventh session in docs/performance-log.md).
   static constexpr bool kUnhoistedRow = (kD == 256 && kN == 64) || (kD == 192 && kN > 80);
-  static constexpr bool kModsUnhoistedRow = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
+  static constexpr bool kCappedUnhoistedRow = kTakesSoftCap && kD == 256 && !kUnhoistedRow;
   static constexpr int kThreads = 128 * (kConsumers + 1);
   static constexpr int kNT = kN / 8;
   static constexpr int kDT = kD / 8;
@@ -494,7 +494,15 @@ __device__ __forceinline__ void AddStagedBias(float (&s)[kNT][4], uint32_t tile,
   }
 }
 
-template <typename T, typename Tile, bool kDynamic, bool kMods>
+// The scores a forward kernel of a tile with kModsKernel computes (each walk
+// has a kernel of each; LaunchWsForward picks by ScoreMods): plain (the scale
+// folded into the exponent), capped (a soft-cap, with ALiBi inside it where
+// given), other (ALiBi slopes without a cap, or a scale that is not
+// positive). A tile without kModsKernel has one kernel a walk, kPlain, which
+// takes a scale that is not positive too.
+enum class FwdScores { kPlain, kCapped, kOther };
+
+template <typename T, typename Tile, bool kDynamic, FwdScores kScores>
 __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSmem<Tile>& sm,
                                               const TileScheduler& sched, const CUtensorMap& o_map, int consumer) {
   // Marked uniform, what follows from it (this warpgroup's key tiles, the
@@ -513,13 +521,12 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   const int warp_row0 = consumer * 64 + (tid >> 5) * 16;  // this warp's rows in the CTA tile
   const float scale_log2 = p.scale * tc::kLog2e;
   const AttentionShape& sh = p.shape;
-  // Whether this kernel carries the code of a soft-cap, ALiBi and a scale
-  // that is not positive (Tile::kModsKernel: each walk's kMods kernel does,
-  // its plain one not), and takes the epilogue's staging row Unhoisted.
-  constexpr bool kModsCode = kMods || !Tile::kModsKernel;
-  constexpr bool kCapCode = Tile::kTakesSoftCap && kModsCode;
-  constexpr bool kAlibiCode = Tile::kTakesAlibi && kModsCode;
-  constexpr bool kUnhoistedRow = kDynamic || (kMods && Tile::kModsUnhoistedRow) || Tile::kUnhoistedRow;
+  // Which scores' code this kernel carries (FwdScores), and whether it takes
+  // the epilogue's staging row Unhoisted.
+  constexpr bool kCapped = kScores == FwdScores::kCapped;
+  constexpr bool kOtherScale = kScores == FwdScores::kOther || !Tile::kModsKernel;
+  constexpr bool kAlibiCode = Tile::kTakesAlibi && kScores == FwdScores::kOther;  // (a cap's ALiBi: CapAndMask)
+  constexpr bool kUnhoistedRow = kDynamic || (kCapped && Tile::kCappedUnhoistedRow) || Tile::kUnhoistedRow;
 
   // Ping-pong: consumer c issues its products after waiting for turn c and
   // then passes the turn to c + 1; the last consumer hands the first turn out.
@@ -624,16 +631,19 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
               return softmax.Scores<true>(s, alpha);
             }
           }
-          if constexpr (kCapCode) {
+          if constexpr (kCapped) {
             // The cap is built from the parameters where each factor is used
             // (score_mod.cuh), so neither is held across the other's loop.
+            // (Behind the test its calls always pass: without it the compiler
+            // held the cap's factors across the loop and spilled 36-344
+            // bytes; the plain softmax after it is never run.)
             if (p.softcap > 0.f) {
               tc::CapAndMask(s, w.pol, !kMasked, r0, warp_row0, c0, lane, tc::SoftCap::Of(p),
-                             tc::AlibiBias::Of<kAlibiCode>(p, w.pol, w.tile.batch, w.tile.head));
+                             tc::AlibiBias::Of<Tile::kTakesAlibi>(p, w.pol, w.tile.batch, w.tile.head));
               return softmax.Scores<true>(s, alpha, tc::SoftCap::Of(p).cap2);
             }
           }
-          if (!kModsCode || scale_log2 > 0.f) {
+          if (!kOtherScale || scale_log2 > 0.f) {
             if constexpr (kAlibiCode) {  // the bias in raw units: the scale stays in the exponent
               const tc::AlibiBias alibi = tc::AlibiBias::Of(p, w.pol, w.tile.batch, w.tile.head);
               // Split where the registers allow (AddAlibiSplit: one FFMA a
@@ -834,9 +844,8 @@ __device__ __forceinline__ void WsFwdConsumer(const FwdParams& p, const WsFwdSme
   if (tid == 0) TmaStoreWait<0>();
 }
 
-// kMods: a walk's kernel for calls with a soft-cap, ALiBi slopes or a scale
-// that is not positive, of a tile with kModsKernel.
-template <typename T, typename Tile, bool kDynamic, bool kMods = false>
+// kScores: which calls it serves (FwdScores).
+template <typename T, typename Tile, bool kDynamic, FwdScores kScores = FwdScores::kPlain>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     WsFwdKernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap q_map,
                 const __grid_constant__ CUtensorMap k_map, const __grid_constant__ CUtensorMap v_map,
@@ -871,21 +880,21 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, scheduler(), claims, q_map, k_map, v_map, bias_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kMods>(p, sm, scheduler(), o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kScores>(p, sm, scheduler(), o_map, consumer); });
   } else {
     const TileScheduler sched = scheduler();
     RunRoles<Tile::kProducerRegs, Tile::kConsumerRegs>(
         [&](int warp) {
           if (warp == 0) WsFwdProducer<Tile, kDynamic>(p, sm, sched, claims, q_map, k_map, v_map, bias_map);
         },
-        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kMods>(p, sm, sched, o_map, consumer); });
+        [&](int consumer) { WsFwdConsumer<T, Tile, kDynamic, kScores>(p, sm, sched, o_map, consumer); });
   }
 #endif  // JAXFLASH_SM90A
 }
 
-template <typename T, typename Tile, bool kDynamic, bool kMods = false>
+template <typename T, typename Tile, bool kDynamic, FwdScores kScores = FwdScores::kPlain>
 Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
-  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic, kMods>>(Tile::kSmemBytes, device);
+  Status st = EnsureDynamicSmem<WsFwdKernel<T, Tile, kDynamic, kScores>>(Tile::kSmemBytes, device);
   if (!st.ok()) return st;
   const AttentionShape& sh = p.shape;
   if (sh.q_len == 0 || sh.batch == 0 || sh.q_heads == 0) return Status::Ok();
@@ -906,27 +915,29 @@ Status LaunchWsForwardWalk(const FwdParams& p, const CudaDevice& device, cudaStr
     return st;
   }
   const int grid = tiles < device.sm_count ? static_cast<int>(tiles) : device.sm_count;
-  WsFwdKernel<T, Tile, kDynamic, kMods><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
+  WsFwdKernel<T, Tile, kDynamic, kScores><<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(
       p, q_map, k_map, v_map, o_map, bias_map, kDynamic ? WorkClaims::NextSlot() : 0);
   return CheckLaunch("attention forward (sm90, warp-specialised)");
 }
 
 // Encodes the four tensor maps and launches one CTA per SM (fewer when there
 // are fewer work tiles): the dynamic walk's kernels for segment ids where the
-// tile has them, and of a walk the kMods kernel for a soft-cap, ALiBi or a
-// scale that is not positive where the tile has one.
+// tile has them, and of a walk the kernel of the call's scores (FwdScores;
+// the plain kernel folds the scale into the exponent unchecked).
 template <typename T, typename Tile, bool kDynamic = false>
 Status LaunchWsForward(const FwdParams& p, const CudaDevice& device, cudaStream_t stream) {
   if constexpr (Tile::kDynamicWalk && !kDynamic) {
     if (p.mask.q_segments != nullptr) return LaunchWsForward<T, Tile, true>(p, device, stream);
   }
   if constexpr (Tile::kModsKernel) {
-    // (The plain kernel folds the scale into the exponent unchecked.)
     if (ScoreMods(p)) {
       if constexpr (kDynamic && Tile::kSegmentsOnlyPlain) {
         return Status::Internal("segment ids with score modifiers sent to a tile that takes neither together");
       } else {
-        return LaunchWsForwardWalk<T, Tile, kDynamic, true>(p, device, stream);
+        if constexpr (Tile::kTakesSoftCap) {
+          if (p.softcap > 0.f) return LaunchWsForwardWalk<T, Tile, kDynamic, FwdScores::kCapped>(p, device, stream);
+        }
+        return LaunchWsForwardWalk<T, Tile, kDynamic, FwdScores::kOther>(p, device, stream);
       }
     }
   }
