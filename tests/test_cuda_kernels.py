@@ -296,3 +296,31 @@ def test_fused_backward_by_default_where_measured_faster(fused_backward, monkeyp
   assert [_sums_room_in_hlo(D) for D in (64, 120, 128, 256)] == [True, True, True, False]
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "0")
   assert not _sums_room_in_hlo(128)
+
+
+@pytest.mark.parametrize("D", tiered([64, 128, 192, 256], [128]))
+def test_forward_score_kernels(rng, D):
+  """The Hopper forward runs plain calls, capped ones and the others (ALiBi without a cap, a
+  scale whose log2 product is not a positive normal float) in kernels of their own, each walk
+  (fwd_ws_kernel.cuh's FwdScores, picked by launch_util.cuh's ScoreMods): every kind against
+  float64 truth, with and without segment ids (the dynamic walk), so a call sent to a kernel
+  that lacks its scores' code fails here."""
+  import numpy_reference
+  from test_alibi import slopes
+  from test_segments import packed
+  _poison_allocator()
+  shape = (2, 300, 300, 8, 2, D)
+  alibi = slopes(8)
+  for segments in (None, packed):
+    for kw in ({}, dict(softcap=5.0), dict(alibi=alibi), dict(softcap=5.0, alibi=alibi)):
+      check_forward(rng, shape, "causal", jnp.bfloat16, magnitude=2.0 if kw else 1.0, segments=segments, **kw)
+  # Scales the plain kernel does not take: negative, zero, and positive with a denormal log2
+  # product (the uniform softmax), with ALiBi beside the first.
+  B, T, S, N, K, _ = shape
+  q, k, v = random_inputs(rng, B, T, S, N, K, D, jnp.bfloat16)
+  for scale, slopes_ in ((-0.5, None), (-0.5, alibi), (0.0, None), (1e-45, None)):
+    out = jaxflash.dot_product_attention(q, k, v, is_causal=True, scale=scale, implementation="native",
+                                         alibi_slopes=slopes_)
+    truth, _, _ = numpy_reference.forward(q, k, v, scale=scale, alibi=slopes_, right=0)
+    np.testing.assert_allclose(np.asarray(out, np.float64), truth, atol=3e-2, rtol=3e-2,
+                               err_msg=f"D {D}, scale {scale}, ALiBi {slopes_ is not None}")
