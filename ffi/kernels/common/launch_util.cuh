@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/mma.cuh"
 #include "jaxflash/launch.h"
 #include "jaxflash/params.h"
 
@@ -103,8 +104,7 @@ struct DenseTakingTile<Tile, std::void_t<decltype(Tile::kTakesDense)>>
 // holds none of their code.
 template <typename Params>
 bool ScoreMods(const Params& p) {
-  constexpr float kLog2e = 1.4426950408889634f;
-  return p.softcap > 0.f || p.alibi != nullptr || !(p.scale * kLog2e >= FLT_MIN);
+  return p.softcap > 0.f || p.alibi != nullptr || !(p.scale * tc::kLog2e >= FLT_MIN);
 }
 
 // Tile::kSegmentsOnlyPlain where a tile family says it (a tile that takes
