@@ -24,10 +24,11 @@ _CUDA_JAXLIB = any((d.metadata["Name"] or "").lower().replace("_", "-").startswi
 if not _CUDA_JAXLIB:
   os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
-# JAX takes 75% of a GPU's memory for its pool when it starts: the second of
-# several test processes (pytest -n) then fails every test for want of memory
-# (20 of 20 GPU segment tests in 34 s under -n 16, H200). Each process grows
-# its pool as needed instead, unless told otherwise.
+# JAX takes 75% of a GPU's memory for its pool when it starts, which several
+# test processes (pytest -n) cannot all do: under -n 16 on an H200 all 20 GPU
+# segment tests failed in 34 s (one of them runs no attention kernel); with
+# pools grown as needed, none of those that finished failed. Each process
+# grows its pool as needed, unless told otherwise.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
