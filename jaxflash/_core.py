@@ -331,7 +331,7 @@ class NativeKernels:
                        spec, offsets, segments, alibi, dense)
       return tuple(d[..., :x.shape[-1]] for d, x in zip(g, (q, k, v)))
     # Results dQ, dK, dV, two workspaces (delta, and float32 dQ sums like q or of last dim 0), [dB]
-    sums = _native.dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic))
+    sums = _native.dq_sums_room(q.dtype, q.shape, k.shape, bool(spec.deterministic))
     out_types = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
                  jax.ShapeDtypeStruct((*q.shape[:-1], q.shape[-1] if sums else 0), jnp.float32))

@@ -84,8 +84,9 @@ def fused_backward_buckets() -> tuple[int, ...]:
 
 # The CPU backward's one-pass scheme (cpu/backward.cc) runs one item per (batch,
 # kv head): it takes room for dQ sums only where those items fill the threads
-# to at least this share (it does 5/7 of the three passes' tile products), and
-# the room (a float32 copy of q) stays within CPU_DQ_SUMS_BYTES.
+# the call runs on (launch.h's CpuBackwardThreads, at most the CPUs) to at
+# least this share (it does 5/7 of the three passes' tile products), and the
+# room (a float32 copy of q) stays within CPU_DQ_SUMS_BYTES.
 CPU_FUSED_BACKWARD_FILL = 0.8
 CPU_DQ_SUMS_BYTES = 256 << 20
 
@@ -98,13 +99,14 @@ def cpu_threads() -> int:
     return os.cpu_count() or 1
 
 
-def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
+def dq_sums_room(dtype, q_shape, k_shape, deterministic: bool) -> bool:
   """Whether a native backward call being traced leaves room for float32 dQ sums
   (BwdParams::dq_accum), so that one pass adds every key tile's dS·K into them
   instead of a second pass that recomputes the scores. The room costs a float32
   copy of q.
 
-  On the CPU: where (batch, kv head) items fill the threads (CPU_FUSED_BACKWARD_FILL);
+  On the CPU: where (batch, kv head) items fill the threads the call runs on
+  (CPU_FUSED_BACKWARD_FILL; a small call runs on one, which any item count fills);
   that scheme is as deterministic as the three passes. On a GPU: the fused Hopper
   backward (sm90/bwd_kernel.cuh) of the buckets `fused_backward_buckets` names; the
   dispatch ignores the room where it does not run. Deterministic calls keep the two
@@ -115,9 +117,13 @@ def dq_sums_room(dtype, q_shape, kv_heads: int, deterministic: bool) -> bool:
   if device.platform == "cpu":
     # Per traced call: ragged lengths (traced values) can leave the items unequal, and a
     # vmapped call's room grows with the mapped axis; both only cost speed or memory.
-    items, threads = int(np.prod(q_shape[:-3])) * kv_heads, cpu_threads()
+    batch, (q_len, q_heads, head_dim), (kv_len, kv_heads) = int(np.prod(q_shape[:-3])), q_shape[-3:], k_shape[-3:-1]
+    items, threads = batch * kv_heads, cpu_threads()
     if items == 0:
       return False
+    ext, _ = _load()
+    if ext is not None:  # the threads cpu/backward.cc gives the call (launch.h: CpuBackwardThreads)
+      threads = max(1, min(threads, ext.cpu_backward_threads(batch, q_len, kv_len, q_heads, head_dim)))
     fill = items / (-(-items // threads) * threads)
     return fill >= CPU_FUSED_BACKWARD_FILL and np.prod(q_shape) * 4 <= CPU_DQ_SUMS_BYTES
   head_dim = q_shape[-1]
@@ -143,7 +149,7 @@ def hopper_dense(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:
   return (device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
           and np.dtype(bias.dtype).itemsize == 2 and bias.dtype == q.dtype and bias.shape[-2:] == (T, S)
           and T > 1 and S > 1 and S % 8 == 0
-          and dq_sums_room(q.dtype, q.shape, k.shape[-2], bool(spec.deterministic)))
+          and dq_sums_room(q.dtype, q.shape, k.shape, bool(spec.deterministic)))
 
 
 def emits_db(q, k, v, spec, segments=None, alibi=None, dense=None) -> bool:

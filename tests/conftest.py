@@ -104,7 +104,7 @@ def fused_backward(monkeypatch):
   from jaxflash import _native
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "1")
   if (jax.devices()[0].platform != "gpu" or
-      not _native.dq_sums_room(jnp.bfloat16, (1, 64, 2, 128), 2, False)):
+      not _native.dq_sums_room(jnp.bfloat16, (1, 64, 2, 128), (1, 64, 2, 128), False)):
     pytest.skip("the fused backward runs on sm90 GPUs")
 
 

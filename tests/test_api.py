@@ -310,7 +310,8 @@ def test_fused_backward_switch(monkeypatch):
   """JAXFLASH_FUSED_BACKWARD: unset or auto = the buckets measured faster fused,
   1 = every sm90 bucket, 0 = none; anything else is a clear error at trace
   time. On the CPU the switch does not apply: the room follows the CPU backward's rule
-  (its (batch, kv head) items fill the threads), deterministic calls included."""
+  (its (batch, kv head) items fill the threads the call runs on), deterministic calls
+  included."""
   from jaxflash import _native
   monkeypatch.delenv("JAXFLASH_FUSED_BACKWARD", raising=False)
   assert _native.fused_backward_buckets() == _native.FUSED_BACKWARD_BUCKETS
@@ -320,10 +321,13 @@ def test_fused_backward_switch(monkeypatch):
     assert _native.fused_backward_buckets() == buckets
     if jax.devices()[0].platform == "cpu":
       # items B * kv heads: 4 and 8 fill four threads, 3 and 5 do not (75%, 62.5%)
-      rooms = [_native.dq_sums_room(jnp.bfloat16, (B, 64, 4, 128), K, d)
+      rooms = [_native.dq_sums_room(jnp.bfloat16, (B, 64, 4, 128), (B, 64, K, 128), d)
                for B, K, d in ((2, 2, False), (2, 4, True), (3, 1, False), (5, 1, False))]
       assert rooms == [True, True, False, False]
-      assert not _native.dq_sums_room(jnp.float32, (1, 1 << 18, 64, 8), 4, False)  # 512 MiB
+      # a call the CPU backward runs on one thread (B 1, 2 heads, S 64: 5.2 MFLOP)
+      # fills it with one item
+      assert _native.dq_sums_room(jnp.float32, (1, 64, 2, 64), (1, 64, 1, 64), False)
+      assert not _native.dq_sums_room(jnp.float32, (1, 1 << 18, 64, 8), (1, 1 << 18, 4, 8), False)  # 512 MiB
   monkeypatch.setenv("JAXFLASH_FUSED_BACKWARD", "yes")
   with pytest.raises(ValueError, match="JAXFLASH_FUSED_BACKWARD must be 0, 1 or auto"):
     _native.fused_backward_buckets()

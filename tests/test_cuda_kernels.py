@@ -283,9 +283,9 @@ def test_fused_backward_not_for_deterministic_calls(fused_backward):
   """deterministic=True gets no room for dQ sums: it runs a dQ kernel instead."""
   from jaxflash import _native
   shape = lambda D: (1, 64, 2, D)
-  assert not _native.dq_sums_room(jnp.bfloat16, shape(128), 2, True)
-  assert not _native.dq_sums_room(jnp.float32, shape(128), 2, False)
-  assert not _native.dq_sums_room(jnp.bfloat16, shape(96), 2, False)   # an sm80 bucket
+  assert not _native.dq_sums_room(jnp.bfloat16, shape(128), shape(128), True)
+  assert not _native.dq_sums_room(jnp.float32, shape(128), shape(128), False)
+  assert not _native.dq_sums_room(jnp.bfloat16, shape(96), shape(96), False)   # an sm80 bucket
   assert _sums_room_in_hlo(128) and not _sums_room_in_hlo(128, deterministic=True)
 
 

@@ -310,7 +310,7 @@ def test_gpu_legacy_dense_ds_target(rng):
   args, dense, spec = _native_backward_inputs(rng, B, T, S, N, D, (1, N, T, S))
   q = args[0]
   *grads, db = _core.NativeKernels.backward(*args, spec, dense=dense, with_db=True)
-  sums = _native.dq_sums_room(q.dtype, q.shape, S, False)
+  sums = _native.dq_sums_room(q.dtype, q.shape, args[1].shape, False)
   out_types = (*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args[:3]),
                jax.ShapeDtypeStruct(args[4].shape, jnp.float32),
                jax.ShapeDtypeStruct((*q.shape[:-1], D if sums else 0), jnp.float32),

@@ -1,8 +1,10 @@
-// The extension module: hands the FFI handlers to Python as capsules, and says
-// how it was built so Python can refuse a build that would not load.
+// The extension module: hands the FFI handlers to Python as capsules, says
+// how it was built so Python can refuse a build that would not load, and
+// gives the CPU backward's thread rule, by which Python sizes its dQ sums.
 #include <nanobind/nanobind.h>
 
 #include "handlers.h"
+#include "jaxflash/launch.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -84,6 +86,15 @@ NB_MODULE(_jaxflash, m) {
 #else
     return nb::dict();
 #endif
+  });
+  m.def("cpu_backward_threads", [](int64_t batch, int64_t q_len, int64_t kv_len, int64_t q_heads, int64_t head_dim) {
+    jaxflash::AttentionShape sh;
+    sh.batch = batch;
+    sh.q_len = q_len;
+    sh.kv_len = kv_len;
+    sh.q_heads = q_heads;
+    sh.head_dim = head_dim;
+    return jaxflash::CpuBackwardThreads(sh);
   });
   m.attr("ffi_api_version") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
 #ifdef JAXFLASH_WITH_CUDA

@@ -57,6 +57,11 @@ inline int64_t CpuThreadsFor(const AttentionShape& sh, double products) {
   return flops < 2 * kCpuFlopsPerThread ? 1 : static_cast<int64_t>(flops / kCpuFlopsPerThread);
 }
 
+// The threads the CPU backward runs a call of `sh` on (its five tile products
+// a pair). jaxflash/_native.py reads it (the extension's cpu_backward_threads)
+// to decide whether a call leaves room for the one-pass scheme's dQ sums.
+int64_t CpuBackwardThreads(const AttentionShape& sh);
+
 Status CpuAttentionForward(const FwdParams& params, const ParallelRunner& runner);
 // params.delta must point at batch * q_heads * q_len floats.
 Status CpuAttentionBackward(const BwdParams& params, const ParallelRunner& runner);

@@ -74,8 +74,7 @@ struct Geometry {
   int64_t RowStatsOffset(int64_t b, int64_t h, int row) const {
     return (b * p.shape.q_heads + h) * p.shape.q_len + row;
   }
-  // The threads the call is worth (launch.h): the backward's five products.
-  int64_t Threads() const { return CpuThreadsFor(p.shape, /*products=*/5); }
+  int64_t Threads() const { return CpuBackwardThreads(p.shape); }
 };
 
 // Scratch for one work item of pass 2 or 3.
@@ -483,6 +482,9 @@ JAXFLASH_CPU_CLONES void BiasGradItem(const Geometry& g, const BiasGrid& grid, i
 }
 
 }  // namespace
+
+// The threads the call is worth (launch.h): the backward's five products.
+int64_t CpuBackwardThreads(const AttentionShape& sh) { return CpuThreadsFor(sh, /*products=*/5); }
 
 Status CpuBiasGradient(const BwdParams& p, const ParallelRunner& runner) {
   if (Status st = HeadDimRefusal(p.shape); !st.ok()) return st;
