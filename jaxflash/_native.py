@@ -117,13 +117,14 @@ def dq_sums_room(dtype, q_shape, k_shape, deterministic: bool) -> bool:
   if device.platform == "cpu":
     # Per traced call: ragged lengths (traced values) can leave the items unequal, and a
     # vmapped call's room grows with the mapped axis; both only cost speed or memory.
-    batch, (q_len, q_heads, head_dim), (kv_len, kv_heads) = int(np.prod(q_shape[:-3])), q_shape[-3:], k_shape[-3:-1]
+    batch, (q_len, q_heads, head_dim) = int(np.prod(q_shape[:-3])), q_shape[-3:]
+    kv_len, kv_heads = k_shape[-3:-1]
     items, threads = batch * kv_heads, cpu_threads()
     if items == 0:
       return False
     ext, _ = _load()
-    if ext is not None:  # the threads cpu/backward.cc gives the call (launch.h: CpuBackwardThreads)
-      threads = max(1, min(threads, ext.cpu_backward_threads(batch, q_len, kv_len, q_heads, head_dim)))
+    if ext is not None:  # the threads cpu/backward.cc gives the call (launch.h: CpuBackwardThreads, >= 1)
+      threads = min(threads, ext.cpu_backward_threads(batch, q_len, kv_len, q_heads, head_dim))
     fill = items / (-(-items // threads) * threads)
     return fill >= CPU_FUSED_BACKWARD_FILL and np.prod(q_shape) * 4 <= CPU_DQ_SUMS_BYTES
   head_dim = q_shape[-1]
