@@ -125,10 +125,10 @@ struct WsFwdTile {
   // with O apart (the unpacked calls' pick) takes them in calls without
   // ScoreMods (launch_util.cuh) only, whose dynamic walk's kernel carries no
   // modifier's code and builds without spills (with every modifier's code it
-  // spilled 328 bytes); kPlainSegmentsOn switches that on. Measured on: the
-  // packed forward 7-18% faster; off until the tile-claiming test has run to
-  // its end with it on (sixty-second session in docs/performance-log.md).
-  static constexpr bool kPlainSegmentsOn = false;
+  // spilled 328 bytes); kPlainSegmentsOn switches that on: the packed
+  // forward 7-18% faster (sixty-second session in docs/performance-log.md;
+  // its GPU tests, the tile-claiming one among them, passed the sixty-third).
+  static constexpr bool kPlainSegmentsOn = true;
   static constexpr bool kSegmentsOnlyPlain =
       kPlainSegmentsOn && kDynamicWalkOn && !kTakesDense && kN == 128 && kD == 128 && kSeparateO_ && kConsumers == 2;
   static constexpr bool kTakesSegments =
